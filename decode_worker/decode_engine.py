@@ -1,0 +1,137 @@
+"""Decode side of disaggregation: reserve blocks, receive KV into them, run the decode loop.
+
+A request moves through
+
+    reserve() -> [reserved: blocks held, KV arriving] -> commit -> [running] -> finished: freed
+                        |                                            ^
+                        +-- abort / transfer failure: blocks freed   |  preempted: recomputed
+                                                                     +  from its token ids here
+
+`reserve` allocates fresh blocks for the prompt (no prefix sharing: KV from elsewhere is hashed
+into the prefix cache only after it has arrived and been committed). Commits may come from
+transfer threads; they are queued and join the running batch at the next `step()`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import uuid
+from collections import deque
+
+import torch
+
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, TokenLogprobs
+from kv_transfer import KVReceiver, TransferTicket, create_receiver
+
+
+class DecodeEngine:
+    """Implements `kv_transfer.KVSink` for its receiver."""
+
+    def __init__(self, engine: Engine, backend: str = "inproc", **receiver_kwargs: object) -> None:
+        if engine.role != "decode":
+            raise ValueError("DecodeEngine needs an Engine with role='decode'")
+        self.engine = engine
+        self.backend = backend
+        self.compat_hash = engine.runner.compat_hash
+        self.num_layers = engine.model_cfg.num_layers
+        self._lock = threading.RLock()
+        self._reserved: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its KV
+        self._by_request: dict[str, str] = {}  # request id -> transfer id, while reserved
+        self._committed: deque[Sequence] = deque()
+        self.receiver: KVReceiver = create_receiver(backend, self, **receiver_kwargs)
+
+    # ------------------------------------------------------------------ reservation
+    def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams) -> TransferTicket | None:
+        """Hold blocks for the prompt's KV. None when the cache is too full right now."""
+        seq = self.engine.make_sequence(request_id, token_ids, params)
+        with self._lock:
+            bm = self.engine.block_manager
+            # keep one block of headroom per running sequence so reservations do not starve decode
+            headroom = len(self.engine.scheduler.running)
+            if bm.blocks_needed(len(token_ids)) + headroom > bm.num_free_blocks:
+                return None
+            seq.block_table = bm.allocate_blocks(len(token_ids))
+            ticket = TransferTicket(
+                transfer_id=uuid.uuid4().hex,
+                kv_endpoint=self.receiver.endpoint,
+                block_ids=list(seq.block_table),
+                compat_hash=self.compat_hash,
+                auth_token=secrets.token_hex(16),
+                num_tokens=len(token_ids),
+                backend=self.backend,
+            )
+            self._reserved[ticket.transfer_id] = seq
+            self._by_request[request_id] = ticket.transfer_id
+            self.receiver.expect(ticket)
+            return ticket
+
+    # ------------------------------------------------------------------ KVSink
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        cache = self.engine.runner.kv_caches[0]
+        return (2, num_blocks, *cache.shape[2:])
+
+    def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None:
+        cache = self.engine.runner.kv_caches[layer]
+        index = torch.tensor(ticket.block_ids, device=cache.device)
+        cache.index_copy_(1, index, kv.to(device=cache.device, dtype=cache.dtype))
+
+    def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:
+        with self._lock:
+            seq = self._reserved.pop(ticket.transfer_id, None)
+            if seq is None:
+                return
+            del self._by_request[seq.request_id]
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.append_token(first_token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self._committed.append(seq)
+
+    def abort(self, ticket: TransferTicket, reason: str) -> None:
+        self._drop_reserved(ticket.transfer_id)
+
+    def _drop_reserved(self, transfer_id: str) -> None:
+        with self._lock:
+            seq = self._reserved.pop(transfer_id, None)
+            if seq is not None:
+                del self._by_request[seq.request_id]
+                self.engine.block_manager.free(seq)
+
+    # ------------------------------------------------------------------ requests
+    def abort_request(self, request_id: str) -> bool:
+        with self._lock:
+            transfer_id = self._by_request.get(request_id)
+            if transfer_id is not None:
+                self.receiver.forget(transfer_id)
+                self._drop_reserved(transfer_id)
+                return True
+            for seq in list(self._committed):
+                if seq.request_id == request_id:
+                    self._committed.remove(seq)
+                    self.engine.block_manager.free(seq)
+                    return True
+            return self.engine.abort(request_id) is not None
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    def has_work(self) -> bool:
+        return bool(self._committed) or self.engine.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Admit committed sequences, run one step; returns the sequences that got a token."""
+        with self._lock:
+            while self._committed:
+                seq = self._committed.popleft()
+                if seq.finish_reason is not None:  # cannot happen via the prefill path; be safe
+                    self.engine.block_manager.free(seq)
+                    continue
+                self.engine.scheduler.add_running(seq)
+            return self.engine.step()
+
+    def close(self) -> None:
+        self.receiver.close()

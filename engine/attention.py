@@ -1,0 +1,74 @@
+"""Attention over the paged KV cache (plain torch, any device).
+
+Per layer the cache is one tensor `kv[2, num_blocks, block_size, num_kv_heads, head_dim]`; viewed
+flat, token slot `s = block_id * block_size + offset` is row `s` of `kv[0].view(-1, kvh, hd)`.
+The model runner turns block tables into the indices below once per step; every layer reuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSpan:
+    """One sequence's slice of a packed batch: queries `[q_start, q_end)` see `ctx_len` keys."""
+
+    q_start: int
+    q_end: int
+    ctx_len: int
+    kv_index: torch.Tensor | None  # (ctx_len,) slots of all keys; None when there is no cached prefix
+    mask: torch.Tensor | None  # (q_len, ctx_len) bool, True = may attend; None when causal from 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) cache slot of each new token
+    # decode (every sequence has one new token): batched gather
+    decode_index: torch.Tensor | None = None  # (B, L) slots, padded with slot 0
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, L) bool, False on padding
+    # prefill / mixed: one span per sequence
+    spans: list[SeqSpan] | None = None
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V (T, kvh, hd) at their slots."""
+    kvh, hd = k.shape[-2:]
+    kv_cache[0].view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (T, H, hd)
+    k: torch.Tensor,  # (T, kvh, hd) new keys (already written to the cache)
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # (T, H, hd)
+    kvh, hd = k.shape[-2:]
+    k_flat = kv_cache[0].view(-1, kvh, hd)
+    v_flat = kv_cache[1].view(-1, kvh, hd)
+    if meta.decode_index is not None:
+        qb = q.unsqueeze(2)  # (B, H, 1, hd)
+        kb = k_flat[meta.decode_index].transpose(1, 2)  # (B, kvh, L, hd)
+        vb = v_flat[meta.decode_index].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        return out.squeeze(2)
+    assert meta.spans is not None
+    outs = []
+    for span in meta.spans:
+        qs = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)
+        if span.kv_index is None:  # whole sequence is new: keys are exactly this slice
+            ks = k[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=qs.shape[2] > 1, scale=scale, enable_gqa=True)
+        else:
+            ks = k_flat[span.kv_index].transpose(0, 1).unsqueeze(0)  # (1, kvh, ctx, hd)
+            vs = v_flat[span.kv_index].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
+        outs.append(o.squeeze(0).transpose(0, 1))
+    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]

@@ -1,0 +1,193 @@
+"""Paged KV cache bookkeeping: block ids, reference counts and the prefix cache. Pure Python.
+
+A block holds `block_size` consecutive tokens of one sequence. A sequence's `block_table[i]` is the
+block with its tokens `[i*bs, (i+1)*bs)`:
+
+    tokens     t0 .. t15 | t16 .. t31 | t32 t33 _ _ ...
+    block_table   [  7   ,     2      ,     9          ]   (bs = 16; block 9 is partly filled)
+
+Prefix cache: every *full* block whose K/V has been computed gets a chain hash
+`h_i = H(h_{i-1}, tokens of block i)` and is entered in `hash_to_block`. A later sequence whose
+leading full blocks hash the same reuses them (ref count + 1) after comparing the stored token ids,
+so a hash collision can never serve the wrong K/V. Blocks are hashed only after their K/V exist
+(`cache_full_blocks`), never at allocation, so a hit never points at a block still being computed.
+A freed block keeps its hash and content until it is handed out again (least recently freed first),
+so a preempted or repeated prompt can still hit it.
+
+Invariants (checked by `check_invariants`, pinned by property tests): every block is either free
+(ref 0, in the free list) or used (ref > 0, not in the free list); ref counts equal the number of
+block-table entries that name the block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """Stable (cross-process) hash of a full block given the hash of the block before it."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(prev or b"\0" * 16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Ordered by time of release: popitem(last=False) hands out the least recently freed block.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[bytes, int] = {}
+        self.prefix_hits = 0  # blocks served from the prefix cache, lifetime
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Conservative: ignores prefix hits, which can only lower the need."""
+        return self.blocks_needed(num_tokens) <= len(self._free)
+
+    # ------------------------------------------------------------------ allocation
+    def _take_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its prefix-cache entry
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _acquire(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all of its tokens, reusing prefix-cached full blocks.
+
+        Sets `seq.num_computed_tokens` to the cached length. At least the last block is always
+        computed afresh, so the step that follows has a position to take logits from and never
+        writes into a block shared with another sequence.
+        """
+        assert not seq.block_table, f"{seq.request_id} already holds blocks"
+        n = len(seq.token_ids)
+        if not self.can_allocate(n):
+            raise RuntimeError(f"not enough free KV blocks for {n} tokens")
+        bs = self.block_size
+        num_full = (n - 1) // bs  # full blocks that can be hits (never the block holding the last token)
+        hashes = self._hashes(seq, num_full)
+        table: list[int] = []
+        if self.enable_prefix_caching:
+            for i in range(num_full):
+                block_id = self.hash_to_block.get(hashes[i])
+                if block_id is None or self.blocks[block_id].token_ids != tuple(
+                    seq.token_ids[i * bs : (i + 1) * bs]
+                ):
+                    break
+                self._acquire(block_id)
+                table.append(block_id)
+        hits = len(table)
+        self.prefix_hits += hits
+        while len(table) < self.blocks_needed(n):
+            table.append(self._take_free())
+        seq.block_table = table
+        seq.num_registered_blocks = hits
+        seq.num_cached_tokens = hits * bs
+        seq.num_computed_tokens = hits * bs
+
+    def allocate_blocks(self, num_tokens: int) -> list[int]:
+        """Fresh blocks for `num_tokens` tokens whose K/V will arrive from elsewhere (no prefix hits)."""
+        if not self.can_allocate(num_tokens):
+            raise RuntimeError(f"not enough free KV blocks for {num_tokens} tokens")
+        return [self._take_free() for _ in range(self.blocks_needed(num_tokens))]
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        # Release in reverse so a sequence's head blocks (most shareable) are evicted last.
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def free(self, seq: Sequence) -> None:
+        self.free_blocks(seq.block_table)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        return len(seq.block_table) * self.block_size >= len(seq.token_ids) or len(self._free) > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make sure the block table covers every token of `seq` (one new block at a boundary)."""
+        while len(seq.block_table) * self.block_size < len(seq.token_ids):
+            seq.block_table.append(self._take_free())
+
+    # ------------------------------------------------------------------ prefix cache
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Enter the sequence's full blocks whose K/V are computed into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if num_full <= seq.num_registered_blocks:
+            return
+        hashes = self._hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+        seq.num_registered_blocks = num_full
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self, tables: list[list[int]]) -> None:
+        """Assert the accounting is exact given every live block table (for tests)."""
+        refs = [0] * self.num_blocks
+        for table in tables:
+            for block_id in table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], (block, refs[block.block_id])
+            assert (block.ref_count == 0) == (block.block_id in self._free), block
+        for h, block_id in self.hash_to_block.items():
+            assert self.blocks[block_id].hash == h

@@ -1,0 +1,169 @@
+"""Engine configuration and the model shape read from a checkpoint's config.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+KV_LAYOUT_VERSION = 1  # bump when the paged-KV tensor layout changes; part of the compatibility hash
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about a checkpoint, taken from its Hugging Face config."""
+
+    path: str
+    architecture: str
+    hf_config: Any  # transformers PretrainedConfig (rope parameters are read from it)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    max_position_embeddings: int
+    sliding_window: int | None
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        from transformers import AutoConfig
+
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model path {str(path)!r} is not a Hugging Face checkpoint directory (no config.json)")
+        raw = json.loads(config_file.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or raw.get('model_type')!r} in {path}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hf = AutoConfig.from_pretrained(path)
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        rope = _rope_parameters(hf)
+        if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+            raise ValueError(
+                f"rope type {rope['rope_type']!r} changes with sequence length and is not supported; "
+                "supported: default, linear, llama3, yarn"
+            )
+        sliding = getattr(hf, "sliding_window", None)
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(hf, "use_sliding_window", False):
+            sliding = None
+        eos = hf.eos_token_id
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+        eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        return cls(
+            path=str(path),
+            architecture=arch,
+            hf_config=hf,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            max_position_embeddings=hf.max_position_embeddings,
+            sliding_window=sliding,
+            eos_token_ids=eos_ids,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def compat_hash(self, dtype: torch.dtype, block_size: int) -> str:
+        """Two workers can exchange KV blocks only if this matches (model, dtype, block size, layout)."""
+        key = json.dumps(
+            [self.architecture, self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size,
+             self.hidden_size, str(dtype), block_size, KV_LAYOUT_VERSION],
+        )
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _rope_parameters(hf: Any) -> dict:
+    """rope settings across transformers versions (v5 `rope_parameters`, v4 `rope_scaling`)."""
+    params = getattr(hf, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine (one worker's model + KV cache + scheduler)."""
+
+    model: str = "builtin:tiny-llama"
+    dtype: str = "float32"
+    device: str | None = None  # None: cuda if available, else cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
+    block_size: int = 16
+    num_blocks: int | None = None  # None: from the memory budget below
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free GPU memory on CUDA
+    max_num_batched_tokens: int = 2048  # token budget of one forward pass (long prompts are chunked)
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

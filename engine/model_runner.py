@@ -1,0 +1,140 @@
+"""Owns the model weights and the paged KV tensors; turns scheduled sequences into one forward pass.
+
+This is the only place where block tables become tensors (slot mappings, gather indices, masks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.attention import AttentionMetadata, SeqSpan
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import load_model
+from engine.models.llama import LlamaModel
+from engine.sequence import Sequence
+
+CPU_DEFAULT_KV_BYTES = 512 * 2**20
+
+
+@dataclass
+class ScheduledSeq:
+    """`num_tokens` new tokens of `seq`, starting at `seq.num_computed_tokens`."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so a token is sampled after it."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
+
+
+def resolve_max_model_len(model_cfg: ModelConfig, requested: int | None) -> int:
+    limit = model_cfg.max_position_embeddings
+    if model_cfg.sliding_window:  # windowed attention is not implemented: stay inside one window
+        limit = min(limit, model_cfg.sliding_window)
+    if requested is None:
+        return min(limit, 4096)
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's limit {limit}")
+    return requested
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model: LlamaModel | None = None) -> None:
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.device = cfg.torch_device
+        self.dtype = cfg.torch_dtype
+        if cfg.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(cfg.num_threads)
+        self.max_model_len = resolve_max_model_len(model_cfg, cfg.max_model_len)
+        self.model = model if model is not None else load_model(model_cfg, self.dtype, self.device, self.max_model_len)
+        self.block_size = cfg.block_size
+        self.num_blocks = self._num_blocks()
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"KV cache of {self.num_blocks} blocks x {self.block_size} tokens cannot hold one sequence of "
+                f"max_model_len {self.max_model_len}; raise num_blocks / kv_cache_memory_bytes or lower max_model_len"
+            )
+        shape = (2, self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        # Zeroed, not empty: masked-out slots still enter the attention matmul with weight 0, and 0*NaN = NaN.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_cfg.num_layers)]
+
+    def _num_blocks(self) -> int:
+        if self.cfg.num_blocks is not None:
+            return self.cfg.num_blocks
+        per_block = self.model_cfg.kv_bytes_per_token(self.dtype) * self.block_size
+        budget = self.cfg.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.9)
+            else:
+                budget = CPU_DEFAULT_KV_BYTES
+        return max(1, budget // per_block)
+
+    @property
+    def compat_hash(self) -> str:
+        return self.model_cfg.compat_hash(self.dtype, self.block_size)
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if item.completes:
+                sample_rows.append(len(ids) - 1)
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        ctx = [item.seq.num_computed_tokens + item.num_tokens for item in batch]
+        if all(item.num_tokens == 1 for item in batch):
+            max_blocks = max(len(item.seq.block_table) for item in batch)
+            tables = torch.tensor(
+                [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in batch],
+                dtype=torch.long,
+                device=dev,
+            )
+            width = max(ctx)
+            index = (tables.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(1)[:, :width]
+            ctx_t = torch.tensor(ctx, device=dev)
+            meta.decode_index = index
+            meta.decode_mask = (torch.arange(width, device=dev)[None, :] < ctx_t[:, None])[:, None, None, :]
+        else:
+            spans = []
+            q_start = 0
+            for item, c in zip(batch, ctx):
+                n = item.num_tokens
+                kv_index = mask = None
+                if c > n:  # part of the sequence is already cached: attend to it through the block table
+                    table = torch.tensor(item.seq.block_table[: -(-c // bs)], dtype=torch.long, device=dev)
+                    kv_index = (table[:, None] * bs + torch.arange(bs, device=dev)).flatten()[:c]
+                    mask = torch.arange(c, device=dev)[None, :] <= torch.arange(c - n, c, device=dev)[:, None]
+                spans.append(SeqSpan(q_start, q_start + n, c, kv_index, mask))
+                q_start += n
+            meta.spans = spans
+        return input_ids, positions, meta, sample_rows
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq], layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """One forward pass; returns float32 logits for each item that `completes`, in batch order."""
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
+        if not sample_rows:
+            return hidden.new_empty((0, self.model_cfg.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

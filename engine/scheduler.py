@@ -1,0 +1,149 @@
+"""Continuous batching: which sequences run in the next forward pass.
+
+A request moves through
+
+    waiting --(blocks free: allocate, prefix hits skip compute)--> running --(finish/abort)--> freed
+       ^                                                              |
+       +-------------------(out of blocks: preempt, recompute)--------+
+
+Sequences whose K/V arrived from a prefill worker enter `running` directly (`add_running`).
+
+Policy (prefill first, as in nano-vllm): a step is either a prefill step (unfinished prompt
+chunks, then newly admitted prompts, under `max_num_batched_tokens`; a long prompt is split into
+chunks across steps) or, when there is no prefill work, a decode step over every running sequence.
+Admission is first-come first-served by free blocks. When a decode step runs out of blocks the
+newest running sequence is preempted (blocks freed, put back at the head of the queue to be
+recomputed), which always leaves the oldest sequence able to progress: no deadlock, given
+`num_blocks * block_size >= max_model_len` (checked by the model runner).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.model_runner import ScheduledSeq
+from engine.sequence import Sequence, SeqStatus, TokenLogprobs
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        handoff_after_prefill: bool = False,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        # Prefill role: a sequence leaves (and frees its blocks) once its first token is sampled.
+        self.handoff_after_prefill = handoff_after_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ membership
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds blocks with its K/V computed (remote prefill)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.bm.cache_full_blocks(seq)
+            self.bm.free(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                seq.finish_reason = seq.finish_reason or "abort"
+                self.finish(seq)
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ policy
+    def schedule(self) -> list[ScheduledSeq]:
+        batch = self._schedule_prefill()
+        return batch if batch else self._schedule_decode()
+
+    def _schedule_prefill(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        for seq in self.running:  # unfinished chunked prompts first
+            if seq.num_remaining > 1 and budget > 0:
+                n = min(seq.num_remaining, budget)
+                batch.append(ScheduledSeq(seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate(len(seq.token_ids)):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_remaining, budget)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def _schedule_decode(self) -> list[ScheduledSeq]:
+        batch: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            while not self.bm.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.bm.append_slot(seq)
+                batch.append(ScheduledSeq(seq, 1))
+                i += 1
+        return batch
+
+    def postprocess(
+        self, batch: list[ScheduledSeq], tokens: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, retire finished sequences.
+
+        Returns the sequences that received a token, in order (finished ones included)."""
+        sampled: list[Sequence] = []
+        samples = iter(zip(tokens, logprobs))
+        for item in batch:
+            seq = item.seq
+            completes = item.completes
+            seq.num_computed_tokens += item.num_tokens
+            if not completes:
+                self.bm.cache_full_blocks(seq)
+                continue
+            token, lp = next(samples)
+            seq.append_token(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            sampled.append(seq)
+            if seq.finish_reason is not None or self.handoff_after_prefill:
+                self.finish(seq)
+            else:
+                self.bm.cache_full_blocks(seq)
+        return sampled

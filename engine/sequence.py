@@ -1,0 +1,82 @@
+"""One request's token state inside an engine.
+
+A sequence's tokens are `prompt + generated`. `num_computed_tokens` counts the leading tokens whose
+K/V are already in the paged cache; a step processes `token_ids[num_computed_tokens:]` (or a chunk
+of it) and, once everything is computed, samples the next token from the last position's logits.
+Prefill and decode are therefore the same operation with a different number of new tokens, and a
+preempted sequence resumes by recomputing all of its tokens (prompt and generated ones).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # no blocks yet (new, or preempted)
+    RUNNING = "running"  # holds blocks, scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and the top-n alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 2048
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit length at the last allocation
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks (content-derived)
+    num_registered_blocks: int = 0  # leading blocks of block_table already entered in the prefix cache
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    arrival_step: int = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens whose K/V still have to be computed before the next sample."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Append a sampled token and decide whether the sequence is done."""
+        self.token_ids.append(token_id)
+        p = self.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_reason = "stop"
+        elif token_id in p.stop_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_output_tokens >= p.max_tokens:
+            self.finish_reason = "length"
+        elif len(self.token_ids) >= self.max_model_len:
+            self.finish_reason = "length"

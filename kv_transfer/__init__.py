@@ -1,0 +1,44 @@
+"""KV cache transfer between prefill and decode workers: one interface, pluggable backends.
+
+Backends are imported lazily by name so that, say, torch.distributed is only touched when chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kv_transfer.base import KVReceiver, KVSender, KVSink, KVTransferError, TransferTicket
+
+# name -> (module, sender class, receiver class)
+BACKENDS: dict[str, tuple[str, str, str]] = {
+    "inproc": ("kv_transfer.inproc", "InprocSender", "InprocReceiver"),
+}
+
+
+def _backend(name: str) -> Any:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown KV transfer backend {name!r}; available: {', '.join(sorted(BACKENDS))}")
+    module, sender, receiver = BACKENDS[name]
+    mod = importlib.import_module(module)
+    return getattr(mod, sender), getattr(mod, receiver)
+
+
+def create_sender(backend: str, compat_hash: str, **kwargs: Any) -> KVSender:
+    return _backend(backend)[0](compat_hash, **kwargs)
+
+
+def create_receiver(backend: str, sink: KVSink, **kwargs: Any) -> KVReceiver:
+    return _backend(backend)[1](sink, **kwargs)
+
+
+__all__ = [
+    "BACKENDS",
+    "KVReceiver",
+    "KVSender",
+    "KVSink",
+    "KVTransferError",
+    "TransferTicket",
+    "create_receiver",
+    "create_sender",
+]

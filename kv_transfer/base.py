@@ -1,0 +1,156 @@
+"""The KV transfer interface: a prefill-side sender pushes layers into a decode-side receiver.
+
+Lifecycle of one transfer (ids are minted by whoever reserves the decode blocks):
+
+    decode:  receiver.expect(ticket)            blocks reserved, transfer registered
+    prefill: sender.send_layer(ticket, l, kv)   for each layer l as soon as it is computed
+    prefill: sender.commit(ticket, token, lp)   after the last layer: the first sampled token
+    decode:  sink.commit(...)                   all layers arrived -> the sequence may run
+    either:  abort(ticket, reason)              the receiver forgets it; the sink frees the blocks
+
+The receiver side checks everything a sender claims (known transfer id, auth token, layer index,
+block count, tensor shape and dtype) before a single byte touches the cache, so a bad or stale
+message can never write into another request's blocks. Backends differ only in how the bytes
+travel; the checks live here, shared.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.sequence import TokenLogprobs
+
+
+class KVTransferError(RuntimeError):
+    """A transfer was refused or failed; the message says why."""
+
+
+@dataclass
+class TransferTicket:
+    """What the decode side hands out for one request: where and how to push its KV."""
+
+    transfer_id: str
+    kv_endpoint: str
+    block_ids: list[int]
+    compat_hash: str
+    auth_token: str
+    num_tokens: int
+    backend: str = "inproc"
+
+
+class KVSink(Protocol):
+    """What a receiver writes into (implemented by the decode worker)."""
+
+    compat_hash: str
+    num_layers: int
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]: ...
+    def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None: ...
+    def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None: ...
+    def abort(self, ticket: TransferTicket, reason: str) -> None: ...
+
+
+@dataclass
+class _Pending:
+    ticket: TransferTicket
+    layers: set[int] = field(default_factory=set)
+
+
+class KVReceiver(ABC):
+    """Decode side. Subclasses deliver messages to `_on_layer` / `_on_commit` / `_on_abort`."""
+
+    def __init__(self, sink: KVSink) -> None:
+        self.sink = sink
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str: ...
+
+    def expect(self, ticket: TransferTicket) -> None:
+        with self._lock:
+            self._pending[ticket.transfer_id] = _Pending(ticket)
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._pending.pop(transfer_id, None)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def _get(self, transfer_id: str, auth_token: str) -> _Pending:
+        pending = self._pending.get(transfer_id)
+        if pending is None:
+            raise KVTransferError(f"unknown transfer id {transfer_id!r}")
+        if auth_token != pending.ticket.auth_token:
+            raise KVTransferError(f"bad auth token for transfer {transfer_id!r}")
+        return pending
+
+    def check_compat(self, compat_hash: str) -> None:
+        if compat_hash != self.sink.compat_hash:
+            raise KVTransferError(
+                f"incompatible KV layout: sender {compat_hash}, receiver {self.sink.compat_hash} "
+                "(model, dtype, block size and layout version must match)"
+            )
+
+    def _on_layer(self, transfer_id: str, auth_token: str, layer: int, kv: torch.Tensor) -> None:
+        with self._lock:
+            pending = self._get(transfer_id, auth_token)
+            if not 0 <= layer < self.sink.num_layers:
+                raise KVTransferError(f"layer {layer} out of range [0, {self.sink.num_layers})")
+            expected = self.sink.layer_shape(len(pending.ticket.block_ids))
+            if tuple(kv.shape) != expected:
+                raise KVTransferError(f"layer {layer}: shape {tuple(kv.shape)}, expected {expected}")
+            self.sink.write_layer(pending.ticket, layer, kv)
+            pending.layers.add(layer)
+
+    def _on_commit(self, transfer_id: str, auth_token: str, first_token: int, logprob: TokenLogprobs | None) -> None:
+        with self._lock:
+            pending = self._get(transfer_id, auth_token)
+            if len(pending.layers) != self.sink.num_layers:
+                missing = sorted(set(range(self.sink.num_layers)) - pending.layers)
+                raise KVTransferError(f"commit of {transfer_id!r} before layers {missing} arrived")
+            del self._pending[transfer_id]
+        self.sink.commit(pending.ticket, first_token, logprob)
+
+    def _on_abort(self, transfer_id: str, auth_token: str, reason: str) -> None:
+        with self._lock:
+            pending = self._get(transfer_id, auth_token)
+            del self._pending[transfer_id]
+        self.sink.abort(pending.ticket, reason)
+
+    def close(self) -> None:
+        """Stop accepting transfers."""
+
+
+class KVSender(ABC):
+    """Prefill side. `kv` is one layer of the request's blocks: (2, num_blocks, block_size, kvh, hd)."""
+
+    def __init__(self, compat_hash: str) -> None:
+        self.compat_hash = compat_hash
+
+    def check_ticket(self, ticket: TransferTicket) -> None:
+        if ticket.compat_hash != self.compat_hash:
+            raise KVTransferError(
+                f"incompatible KV layout for transfer {ticket.transfer_id!r}: this worker {self.compat_hash}, "
+                f"receiver {ticket.compat_hash} (model, dtype, block size and layout version must match)"
+            )
+
+    @abstractmethod
+    def send_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None: ...
+
+    @abstractmethod
+    def abort(self, ticket: TransferTicket, reason: str) -> None: ...
+
+    def close(self) -> None:
+        """Release connections."""

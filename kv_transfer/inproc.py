@@ -1,0 +1,56 @@
+"""In-process backend: sender and receiver live in one Python process (the offline `LLM`).
+
+The receiver registers itself under an `inproc://NAME` endpoint; the sender finds it there and
+hands over the layer tensor, which the receiver validates and copies into the decode cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+from engine.sequence import TokenLogprobs
+from kv_transfer.base import KVReceiver, KVSender, KVSink, KVTransferError, TransferTicket
+
+_receivers: dict[str, "InprocReceiver"] = {}
+_lock = threading.Lock()
+_ids = itertools.count()
+
+
+class InprocReceiver(KVReceiver):
+    def __init__(self, sink: KVSink, name: str | None = None) -> None:
+        super().__init__(sink)
+        self._endpoint = f"inproc://{name or f'decode-{next(_ids)}'}"
+        with _lock:
+            if self._endpoint in _receivers:
+                raise KVTransferError(f"endpoint {self._endpoint} is already taken")
+            _receivers[self._endpoint] = self
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def close(self) -> None:
+        with _lock:
+            _receivers.pop(self._endpoint, None)
+
+
+class InprocSender(KVSender):
+    @staticmethod
+    def _receiver(ticket: TransferTicket) -> InprocReceiver:
+        receiver = _receivers.get(ticket.kv_endpoint)
+        if receiver is None:
+            raise KVTransferError(f"no in-process KV receiver at {ticket.kv_endpoint!r}")
+        return receiver
+
+    def send_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None:
+        self.check_ticket(ticket)
+        self._receiver(ticket)._on_layer(ticket.transfer_id, ticket.auth_token, layer, kv)
+
+    def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:
+        self._receiver(ticket)._on_commit(ticket.transfer_id, ticket.auth_token, first_token, logprob)
+
+    def abort(self, ticket: TransferTicket, reason: str) -> None:
+        self._receiver(ticket)._on_abort(ticket.transfer_id, ticket.auth_token, reason)

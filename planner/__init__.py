@@ -1,0 +1,1 @@
+"""Capacity planner: hardware catalog, cost model, discrete-event simulator, placement search."""

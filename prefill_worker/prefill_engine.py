@@ -1,0 +1,104 @@
+"""Prefill side of disaggregation: batch prompts, push each layer's KV as soon as it is computed.
+
+A request arrives with a `TransferTicket` from the decode worker that reserved blocks for it. The
+engine prefills it (batched with other prompts under the token budget, long prompts chunked);
+during the forward pass that completes a prompt, a layer hook hands layer l's K/V for that
+prompt's blocks to the KV sender right after layer l ran, so the transfer of early layers overlaps
+the compute of later ones. The first token is sampled and sent with the commit; the prefill-side
+blocks are freed (they stay in the prefix cache until evicted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.engine import Engine
+from engine.model_runner import ScheduledSeq
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+from kv_transfer import KVSender, TransferTicket
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    first_token: int
+    logprob: TokenLogprobs | None
+    finish_reason: str | None  # set when the request ended with its first token (no decode needed)
+    num_cached_tokens: int
+    error: str | None = None  # the KV transfer failed; the decode side was told to abort
+
+
+class PrefillEngine:
+    def __init__(self, engine: Engine, sender: KVSender) -> None:
+        if engine.role != "prefill":
+            raise ValueError("PrefillEngine needs an Engine with role='prefill'")
+        self.engine = engine
+        self.sender = sender
+        self._tickets: dict[str, TransferTicket] = {}
+        self._errors: dict[str, str] = {}
+
+    def add(self, request_id: str, token_ids: list[int], params: SamplingParams, ticket: TransferTicket) -> None:
+        self.sender.check_ticket(ticket)
+        if ticket.num_tokens != len(token_ids):
+            raise ValueError(f"ticket covers {ticket.num_tokens} tokens, prompt has {len(token_ids)}")
+        self.engine.add_request(request_id, token_ids, params)
+        self._tickets[request_id] = ticket
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return sum(s.num_remaining for s in (*self.engine.scheduler.waiting, *self.engine.scheduler.running))
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        seq = self.engine.abort(request_id)
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None:
+            self._safe_abort(ticket, reason)
+        return seq is not None
+
+    def _safe_abort(self, ticket: TransferTicket, reason: str) -> None:
+        try:
+            self.sender.abort(ticket, reason)
+        except Exception:  # the receiver may be gone; its lease frees the blocks
+            pass
+
+    def _layer_hook(self, batch: list[ScheduledSeq]) -> Callable[[int], None] | None:
+        done = [item.seq for item in batch if item.completes]
+        if not done:
+            return None
+        caches = self.engine.runner.kv_caches
+
+        def hook(layer: int) -> None:
+            for seq in done:
+                rid = seq.request_id
+                if rid in self._errors:
+                    continue
+                try:
+                    # (2, num_blocks, block_size, kvh, hd): a copy, so the blocks may be reused at once
+                    self.sender.send_layer(self._tickets[rid], layer, caches[layer][:, seq.block_table])
+                except Exception as e:  # one failed transfer must not fail the whole batch
+                    self._errors[rid] = f"KV transfer failed at layer {layer}: {e}"
+
+        return hook
+
+    def step(self) -> list[PrefillResult]:
+        results = []
+        for seq in self.engine.step(self._layer_hook):
+            rid = seq.request_id
+            ticket = self._tickets.pop(rid)
+            token = seq.token_ids[-1]
+            lp = seq.logprobs[-1] if seq.logprobs else None
+            error = self._errors.pop(rid, None)
+            if error is None and seq.finish_reason is None:
+                try:
+                    self.sender.commit(ticket, token, lp)
+                except Exception as e:
+                    error = f"KV commit failed: {e}"
+            if error is not None or seq.finish_reason is not None:
+                self._safe_abort(ticket, error or "finished at prefill")
+            results.append(PrefillResult(rid, token, lp, seq.finish_reason, seq.num_cached_tokens, error))
+        return results

@@ -1,0 +1,92 @@
+from proto import generate_pb2 as _generate_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("compat_hash", "layout_version", "model_id", "dtype", "block_size", "sender_id")
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    compat_hash: str
+    layout_version: int
+    model_id: str
+    dtype: str
+    block_size: int
+    sender_id: str
+    def __init__(self, compat_hash: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., sender_id: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("ok", "reason", "compat_hash")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reason: str
+    compat_hash: str
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+
+class KVLayer(_message.Message):
+    __slots__ = ("transfer_id", "auth_token", "layer", "dtype", "shape", "checksum", "payload", "compression", "scales", "first_block")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    auth_token: str
+    layer: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    checksum: int
+    payload: bytes
+    compression: str
+    scales: bytes
+    first_block: int
+    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., compression: _Optional[str] = ..., scales: _Optional[bytes] = ..., first_block: _Optional[int] = ...) -> None: ...
+
+class KVCommit(_message.Message):
+    __slots__ = ("transfer_id", "auth_token", "first_token", "num_layers", "first_token_logprob")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    auth_token: str
+    first_token: int
+    num_layers: int
+    first_token_logprob: _generate_pb2.TokenLogprob
+    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., first_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+
+class KVAbort(_message.Message):
+    __slots__ = ("transfer_id", "auth_token", "reason")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    auth_token: str
+    reason: str
+    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class KVAck(_message.Message):
+    __slots__ = ("ok", "error", "layers_received")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    layers_received: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., layers_received: _Optional[int] = ...) -> None: ...

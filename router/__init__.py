@@ -1,0 +1,1 @@
+"""Router: public gRPC and OpenAI-compatible HTTP APIs; picks prefill and decode workers."""

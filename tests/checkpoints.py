@@ -1,0 +1,56 @@
+"""Tiny random checkpoints of every supported architecture, written with transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+# name -> (config class, model class, extra config kwargs)
+SHAPES: dict[str, tuple[str, dict]] = {
+    "llama-gqa": ("Llama", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-mqa-tied": ("Llama", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+    "llama-headdim-linear": (
+        "Llama",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+             rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
+    "llama3-rope": (
+        "Llama",
+        dict(num_attention_heads=4, num_key_value_heads=4, rope_theta=500000.0,
+             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    ),
+    "mistral": ("Mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    "qwen2-bias": ("Qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3-qknorm": ("Qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+}
+
+
+def make_checkpoint(out: Path, shape: str = "llama-gqa", dtype: torch.dtype = torch.float32, seed: int = 0,
+                    **overrides) -> Path:
+    """Write a tiny checkpoint whose greedy choices are decisive (scaled output layer)."""
+    import transformers
+
+    family, kwargs = SHAPES[shape]
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForCausalLM")
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0, tie_word_embeddings=False)
+    cfg.update(kwargs)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**cfg))
+    with torch.no_grad():
+        # Random models have near-uniform logits; scaling the head keeps top-2 far apart so greedy
+        # decisions do not flip under equivalent but differently ordered float arithmetic.
+        model.lm_head.weight.mul_(8.0)
+        if getattr(model.model.layers[0].self_attn.q_proj, "bias", None) is not None:
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.to(dtype).save_pretrained(out)
+    return out
