@@ -1,0 +1,78 @@
+"""Greedy output equals transformers' own generate(), token for token, for every architecture.
+
+Runs the offline LLM, i.e. the disaggregated path: prefill engine -> in-process KV transfer ->
+decode engine. Prompts of mixed lengths are submitted together so they batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pdcluster import LLM, SamplingParams
+from tests.checkpoints import SHAPES, VOCAB
+
+PROMPT_LENS = (3, 17, 40, 77)
+MAX_TOKENS = 24
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _reference(path, prompts, dtype=torch.float32):
+    """transformers greedy tokens and per-step log-probabilities, one prompt at a time (no padding)."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    refs = []
+    for p in prompts:
+        out = hf.generate(
+            torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )
+        logprobs = torch.stack([torch.log_softmax(l[0].float(), -1) for l in out.logits])
+        refs.append((out.sequences[0, len(p):].tolist(), logprobs))
+    return refs
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_matches_transformers_for_every_architecture(checkpoint, shape):
+    path = checkpoint(shape)
+    prompts = _prompts()
+    llm = LLM(str(path), num_blocks=128, max_model_len=256)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3))
+    for prompt, out, (ref_tokens, ref_logprobs) in zip(prompts, outs, _reference(path, prompts)):
+        assert out.token_ids == ref_tokens, f"{shape}: prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == "length"
+        ours = torch.tensor([lp.logprob for lp in out.logprobs])
+        theirs = ref_logprobs.gather(1, torch.tensor(ref_tokens)[:, None]).squeeze(1)
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        # the top-3 alternatives agree too
+        for step, lp in enumerate(out.logprobs):
+            top_ids = [t for t, _ in lp.top]
+            assert top_ids == ref_logprobs[step].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_greedy_matches_transformers_in_half_precision(checkpoint, dtype):
+    tdtype = getattr(torch, dtype)
+    path = checkpoint("llama-gqa", dtype=tdtype)
+    prompts = _prompts(2)
+    llm = LLM(str(path), dtype=dtype, num_blocks=128, max_model_len=256)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    for out, (ref_tokens, _) in zip(outs, _reference(path, prompts, tdtype)):
+        assert out.token_ids == ref_tokens
+    assert llm.decode.engine.runner.kv_caches[0].dtype == tdtype
+
+
+def test_builtin_model_matches_transformers(builtin_path):
+    hf = AutoModelForCausalLM.from_pretrained(builtin_path).eval()
+    llm = LLM("builtin:tiny-llama", num_blocks=64, max_model_len=512)
+    texts = ["Hello, world", "The quick brown fox jumps over the lazy dog because"]
+    outs = llm.generate(texts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for text, out in zip(texts, outs):
+        ids = llm.tokenizer(text, return_tensors="pt").input_ids
+        ref = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=3)
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist()
+        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
