@@ -27,9 +27,9 @@ class SeqSpan:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token
-    # decode (every sequence has one new token): batched gather
-    decode_index: torch.Tensor | None = None  # (B, L) slots, padded with slot 0
-    decode_mask: torch.Tensor | None = None  # (B, 1, 1, L) bool, False on padding
+    # decode (every sequence has one new token): batched gather of whole blocks
+    block_tables: torch.Tensor | None = None  # (B, max_blocks) block ids, padded with block 0
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_blocks * block_size) bool, False past the end
     # prefill / mixed: one span per sequence
     spans: list[SeqSpan] | None = None
 
@@ -52,10 +52,13 @@ def paged_attention(
     kvh, hd = k.shape[-2:]
     k_flat = kv_cache[0].view(-1, kvh, hd)
     v_flat = kv_cache[1].view(-1, kvh, hd)
-    if meta.decode_index is not None:
+    if meta.block_tables is not None:
+        # Gathering whole blocks (block_size * kvh * hd contiguous elements each) is much faster
+        # than gathering token rows; positions past each sequence's end are masked.
+        B, L = meta.block_tables.shape[0], meta.decode_mask.shape[-1]
         qb = q.unsqueeze(2)  # (B, H, 1, hd)
-        kb = k_flat[meta.decode_index].transpose(1, 2)  # (B, kvh, L, hd)
-        vb = v_flat[meta.decode_index].transpose(1, 2)
+        kb = kv_cache[0][meta.block_tables].view(B, L, kvh, hd).transpose(1, 2)  # (B, kvh, L, hd)
+        vb = kv_cache[1][meta.block_tables].view(B, L, kvh, hd).transpose(1, 2)
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)
     assert meta.spans is not None

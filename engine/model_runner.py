@@ -109,10 +109,9 @@ class ModelRunner:
                 dtype=torch.long,
                 device=dev,
             )
-            width = max(ctx)
-            index = (tables.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(1)[:, :width]
+            width = max_blocks * bs
             ctx_t = torch.tensor(ctx, device=dev)
-            meta.decode_index = index
+            meta.block_tables = tables
             meta.decode_mask = (torch.arange(width, device=dev)[None, :] < ctx_t[:, None])[:, None, None, :]
         else:
             spans = []
