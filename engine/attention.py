@@ -50,18 +50,20 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # (T, H, hd)
     kvh, hd = k.shape[-2:]
-    k_flat = kv_cache[0].view(-1, kvh, hd)
-    v_flat = kv_cache[1].view(-1, kvh, hd)
     if meta.block_tables is not None:
         # Gathering whole blocks (block_size * kvh * hd contiguous elements each) is much faster
         # than gathering token rows; positions past each sequence's end are masked.
         B, L = meta.block_tables.shape[0], meta.decode_mask.shape[-1]
-        qb = q.unsqueeze(2)  # (B, H, 1, hd)
+        group = q.shape[1] // kvh  # query heads per KV head (GQA); no repeat of K/V needed
         kb = kv_cache[0][meta.block_tables].view(B, L, kvh, hd).transpose(1, 2)  # (B, kvh, L, hd)
         vb = kv_cache[1][meta.block_tables].view(B, L, kvh, hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        return out.squeeze(2)
+        qg = q.view(B, kvh, group, hd)
+        scores = (qg @ kb.transpose(-1, -2)) * scale  # (B, kvh, group, L)
+        scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
+        return (scores.softmax(dim=-1) @ vb).reshape(B, kvh * group, hd)
     assert meta.spans is not None
+    k_flat = kv_cache[0].view(-1, kvh, hd)
+    v_flat = kv_cache[1].view(-1, kvh, hd)
     outs = []
     for span in meta.spans:
         qs = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)

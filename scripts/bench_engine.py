@@ -47,6 +47,11 @@ transformers' first output_i tokens of the same request.
 median of the per-repeat ratios ours/transformers of output tokens/s. The result is written as
 JSON to `--out` (default bench_results/bench_engine.json).
 
+Noise: with --threads equal to the core count, any other busy process makes OpenMP threads wait
+on descheduled peers and inflates both timings, unevenly (factors of 2-4 were seen on a shared
+2-core machine). The script samples /proc/stat for a second before it starts and warns when other
+processes keep cores busy; then prefer `--threads 1 --repeats 3` (or an idle machine).
+
 Example (the defaults):
     python scripts/bench_engine.py
     python scripts/bench_engine.py --repeats 3 --max-context 512 --seed 1
@@ -62,6 +67,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,6 +109,34 @@ def scale_lengths(rows: list[tuple[int, int]], max_context: int, max_output: int
 def make_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def busy_cores(sample_s: float = 1.0) -> float | None:
+    """Cores kept busy by other processes, sampled from /proc/stat while this one sleeps (Linux only)."""
+
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+        return sum(v[:8]) - idle, sum(v[:8])
+
+    try:
+        b0, t0 = read()
+        time.sleep(sample_s)
+        b1, t1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1)
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def summary(xs: list[int]) -> str:
@@ -219,9 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(prompt_lens, model_cfg.vocab_size, args.prompt_seed)
     n_prompt, n_out = sum(prompt_lens), sum(output_lens)
 
+    busy = busy_cores()
+    commit = git_commit()
     print(f"model      {args.model} ({path}), vocab {model_cfg.vocab_size}, context limit {max_model_len}")
-    print(f"machine    {platform.machine()} {platform.processor() or ''} os.cpu_count()={os.cpu_count()}, "
-          f"torch threads {torch.get_num_threads()}, torch {torch.__version__}")
+    print(f"machine    {platform.machine()} os.cpu_count()={os.cpu_count()}, torch threads {torch.get_num_threads()}, "
+          f"torch {torch.__version__}, cores busy with other work before start {'?' if busy is None else f'{busy:.2f}'}, commit {commit}")
+    if busy is not None and busy > 0.3 and args.threads + busy > (os.cpu_count() or 1):
+        print(f"WARNING    {busy:.2f} cores are busy with other processes and --threads {args.threads} needs more than the rest: "
+              "OpenMP threads will wait on descheduled peers and both timings will be inflated and noisy. "
+              "Prefer an idle machine, or --threads 1 --repeats 3.")
     sel = f"seeded sample (seed {args.seed})" if args.seed is not None else "first rows"
     print(f"trace      {args.trace.name}: {len(rows)} requests, {sel}")
     print(f"  trace prompt   {summary([c for c, _ in rows])}")
@@ -296,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model_path": str(path),
+        "commit": commit,
         "machine": {"cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "other_busy_cores_at_start": busy,
                     "torch": torch.__version__, "transformers": __import__("transformers").__version__},
         "trace": {"file": args.trace.name, "source": "Azure/AzurePublicDataset (CC-BY-4.0)", "requests": n_req},
         "scaling": {"factor": factor, "max_context": args.max_context, "max_output": args.max_output,

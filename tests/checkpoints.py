@@ -30,7 +30,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
 
 
 def make_checkpoint(out: Path, shape: str = "llama-gqa", dtype: torch.dtype = torch.float32, seed: int = 0,
-                    **overrides) -> Path:
+                    max_shard_size: str | None = None, **overrides) -> Path:
     """Write a tiny checkpoint whose greedy choices are decisive (scaled output layer)."""
     import transformers
 
@@ -52,5 +52,6 @@ def make_checkpoint(out: Path, shape: str = "llama-gqa", dtype: torch.dtype = to
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    model.to(dtype).save_pretrained(out)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(dtype).save_pretrained(out, **kwargs)
     return out

@@ -76,3 +76,13 @@ def test_builtin_model_matches_transformers(builtin_path):
         ref = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=3)
         assert out.token_ids == ref[0, ids.shape[1]:].tolist()
         assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_sharded_checkpoint_loads_and_matches(checkpoint):
+    path = checkpoint("qwen2-bias", max_shard_size="200KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 1
+    prompts = _prompts(5)
+    llm = LLM(str(path), num_blocks=128, max_model_len=256)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [ref for ref, _ in _reference(path, prompts)]
