@@ -8,8 +8,8 @@ block with its tokens `[i*bs, (i+1)*bs)`:
 
 Prefix cache: every *full* block whose K/V has been computed gets a chain hash
 `h_i = H(h_{i-1}, tokens of block i)` and is entered in `hash_to_block`. A later sequence whose
-leading full blocks hash the same reuses them (ref count + 1) after comparing the stored token ids,
-so a hash collision can never serve the wrong K/V. Blocks are hashed only after their K/V exist
+leading full blocks hash the same reuses them (ref count + 1) after comparing the stored token ids and the
+block they follow, so a hash collision can never serve the wrong K/V. Blocks are hashed only after their K/V exist
 (`cache_full_blocks`), never at allocation, so a hit never points at a block still being computed.
 A freed block keeps its hash and content until it is handed out again (least recently freed first),
 so a preempted or repeated prompt can still hit it.
@@ -35,6 +35,8 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
+    epoch: int = 0  # bumped each time the block is handed out afresh
+    parent: tuple[int, int] | None = None  # (block id, epoch) of the block before it when cached
 
 
 def chain_hash(prev: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -81,7 +83,8 @@ class BlockManager:
         if block.hash is not None:  # evict its prefix-cache entry
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.parent = None, (), None
+        block.epoch += 1
         block.ref_count = 1
         return block_id
 
@@ -109,9 +112,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             for i in range(num_full):
                 block_id = self.hash_to_block.get(hashes[i])
-                if block_id is None or self.blocks[block_id].token_ids != tuple(
-                    seq.token_ids[i * bs : (i + 1) * bs]
-                ):
+                if block_id is None or not self._confirm(block_id, table, seq.token_ids[i * bs : (i + 1) * bs]):
                     break
                 self._acquire(block_id)
                 table.append(block_id)
@@ -123,6 +124,16 @@ class BlockManager:
         seq.num_registered_blocks = hits
         seq.num_cached_tokens = hits * bs
         seq.num_computed_tokens = hits * bs
+
+    def _parent_of(self, table: list[int]) -> tuple[int, int] | None:
+        return (table[-1], self.blocks[table[-1]].epoch) if table else None
+
+    def _confirm(self, block_id: int, table: list[int], token_ids: list[int]) -> bool:
+        """A hash hit counts only if the block holds these tokens *after the same blocks*: its own
+        token ids and its parent (by id and epoch) are compared, so even a hash collision cannot
+        serve K/V computed for another position or context."""
+        block = self.blocks[block_id]
+        return block.token_ids == tuple(token_ids) and block.parent == self._parent_of(table)
 
     def allocate_blocks(self, num_tokens: int) -> list[int]:
         """Fresh blocks for `num_tokens` tokens whose K/V will arrive from elsewhere (no prefix hits)."""
@@ -176,6 +187,7 @@ class BlockManager:
             if block.hash is None:
                 block.hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                block.parent = self._parent_of(seq.block_table[:i])
                 self.hash_to_block.setdefault(block.hash, block.block_id)
         seq.num_registered_blocks = num_full
 

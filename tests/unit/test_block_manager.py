@@ -24,7 +24,9 @@ BS = 4
 
 
 def make_seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence(request_id=rid, token_ids=list(tokens), num_prompt_tokens=len(tokens), params=SamplingParams())
+    return Sequence(
+        request_id=rid, token_ids=list(tokens), num_prompt_tokens=len(tokens), params=SamplingParams()
+    )
 
 
 def compute_all(bm: BlockManager, seq: Sequence) -> None:
@@ -390,12 +392,6 @@ def test_hash_collision_with_different_tokens_is_not_a_hit(monkeypatch):
     assert_accounting(bm, [a.block_table, b.block_table])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (needs a decision): the collision guard compares only the block's own token ids, not "
-    "its prefix/position, so a chain-hash collision between two blocks with equal tokens at "
-    "different positions serves the wrong K/V (see report)",
-)
 def test_hash_collision_with_equal_block_tokens_at_another_position_is_not_a_hit(monkeypatch):
     monkeypatch.setattr(block_manager_module, "chain_hash", lambda prev, tokens: b"\x01" * 16)
     bm = BlockManager(16, BS)

@@ -39,7 +39,7 @@ def reference(path):
 
 def test_chunked_prefill_equals_unchunked(path, reference):
     prompts = _prompts([70, 45, 9, 100])
-    llm = LLM(path, num_blocks=256, max_model_len=256, max_num_batched_tokens=16)
+    llm = LLM(path, num_blocks=256, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=16)
     assert _ids(llm.generate(prompts, GREEDY)) == reference(prompts)
 
 

@@ -1,0 +1,536 @@
+"""Scheduler policy, driven with a real BlockManager and fake sampled tokens (no model).
+
+Each step: `schedule()`, then `postprocess()` with one fake token per item that `completes`.
+After every step the block accounting is checked against the live block tables.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, NamedTuple
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, given, settings
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SeqStatus
+
+BS = 4
+TOKEN = 7  # the fake sampled token (not an eos / stop token unless a test says so)
+
+
+def make_seq(
+    rid: str,
+    prompt: list[int] | int,
+    max_tokens: int = 4,
+    eos: frozenset[int] = frozenset(),
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+    max_model_len: int = 2048,
+) -> Sequence:
+    if isinstance(prompt, int):  # distinct per request id, so there are no accidental prefix hits
+        prompt = [zlib.crc32(rid.encode()) % 100_000 * 100 + 10 + i for i in range(prompt)]
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos
+    )
+    return Sequence(
+        request_id=rid,
+        token_ids=list(prompt),
+        num_prompt_tokens=len(prompt),
+        params=params,
+        eos_token_ids=eos,
+        max_model_len=max_model_len,
+    )
+
+
+def make_sched(
+    num_blocks: int = 64,
+    budget: int = 64,
+    max_num_seqs: int = 16,
+    caching: bool = True,
+    handoff: bool = False,
+) -> Scheduler:
+    bm = BlockManager(num_blocks, BS, caching)
+    return Scheduler(bm, budget, max_num_seqs, handoff_after_prefill=handoff)
+
+
+def check_state(sched: Scheduler) -> None:
+    bm = sched.bm
+    bm.check_invariants([s.block_table for s in sched.running])
+    assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
+    for s in sched.running:
+        assert s.status == SeqStatus.RUNNING
+        assert len(s.block_table) * BS >= len(s.token_ids) - 1  # at most the newest token is not covered
+    for s in sched.waiting:
+        assert s.status == SeqStatus.WAITING
+        assert s.block_table == [] and s.num_computed_tokens == 0
+
+
+class Item(NamedTuple):
+    """A scheduled item as it was before postprocess (ScheduledSeq.completes depends on the
+    sequence's current state, so it is captured here)."""
+
+    seq: Sequence
+    num_tokens: int
+    completes: bool
+    computed_before: int
+    outputs_before: int
+
+
+def step(
+    sched: Scheduler, token: Callable[[Sequence], int] = lambda s: TOKEN
+) -> tuple[list[Item], list[Sequence]]:
+    """One engine step with fake sampling. Returns (the batch, sequences that got a token)."""
+    batch = sched.schedule()
+    seqs = [item.seq for item in batch]
+    assert len(set(map(id, seqs))) == len(seqs), "a sequence is scheduled twice in one step"
+    items = []
+    for item in batch:  # the model runner needs blocks for every position it writes
+        seq = item.seq
+        assert seq.status == SeqStatus.RUNNING and item.num_tokens >= 1
+        assert seq.num_computed_tokens + item.num_tokens <= len(seq.token_ids)
+        assert len(seq.block_table) * BS >= seq.num_computed_tokens + item.num_tokens
+        before = (seq.num_computed_tokens, seq.num_output_tokens)
+        items.append(Item(seq, item.num_tokens, item.completes, *before))
+    completing = [i.seq for i in items if i.completes]
+    tokens = [token(s) for s in completing]
+    sampled = sched.postprocess(batch, tokens, [None] * len(tokens))
+    assert sampled == completing
+    for i in items:
+        assert i.seq.num_computed_tokens == (0 if i.seq.is_finished else i.computed_before + i.num_tokens)
+    check_state(sched)
+    return items, sampled
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 10_000, **kw) -> int:
+    steps = 0
+    while sched.has_work():
+        step(sched, **kw)
+        steps += 1
+        assert steps <= max_steps, "scheduler made no progress (deadlock / livelock)"
+    return steps
+
+
+def assert_all_free(sched: Scheduler) -> None:
+    assert sched.bm.num_free_blocks == sched.bm.num_blocks
+    sched.bm.check_invariants([])
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy
+# ---------------------------------------------------------------------------------------------
+
+
+def test_prefill_first_new_prompts_run_before_decodes():
+    sched = make_sched()
+    a = make_seq("a", 6, max_tokens=8)
+    sched.add(a)
+    batch, sampled = step(sched)
+    assert [(i.seq, i.num_tokens) for i in batch] == [(a, 6)] and sampled == [a]
+    batch, _ = step(sched)
+    assert [(i.seq, i.num_tokens) for i in batch] == [(a, 1)]  # decode
+    b = make_seq("b", 5, max_tokens=8)
+    sched.add(b)
+    batch, _ = step(sched)
+    assert [(i.seq, i.num_tokens) for i in batch] == [(b, 5)]  # a does not decode in a prefill step
+    batch, _ = step(sched)
+    assert [(i.seq, i.num_tokens) for i in batch] == [(a, 1), (b, 1)]
+    run_to_completion(sched)
+    assert_all_free(sched)
+
+
+def test_decode_step_schedules_every_running_sequence_one_token():
+    sched = make_sched()
+    seqs = [make_seq(f"s{i}", 3 + i, max_tokens=5) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    step(sched)
+    batch, sampled = step(sched)
+    assert [i.seq for i in batch] == seqs and all(i.num_tokens == 1 and i.completes for i in batch)
+    assert sampled == seqs
+
+
+def test_long_prompt_is_chunked_under_token_budget():
+    sched = make_sched(budget=8)
+    a = make_seq("a", 21, max_tokens=2)
+    sched.add(a)
+    chunks = []
+    while a.num_output_tokens == 0:
+        batch, _ = step(sched)
+        assert sum(i.num_tokens for i in batch) <= 8
+        chunks += [(i.num_tokens, i.completes) for i in batch if i.seq is a]
+    assert chunks == [(8, False), (8, False), (5, True)]
+    assert sum(n for n, _ in chunks) == 21
+    run_to_completion(sched)
+    assert a.finish_reason == "length" and a.num_output_tokens == 2
+    assert_all_free(sched)
+
+
+def test_chunk_leaving_one_token_finishes_in_a_later_step():
+    sched = make_sched(budget=8)
+    a = make_seq("a", 9, max_tokens=1)
+    sched.add(a)
+    chunks = []
+    while not a.is_finished:
+        batch, _ = step(sched)
+        chunks += [(i.num_tokens, i.completes) for i in batch if i.seq is a]
+    assert chunks == [(8, False), (1, True)]
+    assert_all_free(sched)
+
+
+def test_token_budget_is_shared_and_unfinished_chunks_go_first():
+    sched = make_sched(budget=8)
+    a = make_seq("a", 5, max_tokens=1)
+    b = make_seq("b", 10, max_tokens=1)
+    c = make_seq("c", 3, max_tokens=1)
+    for s in (a, b, c):
+        sched.add(s)
+    batch, _ = step(sched)
+    assert [(i.seq.request_id, i.num_tokens, i.completes) for i in batch] == [("a", 5, True), ("b", 3, False)]
+    batch, _ = step(sched)  # b's unfinished prompt first, then c is admitted into what is left
+    assert [(i.seq.request_id, i.num_tokens, i.completes) for i in batch] == [("b", 7, True), ("c", 1, False)]
+    run_to_completion(sched)
+    assert all(s.finish_reason == "length" for s in (a, b, c))
+    assert_all_free(sched)
+
+
+@given(
+    prompts=st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=6),
+    budget=st.integers(min_value=1, max_value=24),
+)
+@settings(max_examples=60, deadline=None)
+def test_every_step_respects_budget_and_chunks_sum_to_prompt(prompts, budget):
+    sched = make_sched(num_blocks=128, budget=budget)
+    seqs = [make_seq(f"s{i}", n, max_tokens=2) for i, n in enumerate(prompts)]
+    for s in seqs:
+        sched.add(s)
+    prefill_chunks: dict[str, list[tuple[int, bool]]] = {s.request_id: [] for s in seqs}
+    while sched.has_work():
+        batch, _ = step(sched)
+        # prefill steps are budgeted; a decode step runs every running sequence one token
+        assert sum(i.num_tokens for i in batch) <= budget or all(i.num_tokens == 1 for i in batch)
+        for i in batch:
+            if i.outputs_before == 0:
+                prefill_chunks[i.seq.request_id].append((i.num_tokens, i.completes))
+    for s, n in zip(seqs, prompts):
+        chunks = prefill_chunks[s.request_id]
+        assert sum(k for k, _ in chunks) == n
+        assert [c for _, c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert s.num_output_tokens == 2
+    assert_all_free(sched)
+
+
+def test_max_num_seqs_caps_running_sequences():
+    sched = make_sched(max_num_seqs=2)
+    seqs = [make_seq(f"s{i}", 4, max_tokens=3) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    batch, _ = step(sched)
+    assert [i.seq for i in batch] == seqs[:2]
+    assert sched.running == seqs[:2] and list(sched.waiting) == seqs[2:]
+    max_running = 0
+    while sched.has_work():
+        step(sched)
+        max_running = max(max_running, len(sched.running))
+    assert max_running == 2
+    assert all(s.num_output_tokens == 3 for s in seqs)
+    assert_all_free(sched)
+
+
+def test_admission_is_fcfs_and_head_of_line_waits_for_blocks():
+    sched = make_sched(num_blocks=8)
+    a = make_seq("a", 20, max_tokens=4)  # 5 blocks
+    sched.add(a)
+    step(sched)
+    b = make_seq("b", 16, max_tokens=1)  # 4 blocks: does not fit in the 3 left
+    c = make_seq("c", 4, max_tokens=1)  # 1 block: would fit, but must not overtake b
+    sched.add(b)
+    sched.add(c)
+    batch, _ = step(sched)
+    assert [i.seq for i in batch] == [a]
+    assert list(sched.waiting) == [b, c]
+    order = []
+    while sched.has_work():
+        batch, _ = step(sched)
+        order += [i.seq for i in batch if i.computed_before == 0]
+    assert order.index(b) < order.index(c)
+    assert all(s.is_finished for s in (a, b, c))
+    assert_all_free(sched)
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption and deadlock freedom
+# ---------------------------------------------------------------------------------------------
+
+
+def test_preemption_picks_newest_running_and_requeues_it_at_head():
+    sched = make_sched(num_blocks=6, caching=False)
+    a, b, c = (make_seq(n, 8, max_tokens=3) for n in "abc")  # 2 blocks each: the cache is full
+    d = make_seq("d", 4, max_tokens=1)
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)
+    assert sched.bm.num_free_blocks == 0 and all(len(s) == 9 for s in (a, b, c))
+    sched.add(d)
+    batch, _ = step(sched)  # every sequence needs a third block: c (newest) is preempted
+    assert [i.seq for i in batch] == [a, b]
+    assert sched.num_preemptions == 1
+    assert sched.running == [a, b]
+    assert list(sched.waiting) == [c, d]  # at the head, ahead of d
+    assert c.status == SeqStatus.WAITING and c.block_table == [] and c.num_computed_tokens == 0
+    assert c.token_ids[:8] == make_seq("c", 8).token_ids and len(c) == 9  # its sampled token is kept
+
+    c_chunks = []
+    while sched.has_work():
+        batch, _ = step(sched)
+        c_chunks += [i.num_tokens for i in batch if i.seq is c]
+    # on resumption c recomputes all of its tokens (prompt and the generated one) in one chunk
+    assert c_chunks[0] == 9
+    assert c.finish_reason == "length" and c.output_token_ids == [TOKEN] * 3
+    assert all(s.finish_reason == "length" for s in (a, b, d))
+    assert_all_free(sched)
+
+
+def test_preempted_sequence_resumes_from_its_own_cached_blocks():
+    sched = make_sched(num_blocks=7)
+    a, b = make_seq("a", 12, max_tokens=8), make_seq("b", 12, max_tokens=8)
+    for s in (a, b):
+        sched.add(s)
+    preempted_at = None
+    while sched.has_work():
+        batch, _ = step(sched)
+        if sched.num_preemptions and preempted_at is None:
+            preempted_at = len(b)
+            assert list(sched.waiting) == [b]
+        if preempted_at is not None and any(i.seq is b and i.num_tokens > 1 for i in batch):
+            resumed = [i for i in batch if i.seq is b][0]
+            assert b.num_cached_tokens > 0 and resumed.computed_before == b.num_cached_tokens
+            assert resumed.completes  # the rest of b's tokens (prompt and generated) in one chunk
+            assert resumed.num_tokens == preempted_at - b.num_cached_tokens
+            break
+    assert preempted_at is not None
+    run_to_completion(sched)
+    assert a.output_token_ids == b.output_token_ids == [TOKEN] * 8
+    assert_all_free(sched)
+
+
+def test_no_deadlock_with_tiny_cache():
+    # 8 blocks of 4 = 32 slots; each sequence needs up to 7 of the 8 blocks.
+    sched = make_sched(num_blocks=8, budget=16, max_num_seqs=8)
+    seqs = [make_seq(f"s{i}", 10 + i % 4, max_tokens=14, max_model_len=32) for i in range(8)]
+    for s in seqs:
+        sched.add(s)
+    # Run one at a time, the 8 sequences need about 8 * (14 decode + 1 prefill) steps; preemption and
+    # recomputation add a few. 300 steps is a generous bound that still catches a livelock.
+    steps = run_to_completion(sched, max_steps=300)
+    assert sched.num_preemptions > 0  # the cache really was too small
+    for s in seqs:
+        assert s.is_finished and s.finish_reason == "length" and s.num_output_tokens == 14
+        assert s.output_token_ids == [TOKEN] * 14
+    assert_all_free(sched)
+
+
+@given(
+    data=st.data(),
+    num_blocks=st.integers(min_value=2, max_value=10),
+    budget=st.integers(min_value=1, max_value=20),
+    max_num_seqs=st.integers(min_value=1, max_value=6),
+    caching=st.booleans(),
+)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_workloads_always_finish_and_free_every_block(data, num_blocks, budget, max_num_seqs, caching):
+    max_model_len = num_blocks * BS  # the runner guarantees one sequence always fits
+    sched = make_sched(num_blocks=num_blocks, budget=budget, max_num_seqs=max_num_seqs, caching=caching)
+    n = data.draw(st.integers(min_value=1, max_value=6))
+    seqs = []
+    for i in range(n):
+        prompt = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=max_model_len - 1))
+        max_tokens = data.draw(st.integers(min_value=1, max_value=max_model_len))
+        seqs.append(make_seq(f"s{i}", prompt, max_tokens=max_tokens, max_model_len=max_model_len))
+    for s in seqs:
+        sched.add(s)
+    total = sum(len(s) + s.params.max_tokens for s in seqs)
+    run_to_completion(sched, max_steps=50 * total)
+    for s in seqs:
+        assert s.is_finished and s.finish_reason == "length"
+        assert s.num_output_tokens == min(s.params.max_tokens, max_model_len - s.num_prompt_tokens)
+    assert_all_free(sched)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finishing, aborting, handoff
+# ---------------------------------------------------------------------------------------------
+
+
+def test_finish_on_max_tokens_frees_blocks():
+    sched = make_sched()
+    a = make_seq("a", 6, max_tokens=3)
+    sched.add(a)
+    for _ in range(2):
+        step(sched)
+        assert not a.is_finished and a.block_table
+    _, sampled = step(sched)
+    assert sampled == [a]  # the finishing token is still reported
+    assert a.is_finished and a.finish_reason == "length" and a.num_output_tokens == 3
+    assert a.block_table == [] and a not in sched.running and not sched.has_work()
+    assert_all_free(sched)
+
+
+def test_finish_on_eos_frees_blocks():
+    sched = make_sched()
+    a = make_seq("a", 6, max_tokens=10, eos=frozenset({2}))
+    sched.add(a)
+    step(sched)
+    step(sched, token=lambda s: 2)
+    assert a.finish_reason == "stop" and a.output_token_ids == [TOKEN, 2]
+    assert a.is_finished and a.block_table == []
+    assert_all_free(sched)
+
+
+def test_ignore_eos_keeps_generating():
+    sched = make_sched()
+    a = make_seq("a", 6, max_tokens=3, eos=frozenset({2}), ignore_eos=True)
+    sched.add(a)
+    run_to_completion(sched, token=lambda s: 2)
+    assert a.finish_reason == "length" and a.output_token_ids == [2, 2, 2]
+    assert_all_free(sched)
+
+
+def test_finish_on_stop_token_ids_frees_blocks():
+    sched = make_sched()
+    a = make_seq("a", 6, max_tokens=10, stop_token_ids=[42])
+    b = make_seq("b", 6, max_tokens=10, stop_token_ids=[43])
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    _, sampled = step(sched, token=lambda s: 42)
+    assert sampled == [a, b]
+    assert a.finish_reason == "stop" and a.is_finished and a.block_table == []
+    assert b.finish_reason is None and b in sched.running
+    sched.abort("b")
+    assert_all_free(sched)
+
+
+def test_finish_on_max_model_len():
+    sched = make_sched()
+    a = make_seq("a", 6, max_tokens=100, max_model_len=9)
+    sched.add(a)
+    run_to_completion(sched)
+    assert a.finish_reason == "length" and len(a) == 9
+    assert_all_free(sched)
+
+
+def test_abort_frees_blocks():
+    sched = make_sched(num_blocks=8)
+    a = make_seq("a", 12, max_tokens=10)
+    b = make_seq("b", 12, max_tokens=10)
+    c = make_seq("c", 12, max_tokens=10)  # does not fit: stays waiting
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)
+    assert [s.request_id for s in sched.running] == ["a", "b"] and list(sched.waiting) == [c]
+    assert sched.abort("a") is a
+    assert a.finish_reason == "abort" and a.is_finished and a.block_table == []
+    assert a not in sched.running
+    assert sched.abort("c") is c
+    assert c.finish_reason == "abort" and c.is_finished and not sched.waiting
+    assert sched.abort("nope") is None
+    check_state(sched)
+    assert sched.bm.num_used_blocks == len(b.block_table)
+    assert sched.abort("b") is b
+    assert not sched.has_work()
+    assert_all_free(sched)
+
+
+def test_abort_mid_chunked_prefill_frees_blocks_and_caches_computed_prefix():
+    sched = make_sched(budget=8)
+    prompt = list(range(20, 40))
+    a = make_seq("a", prompt, max_tokens=2)
+    sched.add(a)
+    step(sched)  # 8 of 20 tokens computed
+    sched.abort("a")
+    assert_all_free(sched)
+    b = make_seq("b", prompt, max_tokens=1)
+    sched.add(b)
+    batch, _ = step(sched)
+    assert b.num_cached_tokens == 8 and batch[0].num_tokens == 8  # 20 - 8 cached, under budget 8
+    run_to_completion(sched)
+    assert_all_free(sched)
+
+
+def test_handoff_after_prefill_releases_sequence_after_first_token():
+    sched = make_sched(budget=8, handoff=True)
+    prompt = list(range(20, 32))
+    a = make_seq("a", prompt, max_tokens=10)
+    sched.add(a)
+    _, sampled = step(sched)
+    assert sampled == [] and a in sched.running
+    _, sampled = step(sched)
+    assert sampled == [a]
+    assert a.output_token_ids == [TOKEN] and a.finish_reason is None
+    assert a.is_finished and a.block_table == [] and not sched.has_work()
+    assert_all_free(sched)
+    # its computed full blocks stay in the prefix cache for the next identical prompt
+    b = make_seq("b", prompt, max_tokens=10)
+    sched.add(b)
+    batch, _ = step(sched)
+    assert b.num_cached_tokens == 8 and batch[0].num_tokens == 4 and b.output_token_ids == [TOKEN]
+    assert_all_free(sched)
+
+
+def test_remote_prefilled_sequence_joins_running_and_decodes():
+    sched = make_sched(num_blocks=8)
+    bm = sched.bm
+    prompt = list(range(8))  # exact multiple of the block size: the first decode needs a new block
+    a = make_seq("a", prompt, max_tokens=3)
+    a.block_table = bm.allocate_blocks(len(prompt))
+    a.num_computed_tokens = len(prompt)
+    a.append_token(TOKEN)  # first token, sampled by the prefill worker
+    sched.add_running(a)
+    batch, _ = step(sched)
+    assert [(i.seq, i.num_tokens) for i in batch] == [(a, 1)]
+    assert len(a.block_table) == 3
+    run_to_completion(sched)
+    assert a.finish_reason == "length" and a.num_output_tokens == 3
+    assert_all_free(sched)
+
+
+def test_prefix_hit_skips_computed_tokens():
+    sched = make_sched(budget=8)
+    prompt = list(range(100, 116))
+    a = make_seq("a", prompt, max_tokens=1)
+    sched.add(a)
+    step(sched)  # a[0:8] computed and cached
+    b = make_seq("b", prompt, max_tokens=1)
+    sched.add(b)
+    batch, _ = step(sched)  # a's last chunk uses the whole budget: b waits
+    assert [i.seq for i in batch] == [a] and list(sched.waiting) == [b]
+    batch, _ = step(sched)
+    assert [(i.seq, i.num_tokens, i.completes) for i in batch] == [(b, 4, True)]
+    assert b.num_cached_tokens == 12 and sched.bm.prefix_hits == 3
+    assert_all_free(sched)
+
+
+def test_all_blocks_free_after_mixed_workload():
+    sched = make_sched(num_blocks=12, budget=10, max_num_seqs=3)
+    seqs = [
+        make_seq(f"s{i}", 3 + 5 * i, max_tokens=4 + i, eos=frozenset({2}), max_model_len=48) for i in range(6)
+    ]
+    for s in seqs:
+        sched.add(s)
+
+    def sample(s: Sequence) -> int:
+        return 2 if s.request_id == "s3" and s.num_output_tokens == 1 else TOKEN
+
+    steps = 0
+    while sched.has_work():
+        step(sched, token=sample)
+        steps += 1
+        if steps == 3:
+            sched.abort("s5")
+        assert steps < 1000
+    assert seqs[3].finish_reason == "stop" and seqs[5].finish_reason == "abort"
+    assert all(s.finish_reason == "length" for i, s in enumerate(seqs) if i not in (3, 5))
+    assert_all_free(sched)
