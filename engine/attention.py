@@ -25,11 +25,19 @@ class SeqSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows of similar context length, attended to in one padded batch."""
+
+    rows: torch.Tensor  # (b,) positions of these sequences in the packed batch
+    block_tables: torch.Tensor  # (b, max_blocks) block ids, padded with block 0
+    mask: torch.Tensor  # (b, 1, 1, max_blocks * block_size) bool, False past each sequence's end
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token
-    # decode (every sequence has one new token): batched gather of whole blocks
-    block_tables: torch.Tensor | None = None  # (B, max_blocks) block ids, padded with block 0
-    decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_blocks * block_size) bool, False past the end
+    # decode (every sequence has one new token): sequences of similar length batched together
+    decode_groups: list[DecodeGroup] | None = None
     # prefill / mixed: one span per sequence
     spans: list[SeqSpan] | None = None
 
@@ -50,17 +58,18 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # (T, H, hd)
     kvh, hd = k.shape[-2:]
-    if meta.block_tables is not None:
-        # Gathering whole blocks (block_size * kvh * hd contiguous elements each) is much faster
-        # than gathering token rows; positions past each sequence's end are masked.
-        B, L = meta.block_tables.shape[0], meta.decode_mask.shape[-1]
-        group = q.shape[1] // kvh  # query heads per KV head (GQA); no repeat of K/V needed
-        kb = kv_cache[0][meta.block_tables].view(B, L, kvh, hd).transpose(1, 2)  # (B, kvh, L, hd)
-        vb = kv_cache[1][meta.block_tables].view(B, L, kvh, hd).transpose(1, 2)
-        qg = q.view(B, kvh, group, hd)
-        scores = (qg @ kb.transpose(-1, -2)) * scale  # (B, kvh, group, L)
-        scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
-        return (scores.softmax(dim=-1) @ vb).reshape(B, kvh * group, hd)
+    if meta.decode_groups is not None:
+        out = torch.empty_like(q)
+        for group in meta.decode_groups:
+            # Whole blocks are gathered (contiguous block_size*kvh*hd runs, much faster than token
+            # rows); positions past each sequence's end are masked.
+            b, L = group.block_tables.shape[0], group.mask.shape[-1]
+            kb = kv_cache[0][group.block_tables].view(b, L, kvh, hd).transpose(1, 2)  # (b, kvh, L, hd)
+            vb = kv_cache[1][group.block_tables].view(b, L, kvh, hd).transpose(1, 2)
+            qb = q[group.rows].unsqueeze(2)  # (b, H, 1, hd)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scale, enable_gqa=True)
+            out[group.rows] = o.squeeze(2)
+        return out
     assert meta.spans is not None
     k_flat = kv_cache[0].view(-1, kvh, hd)
     v_flat = kv_cache[1].view(-1, kvh, hd)

@@ -139,7 +139,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
     block_size: int = 16
     num_blocks: int | None = None  # None: from the memory budget below
-    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free GPU memory on CUDA
+    kv_cache_memory_bytes: int | None = None  # None: 512 MiB on CPU, 90% of free GPU memory on CUDA
     max_num_batched_tokens: int = 2048  # token budget of one forward pass (long prompts are chunked)
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
