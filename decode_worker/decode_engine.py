@@ -18,6 +18,7 @@ import secrets
 import threading
 import uuid
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -41,11 +42,19 @@ class DecodeEngine:
         self._reserved: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its KV
         self._by_request: dict[str, str] = {}  # request id -> transfer id, while reserved
         self._committed: deque[Sequence] = deque()
+        self._on_commit: dict[str, Callable[[], None]] = {}
         self.receiver: KVReceiver = create_receiver(backend, self, **receiver_kwargs)
 
     # ------------------------------------------------------------------ reservation
-    def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams) -> TransferTicket | None:
-        """Hold blocks for the prompt's KV. None when the cache is too full right now."""
+    def reserve(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        on_commit: Callable[[], None] | None = None,
+    ) -> TransferTicket | None:
+        """Hold blocks for the prompt's KV. None when the cache is too full right now.
+        `on_commit` is called (from the transfer's thread) once the KV has all arrived."""
         seq = self.engine.make_sequence(request_id, token_ids, params)
         with self._lock:
             bm = self.engine.block_manager
@@ -64,6 +73,8 @@ class DecodeEngine:
                 backend=self.backend,
             )
             self._reserved[ticket.transfer_id] = seq
+            if on_commit is not None:
+                self._on_commit[ticket.transfer_id] = on_commit
             self._by_request[request_id] = ticket.transfer_id
             self.receiver.expect(ticket)
             return ticket
@@ -89,6 +100,9 @@ class DecodeEngine:
             if logprob is not None:
                 seq.logprobs.append(logprob)
             self._committed.append(seq)
+            callback = self._on_commit.pop(ticket.transfer_id, None)
+        if callback is not None:
+            callback()
 
     def abort(self, ticket: TransferTicket, reason: str) -> None:
         self._drop_reserved(ticket.transfer_id)
@@ -96,6 +110,7 @@ class DecodeEngine:
     def _drop_reserved(self, transfer_id: str) -> None:
         with self._lock:
             seq = self._reserved.pop(transfer_id, None)
+            self._on_commit.pop(transfer_id, None)
             if seq is not None:
                 del self._by_request[seq.request_id]
                 self.engine.block_manager.free(seq)

@@ -23,6 +23,22 @@ ROLES = ("colocated", "prefill", "decode")
 LayerHookFactory = Callable[[list[ScheduledSeq]], Callable[[int], None] | None]
 
 
+def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError naming the problem with a request (shared by engines and the router)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if len(token_ids) == 0:
+        raise ValueError("prompt is empty")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len} "
+            "(the prompt must leave room for at least one generated token)"
+        )
+    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+
+
 class Engine:
     def __init__(
         self,
@@ -48,19 +64,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the problem with a request."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if len(token_ids) == 0:
-            raise ValueError("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                "(the prompt must leave room for at least one generated token)"
-            )
-        vocab = self.model_cfg.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        validate_request(token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
 
     def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Sequence:
         self.validate(token_ids, params)

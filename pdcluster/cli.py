@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -16,11 +17,51 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pdcluster import LLM, SamplingParams
+    from pdcluster import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, ignore_eos=args.ignore_eos)
+    if args.offline:
+        return _generate_offline(args, params)
+    import grpc
+
+    from pdcluster.client import Client
+
+    address = args.address or _default_address()
+    status = 0
+    with Client(address, api_key=args.api_key) as client:
+        for prompt in args.prompts:
+            try:
+                if args.json:
+                    c = client.complete(prompt, params)
+                    print(json.dumps({"request_id": c.request_id, "token_ids": c.token_ids, "text": c.text,
+                                      "finish_reason": c.finish_reason, "usage": {"prompt_tokens": c.prompt_tokens,
+                                      "completion_tokens": c.completion_tokens}, "timing": c.timing}))
+                    continue
+                for chunk in client.stream(prompt, params):
+                    print(chunk.text, end="", flush=True)
+                    if chunk.finish_reason:
+                        t = chunk.timing
+                        print(f"\n--- finish_reason={chunk.finish_reason} tokens={chunk.usage.completion_tokens} "
+                              f"ttft={t.ttft_ms:.1f}ms tpot={t.mean_tpot_ms:.1f}ms", file=sys.stderr)
+            except grpc.RpcError as e:
+                print(f"pdcluster: {e.code().name}: {e.details()}", file=sys.stderr)
+                status = 1
+    return status
+
+
+def _default_address() -> str:
+    from pdcluster.client import DEFAULT_ADDRESS
+    from pdcluster.launcher import _read_state
+
+    state = _read_state()
+    return (state or {}).get("router") or DEFAULT_ADDRESS
+
+
+def _generate_offline(args: argparse.Namespace, params) -> int:
+    from pdcluster import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
     start = time.perf_counter()
     outs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
     elapsed = time.perf_counter() - start
@@ -33,6 +74,54 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from pdcluster.cluster_config import load_cluster_config
+    from pdcluster.launcher import up
+
+    cfg = load_cluster_config(args.config)
+    handle = up(cfg, detach=args.detach, log_level=args.log_level)
+    print(f"pdcluster is up ({cfg.mode}, model {cfg.model.path})")
+    print(f"  router gRPC   {handle.router_address}")
+    for w in handle.workers:
+        print(f"  {w['role']:<9} {w['worker_id']:<16} {w['address']}  (pool {w['pool']}, pid {w['pid']})")
+    if args.detach:
+        print("detached: `pdcluster status`, `pdcluster generate \"...\"`, `pdcluster down`")
+        return 0
+    print("serving; Ctrl-C stops the cluster")
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nstopping ...")
+    finally:
+        handle.stop()
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from pdcluster.launcher import down
+
+    down(args.address)
+    print("pdcluster stopped")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from pdcluster.launcher import status
+
+    info = status(args.address)
+    meta = info.get("meta", {})
+    print(f"pdcluster: mode {meta.get('mode')}, model {meta.get('model')}, "
+          f"router {(info.get('router') or {}).get('address')}")
+    header = f"{'pool':<10} {'worker':<16} {'role':<9} {'state':<12} {'running':>7} {'queued':>6} {'kv used/free':>14}"
+    print(header)
+    for w in sorted(info["workers"], key=lambda w: (w.get("pool", ""), w["worker_id"])):
+        kv = f"{w.get('kv_blocks_used', '-')}/{w.get('kv_blocks_free', '-')}"
+        print(f"{w.get('pool', ''):<10} {w['worker_id']:<16} {w['role']:<9} {w['state']:<12} "
+              f"{w.get('running', '-'):>7} {w.get('queued', '-'):>6} {kv:>14}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description="Prefill-Decode disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,17 +131,32 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--name", default="tiny-llama", help="built-in model name (default: tiny-llama)")
     mm.set_defaults(func=_make_model)
 
-    gen = sub.add_parser("generate", help="offline generation (prefill and decode engines in one process)")
+    gen = sub.add_parser("generate", help="generate through a running cluster (or --offline, in this process)")
     gen.add_argument("prompts", nargs="+", help="prompt texts")
-    gen.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a local HF checkpoint dir")
+    gen.add_argument("--address", default=None, help="router HOST:PORT (default: the detached cluster's, else 127.0.0.1:50051)")
+    gen.add_argument("--api-key", default=None, help="API key, if the cluster requires one")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt: ids, text, timing")
+    gen.add_argument("--offline", action="store_true", help="no cluster: run prefill and decode engines here")
+    gen.add_argument("--model", default="builtin:tiny-llama", help="--offline: builtin:NAME or a local HF checkpoint dir")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    gen.add_argument("--device", default=None, help="--offline: cpu or cuda (default: cuda if available)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
+
+    upp = sub.add_parser("up", help="start the cluster described by cluster.yaml")
+    upp.add_argument("-c", "--config", default="cluster.yaml", help="deployment file (default: cluster.yaml)")
+    upp.add_argument("--detach", action="store_true", help="return once the cluster is up; stop it with `down`")
+    upp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    upp.set_defaults(func=_up)
+
+    for name, func, text in (("down", _down, "stop a detached cluster"), ("status", _status, "show workers by pool")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--address", default=None, help="Ray address (default: the detached cluster's)")
+        p.set_defaults(func=func)
     return parser
 
 
@@ -60,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # bad input: one clear line, no traceback
+    except (ValueError, RuntimeError) as e:  # bad input or a launch failure: a clear message, no traceback
         print(f"pdcluster: error: {e}", file=sys.stderr)
         return 2
 

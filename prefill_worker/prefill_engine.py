@@ -10,6 +10,7 @@ blocks are freed (they stay in the prefix cache until evicted).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,6 +29,9 @@ class PrefillResult:
     finish_reason: str | None  # set when the request ended with its first token (no decode needed)
     num_cached_tokens: int
     error: str | None = None  # the KV transfer failed; the decode side was told to abort
+    # ms spent in commit (draining the layer stream + the commit itself): the part of the KV
+    # transfer that was not hidden behind the forward pass
+    commit_ms: float = 0.0
 
 
 class PrefillEngine:
@@ -93,12 +97,15 @@ class PrefillEngine:
             token = seq.token_ids[-1]
             lp = seq.logprobs[-1] if seq.logprobs else None
             error = self._errors.pop(rid, None)
+            commit_ms = 0.0
             if error is None and seq.finish_reason is None:
+                t0 = time.monotonic()
                 try:
                     self.sender.commit(ticket, token, lp)
                 except Exception as e:
                     error = f"KV commit failed: {e}"
+                commit_ms = (time.monotonic() - t0) * 1e3
             if error is not None or seq.finish_reason is not None:
                 self._safe_abort(ticket, error or "finished at prefill")
-            results.append(PrefillResult(rid, token, lp, seq.finish_reason, seq.num_cached_tokens, error))
+            results.append(PrefillResult(rid, token, lp, seq.finish_reason, seq.num_cached_tokens, error, commit_ms))
         return results

@@ -50,7 +50,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "first_token_logprob", "num_prompt_tokens", "num_cached_tokens", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms")
+    __slots__ = ("request_id", "first_token", "first_token_logprob", "num_prompt_tokens", "num_cached_tokens", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "finish_reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class PrefillResponse(_message.Message):
     PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     first_token_logprob: _generate_pb2.TokenLogprob
@@ -67,19 +68,24 @@ class PrefillResponse(_message.Message):
     prefill_queue_ms: float
     prefill_compute_ms: float
     kv_transfer_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "sampling")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "sampling", "token_ids", "run_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     sampling: _generate_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    run_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., run_prefill: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("ticket",)

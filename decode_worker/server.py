@@ -1,0 +1,242 @@
+"""The decode worker process: a gRPC server around a `DecodeEngine` and its engine loop.
+
+Threads: gRPC handlers (Reserve / Stream / Abort / Health / Stats, and the KV receiver service on
+the same server) and one engine thread that steps the engine whenever there is work and hands each
+new token to the stream of its request. In colocated mode the same server runs an `Engine` that
+prefills too (`ReserveRequest.run_prefill`), so the router drives both modes the same way.
+
+A request's stream is a queue created at Reserve; `Stream` drains it, so tokens produced before
+the router opened the stream are not lost. Reservations whose KV never commits expire after
+`reservation_ttl_s` (their blocks are freed), so a dead prefill worker cannot strand blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+
+from decode_worker.decode_engine import DecodeEngine
+from engine.engine import Engine
+from engine.config import EngineConfig
+from engine.sequence import Sequence
+from proto import generate_pb2 as gen
+from proto import worker_pb2 as wk
+from proto import worker_pb2_grpc as wk_grpc
+from proto.convert import logprob_to_proto, sampling_from_proto, ticket_to_proto
+
+log = logging.getLogger("pdcluster.decode")
+GRPC_OPTIONS = [("grpc.max_send_message_length", 512 * 2**20), ("grpc.max_receive_message_length", 512 * 2**20)]
+_DONE = object()
+
+
+@dataclass
+class _Stream:
+    queue: "queue.Queue" = field(default_factory=queue.Queue)
+    committed_at: float | None = None  # KV arrived (decode queue starts)
+    reserved_at: float = field(default_factory=time.monotonic)
+    sent: int = 0  # tokens emitted so far
+
+
+class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
+    def __init__(
+        self,
+        engine_cfg: EngineConfig,
+        worker_id: str | None = None,
+        colocated: bool = False,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        kv_backend: str = "grpc",
+        request_timeout_s: float = 600.0,
+        reservation_ttl_s: float = 120.0,
+    ) -> None:
+        self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:6]}"
+        self.colocated = colocated
+        self.request_timeout_s = request_timeout_s
+        self.reservation_ttl_s = reservation_ttl_s
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=256), options=GRPC_OPTIONS)
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"cannot bind {host}:{port}")
+        self.address = f"{host}:{bound}"
+        self.engine = Engine(engine_cfg, "colocated" if colocated else "decode")
+        self.decode: DecodeEngine | None = None
+        if not colocated:
+            self.decode = DecodeEngine(self.engine, backend=kv_backend, server=self.server, endpoint=self.address)
+        self._lock = threading.RLock()  # engine state (colocated mode; DecodeEngine has its own)
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        wk_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
+        self.server.start()
+        self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-engine", daemon=True)
+        self._thread.start()
+        self.role = wk.WORKER_ROLE_COLOCATED if colocated else wk.WORKER_ROLE_DECODE
+
+    # ------------------------------------------------------------------ engine loop
+    def _has_work(self) -> bool:
+        return self.decode.has_work() if self.decode else self.engine.has_work()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._expire_reservations()
+            if not self._has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                if self.decode:
+                    seqs = self.decode.step()
+                else:
+                    with self._lock:
+                        seqs = self.engine.step()
+            except Exception:  # a bug must not kill the worker silently: fail the running requests
+                log.exception("engine step failed")
+                self._fail_all("engine error")
+                continue
+            for seq in seqs:
+                self._emit(seq)
+
+    def _emit(self, seq: Sequence) -> None:
+        stream = self._streams.get(seq.request_id)
+        if stream is None:
+            return
+        first = stream.sent
+        new = seq.output_token_ids[first:]
+        stream.sent += len(new)
+        lps = seq.logprobs[first : first + len(new)] if seq.logprobs else []
+        decode_queue_ms = 0.0
+        if first <= 1 and stream.committed_at is not None:
+            decode_queue_ms = (time.monotonic() - stream.committed_at) * 1e3
+        chunk = wk.TokenChunk(
+            request_id=seq.request_id, start_index=first, token_ids=new,
+            logprobs=[logprob_to_proto(lp) for lp in lps], finish_reason=seq.finish_reason or "",
+            decode_queue_ms=decode_queue_ms,
+        )
+        stream.queue.put(chunk)
+        if seq.finish_reason is not None:
+            stream.queue.put(_DONE)
+
+    def _fail_all(self, reason: str) -> None:
+        for rid in list(self._streams):
+            self._abort(rid)
+            stream = self._streams.get(rid)
+            if stream:
+                stream.queue.put(wk.TokenChunk(request_id=rid, finish_reason="abort"))
+                stream.queue.put(_DONE)
+
+    def _expire_reservations(self) -> None:
+        if not self.decode or not self.decode.num_reserved:
+            return
+        now = time.monotonic()
+        for rid, stream in list(self._streams.items()):
+            if stream.committed_at is None and now - stream.reserved_at > self.reservation_ttl_s:
+                log.warning("request %s: KV never committed within %.0fs; freeing its blocks", rid, self.reservation_ttl_s)
+                self._abort(rid)
+
+    def _abort(self, request_id: str) -> bool:
+        if self.decode:
+            found = self.decode.abort_request(request_id)
+        else:
+            with self._lock:
+                found = self.engine.abort(request_id) is not None
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put(_DONE)
+        return found
+
+    # ------------------------------------------------------------------ RPCs
+    def Reserve(self, request: wk.ReserveRequest, context: grpc.ServicerContext) -> wk.ReserveResponse:
+        rid = request.request_id
+        try:
+            params = sampling_from_proto(request.sampling)
+            ids = list(request.token_ids)
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already active on this worker")
+            if self.decode:
+                stream = _Stream()
+                self._streams[rid] = stream
+                ticket = self.decode.reserve(rid, ids, params, on_commit=lambda: self._committed(rid))
+                if ticket is None:
+                    self._streams.pop(rid, None)
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
+                return wk.ReserveResponse(ticket=ticket_to_proto(ticket))
+            with self._lock:
+                bm = self.engine.block_manager
+                if bm.blocks_needed(len(ids)) + len(self.engine.scheduler.running) > bm.num_free_blocks:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker")
+                stream = _Stream(committed_at=time.monotonic())
+                self._streams[rid] = stream
+                self.engine.add_request(rid, ids, params)
+            self._wake.set()
+            return wk.ReserveResponse()
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _committed(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.committed_at = time.monotonic()
+        self._wake.set()
+
+    def Stream(self, request: wk.StreamRequest, context: grpc.ServicerContext):
+        rid = request.request_id
+        stream = self._streams.get(rid)
+        if stream is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no active request {rid!r} on this worker")
+        context.add_callback(lambda: self._on_disconnect(rid, stream))
+        deadline = time.monotonic() + self.request_timeout_s
+        while True:
+            try:
+                item = stream.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._abort(rid)
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} exceeded {self.request_timeout_s}s")
+            if item is _DONE:
+                self._streams.pop(rid, None)
+                return
+            yield item
+
+    def _on_disconnect(self, rid: str, stream: _Stream) -> None:
+        if self._streams.get(rid) is stream:  # still running: the client went away
+            self._abort(rid)
+
+    def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
+        return gen.AbortResponse(found=self._abort(request.request_id))
+
+    def Health(self, request: wk.HealthRequest, context: grpc.ServicerContext) -> wk.HealthResponse:
+        ok = self._thread.is_alive()
+        return wk.HealthResponse(
+            ok=ok, reason="" if ok else "engine thread died", worker_id=self.worker_id, role=self.role,
+            model=self.engine.cfg.model, compat_hash=self.engine.runner.compat_hash,
+        )
+
+    def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
+        return self.stats()
+
+    def stats(self) -> wk.WorkerStats:
+        bm = self.engine.block_manager
+        sched = self.engine.scheduler
+        queued = len(sched.waiting) + (self.decode.num_reserved if self.decode else 0)
+        return wk.WorkerStats(
+            worker_id=self.worker_id, role=self.role, running=len(sched.running), queued=queued,
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
+            queued_prefill_tokens=sum(s.num_remaining for s in sched.waiting),
+        )
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        for rid in list(self._streams):
+            self._abort(rid)
+        self.server.stop(grace).wait(grace + 1)
+        self._thread.join(timeout=5)
+        if self.decode:
+            self.decode.close()
+

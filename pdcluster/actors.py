@@ -1,0 +1,117 @@
+"""Ray actors: thin shells that host each component's gRPC server in its own process.
+
+The servers do the work; an actor only starts one, reports its address, and stops it. Worker
+actors are placed by the launcher with their pool's resources; the Controller is a named actor
+that holds membership so `pdcluster status` / `down` can find everything later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+
+NAMESPACE = "pdcluster"
+CONTROLLER_NAME = "controller"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@ray.remote(num_cpus=0)
+class WorkerActor:
+    """Hosts a prefill, decode or colocated worker server."""
+
+    def __init__(self, role: str, worker_id: str, engine_kwargs: dict, options: dict, log_level: str = "info") -> None:
+        _setup_logging(log_level)
+        from engine.config import EngineConfig
+
+        cfg = EngineConfig(**engine_kwargs)
+        self.role, self.worker_id = role, worker_id
+        if role == "prefill":
+            from prefill_worker.server import PrefillWorkerServer
+
+            self.server = PrefillWorkerServer(cfg, worker_id, **options)
+        else:
+            from decode_worker.server import DecodeWorkerServer
+
+            self.server = DecodeWorkerServer(cfg, worker_id, colocated=role == "colocated", **options)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "address": self.server.address,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@ray.remote(num_cpus=0)
+class RouterActor:
+    def __init__(self, router_kwargs: dict, log_level: str = "info") -> None:
+        _setup_logging(log_level)
+        from router.server import RouterServer
+
+        self.server = RouterServer(**router_kwargs)
+
+    def address(self) -> str:
+        return self.server.address
+
+    def set_workers(self, workers: list[tuple[str, str, str]]) -> None:
+        self.server.set_workers(workers)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@ray.remote(num_cpus=0)
+class Controller:
+    """Membership: which actors exist, their pools, roles and addresses; live stats on request."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, dict[str, Any]] = {}  # worker_id -> info (+ pool, actor name)
+        self.router: dict[str, Any] | None = None
+        self.meta: dict[str, Any] = {"started": time.time()}
+
+    def register_worker(self, info: dict[str, Any]) -> None:
+        self.workers[info["worker_id"]] = info
+
+    def register_router(self, info: dict[str, Any]) -> None:
+        self.router = info
+
+    def set_meta(self, **meta: Any) -> None:
+        self.meta.update(meta)
+
+    def membership(self) -> dict[str, Any]:
+        return {"workers": list(self.workers.values()), "router": self.router, "meta": self.meta}
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each worker's live stats over gRPC (state 'unreachable' if it does not answer)."""
+        import grpc
+
+        from proto import worker_pb2 as wk
+        from proto import worker_pb2_grpc as wk_grpc
+
+        rows = []
+        for info in self.workers.values():
+            row = dict(info)
+            channel = grpc.insecure_channel(info["address"])
+            stub = wk_grpc.PrefillWorkerStub(channel) if info["role"] == "prefill" else wk_grpc.DecodeWorkerStub(channel)
+            try:
+                s = stub.Stats(wk.StatsRequest(), timeout=3.0)
+                row.update(state="healthy", running=s.running, queued=s.queued, kv_blocks_used=s.kv_blocks_used,
+                           kv_blocks_free=s.kv_blocks_free, queued_prefill_tokens=s.queued_prefill_tokens)
+            except grpc.RpcError as e:
+                row.update(state=f"unreachable ({e.code().name})")
+            finally:
+                channel.close()
+            rows.append(row)
+        return rows

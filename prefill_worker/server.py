@@ -1,0 +1,195 @@
+"""The prefill worker process: a gRPC server around a `PrefillEngine` and its engine loop.
+
+`Prefill` is unary: the handler queues the request for the engine thread and waits (bounded) for
+its result, which arrives after the KV has been pushed and committed to the decode worker named
+in the ticket. The engine thread batches whatever is queued at each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from kv_transfer import TransferTicket, create_sender
+from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
+from proto import generate_pb2 as gen
+from proto import worker_pb2 as wk
+from proto import worker_pb2_grpc as wk_grpc
+from proto.convert import logprob_to_proto, sampling_from_proto, ticket_from_proto
+
+log = logging.getLogger("pdcluster.prefill")
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    ticket: TransferTicket
+    arrived: float = field(default_factory=time.monotonic)
+    started: float | None = None  # first scheduled
+    done: threading.Event = field(default_factory=threading.Event)
+    result: PrefillResult | None = None
+    kv_ms: float = 0.0
+    finished: float = 0.0
+
+
+class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
+    def __init__(
+        self,
+        engine_cfg: EngineConfig,
+        worker_id: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        kv_backend: str = "grpc",
+        kv_timeout_s: float = 30.0,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
+        self.request_timeout_s = request_timeout_s
+        self.engine = Engine(engine_cfg, "prefill")
+        sender = create_sender(kv_backend, self.engine.runner.compat_hash, timeout_s=kv_timeout_s)
+        self.prefill = PrefillEngine(self.engine, sender)
+        self._inbox: queue.Queue[_Pending | str] = queue.Queue()  # requests, or request ids to abort
+        self._pending: dict[str, _Pending] = {}
+        self._stop = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=256))
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"cannot bind {host}:{port}")
+        self.address = f"{host}:{bound}"
+        wk_grpc.add_PrefillWorkerServicer_to_server(self, self.server)
+        self.server.start()
+        self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine loop
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, str):
+                if self.prefill.abort(item, "aborted by the router"):
+                    self._finish(item, None)
+            else:
+                try:
+                    self.prefill.add(item.request_id, item.token_ids, item.params, item.ticket)
+                    self._pending[item.request_id] = item
+                except Exception as e:  # bad ticket / request: answer it at once
+                    item.result = PrefillResult(item.request_id, 0, None, None, 0, error=str(e))
+                    item.done.set()
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.prefill.has_work())
+            if not self.prefill.has_work():
+                continue
+            now = time.monotonic()
+            for seq in self.engine.scheduler.waiting:
+                p = self._pending.get(seq.request_id)
+                if p is not None and p.started is None:
+                    p.started = now  # admitted at this step at the latest (FCFS)
+            try:
+                t0 = time.monotonic()
+                results = self.prefill.step()
+                step_end = time.monotonic()
+            except Exception:
+                log.exception("prefill step failed")
+                for rid in list(self._pending):
+                    self.prefill.abort(rid, "prefill engine error")
+                    self._finish(rid, PrefillResult(rid, 0, None, None, 0, error="prefill engine error"))
+                continue
+            for r in results:
+                p = self._pending.get(r.request_id)
+                if p is not None:
+                    p.kv_ms = r.commit_ms
+                    p.started = p.started or t0
+                self._finish(r.request_id, r, step_end)
+
+    def _finish(self, request_id: str, result: PrefillResult | None, end: float | None = None) -> None:
+        p = self._pending.pop(request_id, None)
+        if p is None:
+            return
+        p.result = result
+        p.finished = end or time.monotonic()
+        p.done.set()
+
+    # ------------------------------------------------------------------ RPCs
+    def Prefill(self, request: wk.PrefillRequest, context: grpc.ServicerContext) -> wk.PrefillResponse:
+        rid = request.request_id
+        try:
+            params = sampling_from_proto(request.sampling)
+            ids = list(request.token_ids)
+            self.engine.validate(ids, params)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        pending = _Pending(rid, ids, params, ticket_from_proto(request.ticket))
+        context.add_callback(lambda: None if pending.done.is_set() else self._inbox.put(rid))
+        self._inbox.put(pending)
+        remaining = context.time_remaining()
+        timeout = self.request_timeout_s if remaining is None else min(remaining, self.request_timeout_s)
+        if not pending.done.wait(timeout):
+            self._inbox.put(rid)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish in {timeout:.0f}s")
+        r = pending.result
+        if r is None:
+            context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} was aborted")
+        if r.error is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {r.error}")
+        started = pending.started or pending.arrived
+        response = wk.PrefillResponse(
+            request_id=rid, first_token=r.first_token, num_prompt_tokens=len(ids),
+            num_cached_tokens=r.num_cached_tokens, finish_reason=r.finish_reason or "",
+            prefill_queue_ms=(started - pending.arrived) * 1e3,
+            prefill_compute_ms=max(0.0, (pending.finished - started) * 1e3 - pending.kv_ms),
+            kv_transfer_ms=pending.kv_ms,
+        )
+        if r.logprob is not None:
+            response.first_token_logprob.CopyFrom(logprob_to_proto(r.logprob))
+        return response
+
+    def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
+        found = request.request_id in self._pending
+        self._inbox.put(request.request_id)
+        return gen.AbortResponse(found=found)
+
+    def Health(self, request: wk.HealthRequest, context: grpc.ServicerContext) -> wk.HealthResponse:
+        ok = self._thread.is_alive()
+        return wk.HealthResponse(
+            ok=ok, reason="" if ok else "engine thread died", worker_id=self.worker_id,
+            role=wk.WORKER_ROLE_PREFILL, model=self.engine.cfg.model, compat_hash=self.engine.runner.compat_hash,
+        )
+
+    def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
+        return self.stats()
+
+    def stats(self) -> wk.WorkerStats:
+        bm = self.engine.block_manager
+        sched = self.engine.scheduler
+        return wk.WorkerStats(
+            worker_id=self.worker_id, role=wk.WORKER_ROLE_PREFILL, running=len(sched.running),
+            queued=len(sched.waiting) + self._inbox.qsize(), kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks, queued_prefill_tokens=self.prefill.num_queued_tokens,
+        )
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        self.server.stop(grace).wait(grace + 1)
+        self._thread.join(timeout=5)
+        self.prefill.sender.close()

@@ -1,0 +1,73 @@
+"""Conversions between wire messages and engine types (shared by the router and the workers)."""
+
+from __future__ import annotations
+
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+from kv_transfer.base import TransferTicket
+from proto import generate_pb2 as gen
+from proto import worker_pb2 as wk
+
+
+def sampling_from_proto(msg: gen.SamplingParams) -> SamplingParams:
+    """Unset fields take the engine defaults. Raises ValueError naming a bad field."""
+    kwargs: dict = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    kwargs["stop"] = list(msg.stop)
+    kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    kwargs["ignore_eos"] = msg.ignore_eos
+    return SamplingParams(**kwargs)
+
+
+def sampling_to_proto(p: SamplingParams) -> gen.SamplingParams:
+    msg = gen.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> gen.TokenLogprob:
+    return gen.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, top=[gen.Logprob(token_id=t, logprob=v) for t, v in lp.top]
+    )
+
+
+def logprob_from_proto(msg: gen.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])
+
+
+def unknown_fields(msg: Message, path: str = "") -> list[str]:
+    """Field numbers present on the wire but not in this message's schema, as dotted paths."""
+    found = [f"{path}#{f.field_number}" for f in UnknownFieldSet(msg)]
+    for field, value in msg.ListFields():
+        if field.message_type is None:
+            continue
+        items = list(value) if field.is_repeated else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, Message):
+                found += unknown_fields(item, f"{path}{field.name}{f'[{i}]' if len(items) > 1 else ''}.")
+    return found
+
+
+def ticket_to_proto(t: TransferTicket) -> wk.TransferTicket:
+    return wk.TransferTicket(
+        transfer_id=t.transfer_id, kv_endpoint=t.kv_endpoint, block_ids=t.block_ids, compat_hash=t.compat_hash,
+        auth_token=t.auth_token, num_tokens=t.num_tokens, backend=t.backend,
+    )
+
+
+def ticket_from_proto(msg: wk.TransferTicket) -> TransferTicket:
+    return TransferTicket(
+        transfer_id=msg.transfer_id, kv_endpoint=msg.kv_endpoint, block_ids=list(msg.block_ids),
+        compat_hash=msg.compat_hash, auth_token=msg.auth_token, num_tokens=msg.num_tokens, backend=msg.backend,
+    )

@@ -1,0 +1,100 @@
+"""The router's view of the workers: gRPC stubs, health, and load for picking a pair.
+
+Load is tracked by the router itself (requests and prompt tokens it has in flight per worker) and
+refreshed from each worker's `Stats` (free KV blocks) by a background poll, so a pick costs no RPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto import worker_pb2 as wk
+from proto import worker_pb2_grpc as wk_grpc
+
+log = logging.getLogger("pdcluster.router")
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: str
+    role: str  # prefill | decode | colocated
+    address: str
+    channel: grpc.Channel = field(repr=False)
+    stub: object = field(repr=False)
+    inflight: int = 0  # requests the router has on it
+    inflight_tokens: int = 0  # prompt tokens the router has queued on it (prefill)
+    kv_blocks_free: int = 0
+    healthy: bool = True
+
+
+class WorkerPool:
+    def __init__(self, stats_interval_s: float = 0.5) -> None:
+        self._workers: dict[str, WorkerHandle] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._interval = stats_interval_s
+        self._thread = threading.Thread(target=self._poll, name="router-stats", daemon=True)
+        self._thread.start()
+
+    def set_workers(self, workers: list[tuple[str, str, str]]) -> None:
+        """Replace membership with [(worker_id, role, address)]; existing channels are kept."""
+        with self._lock:
+            keep = {w[0] for w in workers}
+            for wid in list(self._workers):
+                if wid not in keep:
+                    self._workers.pop(wid).channel.close()
+            for wid, role, address in workers:
+                if wid in self._workers and self._workers[wid].address == address:
+                    continue
+                channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                stub = wk_grpc.PrefillWorkerStub(channel) if role == "prefill" else wk_grpc.DecodeWorkerStub(channel)
+                self._workers[wid] = WorkerHandle(wid, role, address, channel, stub)
+
+    def workers(self, role: str | None = None) -> list[WorkerHandle]:
+        with self._lock:
+            return [w for w in self._workers.values() if role is None or w.role == role]
+
+    def pick(self, role: str, exclude: set[str] = frozenset()) -> WorkerHandle | None:
+        """Least-loaded healthy worker: prefill by queued prompt tokens, decode by free KV blocks
+        (then by requests in flight)."""
+        with self._lock:
+            candidates = [w for w in self._workers.values() if w.role == role and w.healthy and w.worker_id not in exclude]
+            if not candidates:
+                return None
+            if role == "prefill":
+                return min(candidates, key=lambda w: (w.inflight_tokens, w.inflight))
+            return min(candidates, key=lambda w: (w.inflight, -w.kv_blocks_free))
+
+    def acquire(self, w: WorkerHandle, tokens: int = 0) -> None:
+        with self._lock:
+            w.inflight += 1
+            w.inflight_tokens += tokens
+
+    def release(self, w: WorkerHandle, tokens: int = 0) -> None:
+        with self._lock:
+            w.inflight -= 1
+            w.inflight_tokens -= tokens
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._interval):
+            for w in self.workers():
+                try:
+                    stats = w.stub.Stats(wk.StatsRequest(), timeout=2.0)
+                    w.kv_blocks_free, w.healthy = stats.kv_blocks_free, True
+                except grpc.RpcError as e:
+                    if w.healthy:
+                        log.warning("worker %s at %s is not answering: %s", w.worker_id, w.address, e.code())
+                    w.healthy = False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            for w in self._workers.values():
+                w.channel.close()
+            self._workers.clear()
