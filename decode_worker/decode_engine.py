@@ -25,7 +25,7 @@ import torch
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprobs
-from kv_transfer import KVReceiver, TransferTicket, create_receiver
+from kv_transfer import KVReceiver, KVTransferError, TransferTicket, create_receiver
 
 
 class DecodeEngine:
@@ -90,6 +90,10 @@ class DecodeEngine:
         cache.index_copy_(1, index, kv.to(device=cache.device, dtype=cache.dtype))
 
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:
+        vocab = self.engine.model_cfg.vocab_size
+        if not 0 <= first_token < vocab:  # a bad token would fail the whole decode batch later
+            self._drop_reserved(ticket.transfer_id)
+            raise KVTransferError(f"commit of {ticket.transfer_id!r}: first token {first_token} outside [0, {vocab})")
         with self._lock:
             seq = self._reserved.pop(ticket.transfer_id, None)
             if seq is None:

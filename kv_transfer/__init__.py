@@ -13,6 +13,7 @@ from kv_transfer.base import KVReceiver, KVSender, KVSink, KVTransferError, Tran
 # name -> (module, sender class, receiver class)
 BACKENDS: dict[str, tuple[str, str, str]] = {
     "inproc": ("kv_transfer.inproc", "InprocSender", "InprocReceiver"),
+    "grpc": ("kv_transfer.grpc_backend", "GrpcSender", "GrpcReceiver"),
 }
 
 

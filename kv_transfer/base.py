@@ -16,6 +16,7 @@ travel; the checks live here, shared.
 
 from __future__ import annotations
 
+import hmac
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ class KVReceiver(ABC):
         pending = self._pending.get(transfer_id)
         if pending is None:
             raise KVTransferError(f"unknown transfer id {transfer_id!r}")
-        if auth_token != pending.ticket.auth_token:
+        if not hmac.compare_digest(auth_token, pending.ticket.auth_token):
             raise KVTransferError(f"bad auth token for transfer {transfer_id!r}")
         return pending
 

@@ -60,8 +60,12 @@ class Client:
         """Server-streamed chunks; the last one has finish_reason, usage and timing.
         Keyword arguments build SamplingParams (max_tokens=..., temperature=...)."""
         params = params or SamplingParams(**kwargs)  # type: ignore[arg-type]
-        yield from self._stub.Generate(self._request(prompt, params, request_id), timeout=self.timeout_s,
-                                       metadata=self._metadata)
+        call = self._stub.Generate(self._request(prompt, params, request_id), timeout=self.timeout_s,
+                                   metadata=self._metadata)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # no-op when finished; frees the request's blocks if the caller stops early
 
     def complete(self, prompt: str | list[int], params: SamplingParams | None = None,
                  request_id: str | None = None, **kwargs: object) -> Completion:

@@ -76,30 +76,44 @@ def _stop_ray(started: str | None) -> None:
         subprocess.run([shutil.which("ray") or "ray", "stop", "--force"], capture_output=True, timeout=120)
 
 
+def ray_auth_env() -> None:
+    """Ray 2.60 turns on token authentication for clusters started with `ray start --head`; drivers
+    and joining nodes must then say RAY_AUTH_MODE=token (the token is in ~/.ray/auth_token or
+    RAY_AUTH_TOKEN[_PATH]). Set it whenever a token is present, unless the user chose a mode."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    if (Path.home() / ".ray" / "auth_token").is_file() or "RAY_AUTH_TOKEN" in os.environ \
+            or "RAY_AUTH_TOKEN_PATH" in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def _connect(cfg: ClusterConfig, detach: bool, num_cpus: float) -> tuple[str | None, str | None]:
-    """Connect this process to Ray. Returns (address to reconnect with, what we started)."""
+    """Connect this process to Ray. Returns (address to reconnect with, what we started).
+
+    Ray reads RAY_AUTH_MODE when it is imported, so `ray start` runs (and may create the token)
+    before this process imports ray."""
+    address = cfg.ray.address
+    cpus = max(os.cpu_count() or 1, int(num_cpus + 0.999))
+    started = None
+    if address is None and detach:
+        port = _free_port()
+        cmd = [shutil.which("ray") or "ray", "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
+               "--include-dashboard=false", "--disable-usage-stats"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        if proc.returncode != 0:
+            raise LaunchError(f"`{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}")
+        address, started = f"127.0.0.1:{port}", "head"
+    ray_auth_env()
     import ray
 
     from pdcluster.actors import NAMESPACE
 
-    address = cfg.ray.address
-    if address is not None:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-        return address, None
-    cpus = max(os.cpu_count() or 1, int(num_cpus + 0.999))
-    if not detach:
+    if address is None:
         ray.init(address="local", namespace=NAMESPACE, num_cpus=cpus, include_dashboard=False,
                  _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
         return None, "inprocess"
-    port = _free_port()
-    cmd = [shutil.which("ray") or "ray", "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-           f"--num-cpus={cpus}", "--include-dashboard=false", "--disable-usage-stats"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0:
-        raise LaunchError(f"`{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}")
-    address = f"127.0.0.1:{port}"
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-    return address, "head"
+    return address, started
 
 
 def _actor_options(pool: Any, lifetime: str | None) -> dict[str, Any]:
@@ -116,10 +130,6 @@ def _actor_options(pool: Any, lifetime: str | None) -> dict[str, Any]:
 
 def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
        say: Callable[[str], None] = print) -> ClusterHandle:
-    import ray
-
-    from pdcluster.actors import CONTROLLER_NAME, Controller, RouterActor, WorkerActor
-
     if cfg.kv_transfer.backend == "inproc":
         raise LaunchError("kv_transfer.backend: 'inproc' only works inside one process (the offline LLM); "
                           "use grpc or auto for a cluster")
@@ -128,6 +138,10 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
         raise LaunchError(f"kv_transfer.backend: {kv_backend!r} is not available yet; use grpc or auto")
     num_cpus = sum(p.resources.get("num_cpus", 1) * p.replicas for p in cfg.pools)
     ray_address, started = _connect(cfg, detach, num_cpus)
+    import ray
+
+    from pdcluster.actors import CONTROLLER_NAME, Controller, RouterActor, WorkerActor
+
     lifetime = "detached" if detach else None
     actors: list[Any] = []
     try:
@@ -223,6 +237,7 @@ def _read_state() -> dict[str, Any] | None:
 
 
 def _reconnect(address: str | None) -> Any:
+    ray_auth_env()
     import ray
 
     from pdcluster.actors import CONTROLLER_NAME, NAMESPACE
@@ -240,6 +255,7 @@ def _reconnect(address: str | None) -> Any:
 
 
 def status(address: str | None = None) -> dict[str, Any]:
+    ray_auth_env()
     import ray
 
     controller = _reconnect(address)
@@ -249,6 +265,7 @@ def status(address: str | None = None) -> dict[str, Any]:
 
 
 def down(address: str | None = None) -> None:
+    ray_auth_env()
     import ray
 
     from pdcluster.actors import CONTROLLER_NAME

@@ -99,5 +99,14 @@ def test_reserve_returns_none_when_the_cache_is_full(decode):
 
 
 def test_unknown_backend_names_the_available_ones():
-    with pytest.raises(ValueError, match="available: inproc"):
+    with pytest.raises(ValueError, match="available: grpc, inproc"):
         create_sender("carrier-pigeon", "x")
+
+
+def test_commit_with_a_token_outside_the_vocabulary_is_refused_and_frees_blocks(decode, sender):
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    for layer in range(decode.num_layers):
+        sender.send_layer(ticket, layer, _layer(decode, ticket))
+    with pytest.raises(KVTransferError, match="outside"):
+        sender.commit(ticket, 10**6, None)
+    assert decode.engine.block_manager.num_used_blocks == 0 and not decode.has_work()

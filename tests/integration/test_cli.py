@@ -1,0 +1,64 @@
+"""`pdcluster up --detach`, `status`, `generate`, `down` from a shell, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pdcluster(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdcluster.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_up_detach_status_generate_down_from_a_shell(tmp_path):
+    port = _free_port()
+    config = tmp_path / "cluster.yaml"
+    config.write_text((ROOT / "cluster.yaml").read_text().replace("grpc_port: 50051", f"grpc_port: {port}"))
+    up = _pdcluster("up", "--detach", "-c", str(config))
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert f"127.0.0.1:{port}" in up.stdout and "prefill-0" in up.stdout and "decode-0" in up.stdout
+
+        status = _pdcluster("status")
+        assert status.returncode == 0, status.stderr[-3000:]
+        lines = status.stdout.splitlines()
+        assert any("prefill-0" in line and "healthy" in line for line in lines), status.stdout
+        assert any("decode-0" in line and "healthy" in line for line in lines), status.stdout
+
+        gen = _pdcluster("generate", "--json", "--max-tokens", "8", "Once upon a time")
+        assert gen.returncode == 0, gen.stderr[-3000:]
+        result = json.loads(gen.stdout.strip().splitlines()[-1])
+        assert len(result["token_ids"]) == 8 and result["finish_reason"] in ("length", "stop")
+        assert result["timing"]["ttft_ms"] > 0
+
+        streamed = _pdcluster("generate", "--max-tokens", "8", "Hello")
+        assert streamed.returncode == 0 and "finish_reason=" in streamed.stderr
+    finally:
+        down = _pdcluster("down")
+    assert down.returncode == 0, down.stderr[-3000:]
+    after = _pdcluster("status")
+    assert after.returncode != 0 and "no detached pdcluster" in after.stderr
+
+
+def test_bad_cluster_yaml_is_refused_with_the_key_named(tmp_path):
+    config = tmp_path / "cluster.yaml"
+    config.write_text("mode: disaggregated\nrouter: {grpc_prot: 1}\n")
+    result = _pdcluster("up", "-c", str(config), timeout=60)
+    assert result.returncode == 2
+    assert "router.grpc_prot" in result.stderr and "allowed" in result.stderr
