@@ -112,7 +112,7 @@ def _connect(cfg: ClusterConfig, detach: bool, num_cpus: float) -> tuple[str | N
         ray.init(address="local", namespace=NAMESPACE, num_cpus=cpus, include_dashboard=False,
                  _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
         return None, "inprocess"
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
     return address, started
 
 
@@ -247,7 +247,7 @@ def _reconnect(address: str | None) -> Any:
     if address is None:
         raise LaunchError("no detached pdcluster found (start one with `pdcluster up --detach`)")
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
     try:
         return ray.get_actor(CONTROLLER_NAME)
     except ValueError:
