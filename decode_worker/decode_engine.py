@@ -52,11 +52,16 @@ class DecodeEngine:
         token_ids: list[int],
         params: SamplingParams,
         on_commit: Callable[[], None] | None = None,
+        transfer_id: str | None = None,
     ) -> TransferTicket | None:
         """Hold blocks for the prompt's KV. None when the cache is too full right now.
+        `transfer_id` is minted by the caller (the router) or here; it must be unused.
         `on_commit` is called (from the transfer's thread) once the KV has all arrived."""
         seq = self.engine.make_sequence(request_id, token_ids, params)
+        transfer_id = transfer_id or uuid.uuid4().hex
         with self._lock:
+            if transfer_id in self._reserved:
+                raise ValueError(f"transfer id {transfer_id!r} is already in use")
             bm = self.engine.block_manager
             # keep one block of headroom per running sequence so reservations do not starve decode
             headroom = len(self.engine.scheduler.running)
@@ -64,7 +69,7 @@ class DecodeEngine:
                 return None
             seq.block_table = bm.allocate_blocks(len(token_ids))
             ticket = TransferTicket(
-                transfer_id=uuid.uuid4().hex,
+                transfer_id=transfer_id,
                 kv_endpoint=self.receiver.endpoint,
                 block_ids=list(seq.block_table),
                 compat_hash=self.compat_hash,

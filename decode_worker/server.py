@@ -162,7 +162,12 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             if self.decode:
                 stream = _Stream()
                 self._streams[rid] = stream
-                ticket = self.decode.reserve(rid, ids, params, on_commit=lambda: self._committed(rid))
+                try:
+                    ticket = self.decode.reserve(rid, ids, params, on_commit=lambda: self._committed(rid),
+                                                 transfer_id=request.transfer_id or None)
+                except ValueError:
+                    self._streams.pop(rid, None)
+                    raise
                 if ticket is None:
                     self._streams.pop(rid, None)
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")

@@ -32,7 +32,7 @@ from engine.tokenizer import load_tokenizer
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
 from proto import worker_pb2 as wk
-from proto.convert import sampling_from_proto, unknown_fields
+from proto.convert import sampling_from_proto, sampling_to_proto, unknown_fields
 from router.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdcluster.router")
@@ -171,7 +171,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
         """Reserve on the least-loaded decode worker; wait (bounded) while all are full."""
         role = "colocated" if self.mode == "colocated" else "decode"
         req = wk.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
-                                sampling=request_sampling(params), token_ids=ids, run_prefill=self.mode == "colocated")
+                                sampling=sampling_to_proto(params), token_ids=ids, run_prefill=self.mode == "colocated",
+                                transfer_id=f"{rid}-{uuid.uuid4().hex[:12]}")
         delay = 0.01
         while True:
             tried: set[str] = set()
@@ -275,7 +276,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.pool.acquire(prefill, len(ids))
         try:
             return prefill.stub.Prefill(
-                wk.PrefillRequest(request_id=active.request_id, token_ids=ids, sampling=request_sampling(params),
+                wk.PrefillRequest(request_id=active.request_id, token_ids=ids, sampling=sampling_to_proto(params),
                                   ticket=ticket),
                 timeout=max(0.1, deadline - time.monotonic()),
             )
@@ -294,7 +295,3 @@ class RouterServer(gen_grpc.PDClusterServicer):
         return gen.GenerateResponse(request_id=rid, token_ids=tokens, text=text, logprobs=logprobs), stopped
 
 
-def request_sampling(params: SamplingParams) -> gen.SamplingParams:
-    from proto.convert import sampling_to_proto
-
-    return sampling_to_proto(params)
