@@ -14,6 +14,7 @@ from kv_transfer.base import KVReceiver, KVSender, KVSink, KVTransferError, Tran
 BACKENDS: dict[str, tuple[str, str, str]] = {
     "inproc": ("kv_transfer.inproc", "InprocSender", "InprocReceiver"),
     "grpc": ("kv_transfer.grpc_backend", "GrpcSender", "GrpcReceiver"),
+    "shm": ("kv_transfer.shm_backend", "ShmSender", "ShmReceiver"),
 }
 
 

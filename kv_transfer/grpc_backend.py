@@ -130,7 +130,9 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
             return kv_transfer_pb2.HandshakeResponse(
                 ok=False, reason=str(e), compat_hash=self.r.sink.compat_hash
             )
-        return kv_transfer_pb2.HandshakeResponse(ok=True, compat_hash=self.r.sink.compat_hash)
+        return kv_transfer_pb2.HandshakeResponse(
+            ok=True, compat_hash=self.r.sink.compat_hash, **self.r.handshake_fields(request)
+        )
 
     def SendLayers(self, request_iterator, context):
         self._check_open(context)
@@ -138,8 +140,7 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         for msg in request_iterator:
             self._check_open(context)
             try:
-                kv = self.r.decode_layer(msg)
-                self.r._on_layer(msg.transfer_id, msg.auth_token, msg.layer, kv)
+                self.r.receive_layer(msg)
             except _Corrupt as e:
                 context.abort(grpc.StatusCode.DATA_LOSS, str(e))
             except KVTransferError as e:
@@ -233,9 +234,25 @@ class GrpcReceiver(KVReceiver):
     def endpoint(self) -> str:
         return self._endpoint
 
+    def handshake_fields(self, request: kv_transfer_pb2.HandshakeRequest) -> dict[str, Any]:
+        """Extra fields for an accepted handshake's response (an extension point; none here)."""
+        return {}
+
+    def receive_layer(self, msg: kv_transfer_pb2.KVLayer) -> None:
+        """Check one `KVLayer` and hand it to the shared checks (an extension point for other transports)."""
+        self._on_layer(msg.transfer_id, msg.auth_token, msg.layer, self.decode_layer(msg))
+
     def decode_layer(self, msg: kv_transfer_pb2.KVLayer) -> torch.Tensor:
         """Check a `KVLayer`'s framing (checksum, dtype, size) and view its payload as a tensor."""
         payload = msg.payload
+        dtype, shape = self.check_layer(msg, payload)
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape)
+
+    def check_layer(self, msg: kv_transfer_pb2.KVLayer, payload: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+        """Check a `KVLayer`'s framing against its bytes (any 1-D byte buffer): compression, split,
+        checksum, dtype, size. Returns the dtype and shape the bytes hold."""
         if msg.HasField("compression"):
             raise KVTransferError(f"layer {msg.layer}: compression {msg.compression!r} is not supported")
         if msg.first_block != 0:
@@ -260,9 +277,7 @@ class GrpcReceiver(KVReceiver):
             raise KVTransferError(
                 f"layer {msg.layer}: shape {shape} of {msg.dtype} is {size} bytes, payload has {len(payload)}"
             )
-        if size == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape)
+        return dtype, shape
 
     def close(self) -> None:
         """Refuse further messages; stop the server if this receiver started it."""
@@ -347,12 +362,21 @@ class GrpcSender(KVSender):
             if hs.future.cancelled() or hs.future.exception() is not None:
                 hs = None  # failed on the network, not refused: try again
         if hs is None:
-            request = kv_transfer_pb2.HandshakeRequest(
-                compat_hash=self.compat_hash, layout_version=KV_LAYOUT_VERSION, sender_id=self.sender_id
-            )
+            request = self._handshake_request(endpoint)
             hs = _Handshake(self._stub(endpoint).Handshake.future(request, timeout=self.timeout_s))
             self._handshakes[endpoint] = hs
         return hs
+
+    def _handshake_request(self, endpoint: str) -> kv_transfer_pb2.HandshakeRequest:
+        """Under self._lock: what this sender opens an endpoint with (an extension point)."""
+        return kv_transfer_pb2.HandshakeRequest(
+            compat_hash=self.compat_hash, layout_version=KV_LAYOUT_VERSION, sender_id=self.sender_id
+        )
+
+    def _check_handshake(self, endpoint: str, response: kv_transfer_pb2.HandshakeResponse) -> str | None:
+        """Why an accepted handshake still does not suit this sender, or None (an extension point).
+        A reason is cached like a refusal."""
+        return None
 
     def _await_handshake(self, endpoint: str, hs: _Handshake, timeout: float) -> None:
         """Raise KVTransferError unless the endpoint accepted our layout."""
@@ -370,6 +394,10 @@ class GrpcSender(KVSender):
         if not response.ok:
             hs.error = f"KV receiver at {endpoint} refused the handshake: {response.reason}"
             raise KVTransferError(hs.error)
+        problem = self._check_handshake(endpoint, response)
+        if problem is not None:
+            hs.error = problem
+            raise KVTransferError(hs.error)
 
     # ------------------------------------------------------------------ streaming
     def _requests(
@@ -385,16 +413,32 @@ class GrpcSender(KVSender):
             item = stream.requests.get()
             if item is _END:
                 return
-            layer, dtype, shape, payload = item
-            yield kv_transfer_pb2.KVLayer(
-                transfer_id=ticket.transfer_id,
-                auth_token=ticket.auth_token,
-                layer=layer,
-                dtype=dtype,
-                shape=shape,
-                checksum=zlib.crc32(payload),
-                payload=payload,
+            yield self._layer_message(ticket, *item)
+
+    def _payload(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
+        """On the caller's thread: what a layer's bytes travel as (an extension point; here the
+        raw C-contiguous bytes, sent inline)."""
+        payload = kv.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        if len(payload) > MAX_MESSAGE_BYTES - (1 << 20):
+            raise KVTransferError(
+                f"layer {layer} of {ticket.transfer_id!r} is {len(payload)} bytes, over the "
+                f"{MAX_MESSAGE_BYTES}-byte message limit (split layers are not implemented)"
             )
+        return payload
+
+    def _layer_message(
+        self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any
+    ) -> kv_transfer_pb2.KVLayer:
+        """On the stream's request thread: the `KVLayer` for a queued layer (an extension point)."""
+        return kv_transfer_pb2.KVLayer(
+            transfer_id=ticket.transfer_id,
+            auth_token=ticket.auth_token,
+            layer=layer,
+            dtype=dtype,
+            shape=shape,
+            checksum=zlib.crc32(payload),
+            payload=payload,
+        )
 
     @staticmethod
     def _failure(endpoint: str, stream: _Stream) -> KVTransferError | None:
@@ -421,12 +465,7 @@ class GrpcSender(KVSender):
         dtype = wire_dtype(kv.dtype)
         if dtype not in WIRE_DTYPES:
             raise KVTransferError(f"layer {layer}: cannot send KV of dtype {kv.dtype}")
-        payload = kv.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        if len(payload) > MAX_MESSAGE_BYTES - (1 << 20):
-            raise KVTransferError(
-                f"layer {layer} of {ticket.transfer_id!r} is {len(payload)} bytes, over the "
-                f"{MAX_MESSAGE_BYTES}-byte message limit (split layers are not implemented)"
-            )
+        payload = self._payload(ticket, layer, kv)
         with self._lock:
             hs = self._handshake(endpoint)
             if hs.error is not None:

@@ -26,12 +26,16 @@ def _setup_logging(level: str) -> None:
 class WorkerActor:
     """Hosts a prefill, decode or colocated worker server."""
 
-    def __init__(self, role: str, worker_id: str, engine_kwargs: dict, options: dict, log_level: str = "info") -> None:
+    def __init__(self, role: str, worker_id: str, engine_kwargs: dict, options: dict, log_level: str = "info",
+                 pool: str = "") -> None:
         _setup_logging(log_level)
         from engine.config import EngineConfig
 
         cfg = EngineConfig(**engine_kwargs)
-        self.role, self.worker_id = role, worker_id
+        self.role, self.worker_id, self.pool = role, worker_id, pool
+        if options.get("host") == "auto":  # serve on this node's address (loopback when Ray is local)
+            ip = ray.util.get_node_ip_address()
+            options = {**options, "host": "127.0.0.1" if ip in ("127.0.0.1", "localhost") else ip}
         if role == "prefill":
             from prefill_worker.server import PrefillWorkerServer
 
@@ -45,10 +49,16 @@ class WorkerActor:
         return {
             "worker_id": self.worker_id,
             "role": self.role,
+            "pool": self.pool,
             "address": self.server.address,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
         }
+
+    def load(self) -> dict[str, int]:
+        """What the worker still holds (for draining): running, queued, KV blocks used."""
+        s = self.server.stats()
+        return {"running": s.running, "queued": s.queued, "kv_blocks_used": s.kv_blocks_used}
 
     def stop(self) -> None:
         self.server.stop()
@@ -83,6 +93,9 @@ class Controller:
 
     def register_worker(self, info: dict[str, Any]) -> None:
         self.workers[info["worker_id"]] = info
+
+    def deregister_worker(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
 
     def register_router(self, info: dict[str, Any]) -> None:
         self.router = info

@@ -106,6 +106,14 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from pdcluster.launcher import scale
+
+    workers = scale(args.pool, args.replicas, args.address, drain_timeout_s=args.drain_timeout)
+    print(f"pool {args.pool}: {len(workers)} worker(s): {', '.join(w['worker_id'] for w in workers) or '-'}")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from pdcluster.launcher import status
 
@@ -153,8 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     upp.set_defaults(func=_up)
 
-    for name, func, text in (("down", _down, "stop a detached cluster"), ("status", _status, "show workers by pool")):
-        p = sub.add_parser(name, help=text)
+    sc = sub.add_parser("scale", help="set the number of workers of a pool (running detached cluster)")
+    sc.add_argument("pool", help="pool name from cluster.yaml")
+    sc.add_argument("replicas", type=int, help="workers wanted")
+    sc.add_argument("--drain-timeout", type=float, default=600.0, help="seconds a removed worker may drain")
+    for name, func, text in (("down", _down, "stop a detached cluster"), ("status", _status, "show workers by pool"),
+                             ("scale", _scale, None)):
+        p = sc if name == "scale" else sub.add_parser(name, help=text)
         p.add_argument("--address", default=None, help="Ray address (default: the detached cluster's)")
         p.set_defaults(func=func)
     return parser

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from engine.builtin_model import cache_root
 from pdcluster.cluster_config import ClusterConfig
 
 STATE_FILE = "cluster-state.json"
+_OWNED_ACTORS: list = []  # handles of non-detached workers started by `scale` in this process
 
 
 class LaunchError(RuntimeError):
@@ -44,7 +46,7 @@ class ClusterHandle:
     router_address: str
     workers: list[dict[str, Any]]
     ray_address: str | None
-    started_ray: str | None  # "inprocess" | "head" | None (joined an existing cluster)
+    started_ray: str | None  # "inprocess" | "head:PID" | None (joined an existing cluster)
     actors: list[Any] = field(default_factory=list, repr=False)
 
     def stop(self) -> None:
@@ -68,23 +70,68 @@ def _stop_actors(actors: list[Any]) -> None:
 
 
 def _stop_ray(started: str | None) -> None:
+    """Disconnect, and stop the Ray we started: "inprocess", or "head:PID" (our own head process)."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
-    if started == "head":
-        subprocess.run([shutil.which("ray") or "ray", "stop", "--force"], capture_output=True, timeout=120)
+    if started and started.startswith("head:"):
+        _kill_head(int(started.split(":", 1)[1]))
 
 
-def ray_auth_env() -> None:
-    """Ray 2.60 turns on token authentication for clusters started with `ray start --head`; drivers
-    and joining nodes must then say RAY_AUTH_MODE=token (the token is in ~/.ray/auth_token or
-    RAY_AUTH_TOKEN[_PATH]). Set it whenever a token is present, unless the user chose a mode."""
+_PROBE = "import sys, ray; ray.init(address=sys.argv[1], logging_level='error'); ray.shutdown()"
+
+
+def ray_auth_env(address: str, known: str | None = None) -> None:
+    """Ray 2.60 turns on token authentication for clusters started with `ray start --head`; a driver
+    must then run with RAY_AUTH_MODE=token (the token is in ~/.ray/auth_token or RAY_AUTH_TOKEN).
+    Ray reads the setting when it is imported, and workers inherit it, so it must match the
+    cluster: use the mode recorded for our own cluster, else probe the cluster once in a
+    subprocess. A mode the user set is left alone."""
     if "RAY_AUTH_MODE" in os.environ:
         return
-    if (Path.home() / ".ray" / "auth_token").is_file() or "RAY_AUTH_TOKEN" in os.environ \
-            or "RAY_AUTH_TOKEN_PATH" in os.environ:
+    if known is None:
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        probe = subprocess.run([sys.executable, "-c", _PROBE, address], env=env, capture_output=True, text=True,
+                               timeout=120)
+        known = "token" if probe.returncode != 0 and "uthentication" in probe.stderr else "disabled"
+    if known == "token":
         os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def _start_head(port: int, cpus: int) -> int:
+    """Start a Ray head owned by this cluster (`ray start --head --block` in its own process group,
+    so `down` stops exactly it, never another Ray on the machine). Returns its process id."""
+    log_path = cache_root() / f"ray-head-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [shutil.which("ray") or "ray", "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
+           "--include-dashboard=false", "--disable-usage-stats", "--block"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while "Ray runtime started" not in log_path.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _kill_head(proc.pid)
+            raise LaunchError(f"`{' '.join(cmd)}` did not start:\n{log_path.read_text()[-2000:]}")
+        time.sleep(0.3)
+    return proc.pid
+
+
+def _kill_head(pid: int, timeout_s: float = 60.0) -> None:
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGTERM)  # `ray start --block` stops its GCS and raylet on SIGTERM
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.killpg(pid, signal.SIGKILL)
 
 
 def _connect(cfg: ClusterConfig, detach: bool, num_cpus: float) -> tuple[str | None, str | None]:
@@ -97,13 +144,9 @@ def _connect(cfg: ClusterConfig, detach: bool, num_cpus: float) -> tuple[str | N
     started = None
     if address is None and detach:
         port = _free_port()
-        cmd = [shutil.which("ray") or "ray", "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
-               "--include-dashboard=false", "--disable-usage-stats"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-        if proc.returncode != 0:
-            raise LaunchError(f"`{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}")
-        address, started = f"127.0.0.1:{port}", "head"
-    ray_auth_env()
+        address, started = f"127.0.0.1:{port}", f"head:{_start_head(port, cpus)}"
+    if address is not None:
+        ray_auth_env(address)
     import ray
 
     from pdcluster.actors import NAMESPACE
@@ -116,11 +159,21 @@ def _connect(cfg: ClusterConfig, detach: bool, num_cpus: float) -> tuple[str | N
     return address, started
 
 
-def _actor_options(pool: Any, lifetime: str | None) -> dict[str, Any]:
+def pool_resource(pool_name: str) -> str:
+    """The Ray custom resource that marks nodes of a pool (`ray start --resources '{"pool:NAME": 4}'`)."""
+    return f"pool:{pool_name}"
+
+
+def _actor_options(pool: Any, lifetime: str | None, cluster_resources: dict[str, float]) -> dict[str, Any]:
+    """Ray placement of one worker of `pool`: its own resources, plus one unit of `pool:NAME`
+    whenever the Ray cluster has that resource at all (then it lands only on that pool's nodes)."""
     res = dict(pool.resources)
     opts: dict[str, Any] = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0)}
     if "memory" in res:
         opts["memory"] = res.pop("memory")
+    marker = pool_resource(pool.name)
+    if marker in cluster_resources:
+        res.setdefault(marker, 1)
     if res:
         opts["resources"] = res
     if lifetime:
@@ -128,21 +181,59 @@ def _actor_options(pool: Any, lifetime: str | None) -> dict[str, Any]:
     return opts
 
 
-def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
-       say: Callable[[str], None] = print) -> ClusterHandle:
+def _kv_backend(cfg: ClusterConfig) -> str:
     if cfg.kv_transfer.backend == "inproc":
         raise LaunchError("kv_transfer.backend: 'inproc' only works inside one process (the offline LLM); "
                           "use grpc or auto for a cluster")
     kv_backend = "grpc" if cfg.kv_transfer.backend == "auto" else cfg.kv_transfer.backend
     if kv_backend != "grpc":
         raise LaunchError(f"kv_transfer.backend: {kv_backend!r} is not available yet; use grpc or auto")
+    return kv_backend
+
+
+def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime: str | None,
+                   log_level: str, host: str) -> tuple[list[Any], dict[Any, str]]:
+    """Create the WorkerActors of `pool` named `worker_ids`; returns (actors, info ref -> label).
+    `host`: where workers serve gRPC; "auto" = their node's IP (a Ray we started here: loopback)."""
+    import ray
+
+    from pdcluster.actors import WorkerActor
+
+    cluster_resources = ray.cluster_resources()
+    engine_kwargs = cfg.engine_kwargs(pool)
+    if engine_kwargs.get("num_threads") is None:
+        engine_kwargs["num_threads"] = max(1, int(pool.resources.get("num_cpus", 1)))
+    options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s}
+    if pool.role == "prefill":
+        options["kv_timeout_s"] = cfg.kv_transfer.timeout_s
+    actors, pending = [], {}
+    for wid in worker_ids:
+        actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources)).remote(
+            pool.role, wid, engine_kwargs, options, log_level, pool.name)
+        actors.append(actor)
+        pending[actor.info.remote()] = f"{wid} (pool {pool.name}, role {pool.role})"
+    return actors, pending
+
+
+def _here() -> Any:
+    """Scheduling strategy that keeps an actor on this driver's node (router, controller)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
+       say: Callable[[str], None] = print) -> ClusterHandle:
+    _kv_backend(cfg)
     num_cpus = sum(p.resources.get("num_cpus", 1) * p.replicas for p in cfg.pools)
     ray_address, started = _connect(cfg, detach, num_cpus)
     import ray
 
-    from pdcluster.actors import CONTROLLER_NAME, Controller, RouterActor, WorkerActor
+    from pdcluster.actors import CONTROLLER_NAME, Controller, RouterActor
 
     lifetime = "detached" if detach else None
+    worker_host = "127.0.0.1" if started else "auto"
     actors: list[Any] = []
     try:
         try:
@@ -150,31 +241,18 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
             raise LaunchError("a pdcluster is already running on this Ray cluster; run `pdcluster down` first")
         except ValueError:
             pass
-        controller = Controller.options(name=CONTROLLER_NAME, lifetime=lifetime).remote()
+        controller = Controller.options(name=CONTROLLER_NAME, lifetime=lifetime, scheduling_strategy=_here()).remote()
         actors.append(controller)
         pending: dict[Any, str] = {}
-        pool_of: dict[str, str] = {}
         for pool in cfg.pools:
-            for i in range(pool.replicas):
-                wid = f"{pool.name}-{i}"
-                pool_of[wid] = pool.name
-                engine_kwargs = cfg.engine_kwargs(pool)
-                if engine_kwargs.get("num_threads") is None:
-                    engine_kwargs["num_threads"] = max(1, int(pool.resources.get("num_cpus", 1)))
-                options: dict[str, Any] = {"host": "127.0.0.1" if started else _node_host(),
-                                           "kv_backend": kv_backend, "request_timeout_s": cfg.timeouts.request_s}
-                if pool.role == "prefill":
-                    options["kv_timeout_s"] = cfg.kv_transfer.timeout_s
-                actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime)).remote(
-                    pool.role, wid, engine_kwargs, options, log_level)
-                actors.append(actor)
-                pending[actor.info.remote()] = f"{wid} (pool {pool.name}, role {pool.role})"
+            new, refs = _start_workers(cfg, pool, [f"{pool.name}-{i}" for i in range(pool.replicas)], lifetime,
+                                       log_level, worker_host)
+            actors += new
+            pending.update(refs)
         say(f"starting {len(pending)} workers (loading {cfg.model.path}) ...")
         workers = _wait_workers(pending, cfg.timeouts.startup_s)
-        for w in workers:
-            w["pool"] = pool_of[w["worker_id"]]
         ray.get([controller.register_worker.remote(w) for w in workers])
-        router = RouterActor.options(name="router", lifetime=lifetime).remote(dict(
+        router = RouterActor.options(name="router", lifetime=lifetime, scheduling_strategy=_here()).remote(dict(
             model=cfg.model.path, max_model_len=cfg.model.max_model_len, mode=cfg.mode, host=cfg.router.host,
             port=cfg.router.grpc_port, request_timeout_s=cfg.timeouts.request_s, api_keys=list(cfg.router.api_keys),
         ), log_level)
@@ -185,7 +263,9 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
             raise LaunchError(f"router did not start on {cfg.router.host}:{cfg.router.grpc_port}: {_cause(e)}") from None
         ray.get(router.set_workers.remote([(w["worker_id"], w["role"], w["address"]) for w in workers]))
         ray.get(controller.register_router.remote({"address": router_address}))
-        ray.get(controller.set_meta.remote(mode=cfg.mode, model=cfg.model.path, ray_address=ray_address))
+        ray.get(controller.set_meta.remote(mode=cfg.mode, model=cfg.model.path, ray_address=ray_address,
+                                           config=cfg.to_dict(), log_level=log_level, worker_host=worker_host,
+                                           detached=detach))
     except BaseException:
         _stop_actors(actors)
         _stop_ray(started)
@@ -194,14 +274,9 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
     if detach:
         _state_path().parent.mkdir(parents=True, exist_ok=True)
         _state_path().write_text(json.dumps(
-            {"ray_address": ray_address, "started_ray": started, "router": router_address}))
+            {"ray_address": ray_address, "started_ray": started, "router": router_address,
+             "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "disabled")}))
     return handle
-
-
-def _node_host() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 def _cause(e: BaseException) -> str:
@@ -237,15 +312,16 @@ def _read_state() -> dict[str, Any] | None:
 
 
 def _reconnect(address: str | None) -> Any:
-    ray_auth_env()
+    state = _read_state() or {}
+    known = state.get("ray_auth_mode") if address is None else None
+    address = address or state.get("ray_address")
+    if address is None:
+        raise LaunchError("no detached pdcluster found (start one with `pdcluster up --detach`)")
+    ray_auth_env(address, known)
     import ray
 
     from pdcluster.actors import CONTROLLER_NAME, NAMESPACE
 
-    state = _read_state()
-    address = address or (state or {}).get("ray_address")
-    if address is None:
-        raise LaunchError("no detached pdcluster found (start one with `pdcluster up --detach`)")
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
     try:
@@ -255,23 +331,21 @@ def _reconnect(address: str | None) -> Any:
 
 
 def status(address: str | None = None) -> dict[str, Any]:
-    ray_auth_env()
+    controller = _reconnect(address)
     import ray
 
-    controller = _reconnect(address)
     info = ray.get(controller.membership.remote(), timeout=30)
     info["workers"] = ray.get(controller.status.remote(), timeout=60)
     return info
 
 
 def down(address: str | None = None) -> None:
-    ray_auth_env()
+    state = _read_state() or {}
+    controller = _reconnect(address)
     import ray
 
     from pdcluster.actors import CONTROLLER_NAME
 
-    state = _read_state() or {}
-    controller = _reconnect(address)
     info = ray.get(controller.membership.remote(), timeout=30)
     names = [w["worker_id"] for w in info["workers"]] + ["router"]
     actors = []
@@ -283,3 +357,58 @@ def down(address: str | None = None) -> None:
     _stop_actors(actors + [ray.get_actor(CONTROLLER_NAME)])
     _stop_ray(state.get("started_ray") if address is None else None)
     _state_path().unlink(missing_ok=True)
+
+
+def scale(pool_name: str, replicas: int, address: str | None = None, drain_timeout_s: float = 600.0,
+          say: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Set a running (detached) cluster's pool to `replicas` workers.
+
+    New workers start like at `up` and join the router once healthy. Removed workers (highest
+    index first) leave the router's rotation at once, drain (finish running and queued requests,
+    bounded by `drain_timeout_s`), and only then stop: no request is lost."""
+    if replicas < 0:
+        raise LaunchError(f"replicas must be >= 0, got {replicas}")
+    controller = _reconnect(address)
+    import ray
+
+    info = ray.get(controller.membership.remote(), timeout=30)
+    meta = info["meta"]
+    cfg = ClusterConfig.from_dict(meta["config"])
+    pool = next((p for p in cfg.pools if p.name == pool_name), None)
+    if pool is None:
+        raise LaunchError(f"no pool {pool_name!r}; pools: {', '.join(p.name for p in cfg.pools)}")
+    current = sorted((w for w in info["workers"] if w.get("pool") == pool_name),
+                     key=lambda w: int(w["worker_id"].rsplit("-", 1)[1]))
+    others = [w for w in info["workers"] if w.get("pool") != pool_name]
+    router = ray.get_actor("router")
+    if replicas > len(current):
+        used = {int(w["worker_id"].rsplit("-", 1)[1]) for w in current}
+        ids = [f"{pool_name}-{i}" for i in range(replicas + len(used)) if i not in used][: replicas - len(current)]
+        say(f"starting {len(ids)} worker(s) in pool {pool_name}: {', '.join(ids)}")
+        # workers of a foreground cluster belong to the process that scales it
+        lifetime = "detached" if meta.get("detached") else None
+        actors, pending = _start_workers(cfg, pool, ids, lifetime, meta.get("log_level", "info"),
+                                         meta.get("worker_host", "auto"))
+        if lifetime is None:  # a non-detached actor dies with its last handle: keep them
+            _OWNED_ACTORS.extend(actors)
+        started = _wait_workers(pending, cfg.timeouts.startup_s)
+        ray.get([controller.register_worker.remote(w) for w in started])
+        current += started
+    elif replicas < len(current):
+        leaving, current = current[replicas:], current[:replicas]
+        ray.get(router.set_workers.remote([(w["worker_id"], w["role"], w["address"]) for w in others + current]))
+        for w in leaving:
+            actor = ray.get_actor(w["worker_id"])
+            say(f"draining {w['worker_id']} ...")
+            deadline = time.monotonic() + drain_timeout_s
+            while time.monotonic() < deadline:
+                load = ray.get(actor.load.remote(), timeout=30)
+                if not any(load.values()):
+                    break
+                time.sleep(0.2)
+            else:
+                say(f"warning: {w['worker_id']} still busy after {drain_timeout_s:.0f}s; stopping it anyway")
+            _stop_actors([actor])
+            ray.get(controller.deregister_worker.remote(w["worker_id"]))
+    ray.get(router.set_workers.remote([(w["worker_id"], w["role"], w["address"]) for w in others + current]))
+    return current

@@ -8,33 +8,41 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("compat_hash", "layout_version", "model_id", "dtype", "block_size", "sender_id")
+    __slots__ = ("compat_hash", "layout_version", "model_id", "dtype", "block_size", "sender_id", "node_id", "shm_probe")
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
     compat_hash: str
     layout_version: int
     model_id: str
     dtype: str
     block_size: int
     sender_id: str
-    def __init__(self, compat_hash: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., sender_id: _Optional[str] = ...) -> None: ...
+    node_id: str
+    shm_probe: str
+    def __init__(self, compat_hash: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., sender_id: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("ok", "reason", "compat_hash")
+    __slots__ = ("ok", "reason", "compat_hash", "node_id", "shm_probe_data")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_PROBE_DATA_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
     compat_hash: str
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    node_id: str
+    shm_probe_data: bytes
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., compat_hash: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe_data: _Optional[bytes] = ...) -> None: ...
 
 class KVLayer(_message.Message):
-    __slots__ = ("transfer_id", "auth_token", "layer", "dtype", "shape", "checksum", "payload", "compression", "scales", "first_block")
+    __slots__ = ("transfer_id", "auth_token", "layer", "dtype", "shape", "checksum", "payload", "compression", "scales", "first_block", "shm_name", "shm_offset", "shm_nbytes")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +53,9 @@ class KVLayer(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHM_NBYTES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     auth_token: str
     layer: int
@@ -55,7 +66,10 @@ class KVLayer(_message.Message):
     compression: str
     scales: bytes
     first_block: int
-    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., compression: _Optional[str] = ..., scales: _Optional[bytes] = ..., first_block: _Optional[int] = ...) -> None: ...
+    shm_name: str
+    shm_offset: int
+    shm_nbytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., compression: _Optional[str] = ..., scales: _Optional[bytes] = ..., first_block: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_nbytes: _Optional[int] = ...) -> None: ...
 
 class KVCommit(_message.Message):
     __slots__ = ("transfer_id", "auth_token", "first_token", "num_layers", "first_token_logprob")

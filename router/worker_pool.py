@@ -42,12 +42,14 @@ class WorkerPool:
         self._thread.start()
 
     def set_workers(self, workers: list[tuple[str, str, str]]) -> None:
-        """Replace membership with [(worker_id, role, address)]; existing channels are kept."""
+        """Replace membership with [(worker_id, role, address)]; existing channels are kept.
+        A removed worker gets no new requests; requests already on it keep their handle (and
+        channel) until they finish, which is how a worker being scaled away drains."""
         with self._lock:
             keep = {w[0] for w in workers}
             for wid in list(self._workers):
                 if wid not in keep:
-                    self._workers.pop(wid).channel.close()
+                    del self._workers[wid]
             for wid, role, address in workers:
                 if wid in self._workers and self._workers[wid].address == address:
                     continue

@@ -1,0 +1,483 @@
+"""Shared-memory backend: a prefill and a decode worker on one node; the KV bytes never cross a socket.
+
+The sender copies each layer's raw C-contiguous bytes into POSIX shared memory (a file in
+/dev/shm that it owns) and only the metadata travels over the gRPC control channel, which is the
+grpc backend's unchanged: the same `KVReceiver` service, handshake, one SendLayers stream per
+transfer, Commit, Abort, deadlines and status codes (see kv_transfer.grpc_backend). A `KVLayer`
+carries `shm_name`, `shm_offset`, `shm_nbytes` instead of a payload, and `checksum` is the crc32 of
+those bytes. The receiver checks the transfer id and auth token first, then maps just that range
+(a private, never-written mapping: no copy), checks its crc32, dtype and size, views it as a
+tensor (`torch.frombuffer`, no intermediate bytes), hands it to the shared checks that copy it
+into the reserved blocks, and unmaps it.
+
+Segments (the sender's arena): a transfer takes whole segments ("slabs") from a per-sender pool
+and packs its layers into them. A transfer's first slab is sized for all its layers (layer size x
+the layer count of this sender's last committed transfer, at least `slab_bytes`; until that count
+is known a transfer's next slab doubles its space), so a transfer normally fills one segment. After
+its commit or abort its slabs go back to the pool for the next transfer (their pages are already
+there, so the copy does not fault; the smallest free slab that fits is taken), and free slabs
+beyond `pool_bytes` are unlinked, oldest first. `close()` unlinks all.
+A slab's pages are reserved up front (posix_fallocate), so a full /dev/shm is a clear error here,
+never a SIGBUS later; slabs are registered with multiprocessing's resource tracker, which unlinks
+them if the prefill process dies without closing. The receiver never unlinks anything and opens
+only `pdkv-*` names directly under its shared memory directory (no resource tracker there).
+
+One node only: the handshake carries each side's node id (hostname and kernel boot id) and the
+name of a small probe segment the sender made, which the receiver reads back. A sender refuses
+(KVTransferError, cached per endpoint like a refused layout) a receiver on another node ("shm
+needs both workers on one node"), one on this node that cannot see the sender's /dev/shm (another
+container / IPC namespace), and a receiver without the shm backend. `ShmSender.connect(endpoint)`
+runs that check at once, e.g. when a cluster starts.
+
+The receiver also accepts inline payloads (a grpc sender), so a decode worker on shm takes both.
+Linux only (/dev/shm).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import mmap
+import os
+import re
+import secrets
+import socket
+import threading
+import traceback
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from engine.sequence import TokenLogprobs
+from kv_transfer.base import KVSink, KVTransferError, TransferTicket
+from kv_transfer.grpc_backend import GrpcReceiver, GrpcSender
+from proto import kv_transfer_pb2
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "pdkv-"
+_SEGMENT_NAME = re.compile(r"pdkv-[A-Za-z0-9_-]{1,200}")
+ALIGN = 256  # layers start on this byte boundary within a slab
+PAGE = mmap.PAGESIZE
+PROBE_BYTES = 16
+
+
+def node_id() -> str:
+    """This machine as "hostname/boot id": equal for two processes on one node (one kernel boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _check_name(name: str) -> None:
+    if not _SEGMENT_NAME.fullmatch(name):
+        raise KVTransferError(f"bad shared memory segment name {name!r} (expected {SEGMENT_PREFIX}*)")
+
+
+# ------------------------------------------------------------------------------------------ sender
+class _Slab:
+    """One shared memory segment the sender created (and alone unlinks), mapped read-write."""
+
+    _ids = itertools.count()
+
+    def __init__(self, shm_dir: str, size: int) -> None:
+        self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{next(self._ids)}"
+        self.path = os.path.join(shm_dir, self.name)
+        self.size = size
+        self.used = 0
+        self._tracked = os.path.realpath(shm_dir) == os.path.realpath(SHM_DIR)
+        self._gone = False
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise KVTransferError(f"cannot create a KV segment in {shm_dir}: {e.strerror}") from None
+        try:
+            try:  # reserve the pages now: writing into a full tmpfs through a mapping is a SIGBUS
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise KVTransferError(
+                    f"no room for a {size}-byte KV segment in {shm_dir}: {e.strerror} "
+                    "(a container's /dev/shm is often small: raise its size, e.g. docker --shm-size)"
+                ) from None
+            self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        if self._tracked:  # unlinked by the resource tracker if this process dies without close()
+            from multiprocessing import resource_tracker
+
+            resource_tracker.register("/" + self.name, "shared_memory")
+
+    def write(self, offset: int, kv: torch.Tensor) -> None:
+        src = kv.detach().contiguous().reshape(-1).view(torch.uint8)
+        dst = torch.frombuffer(self.mm, dtype=torch.uint8, count=src.numel(), offset=offset)
+        try:
+            dst.copy_(src)  # straight from the device for a GPU cache
+        finally:
+            del dst
+
+    def crc32(self, offset: int, nbytes: int) -> int:
+        with memoryview(self.mm) as whole:
+            part = whole[offset : offset + nbytes]
+            try:
+                return zlib.crc32(part)
+            finally:
+                part.release()
+
+    def destroy(self) -> None:
+        """Unlink and unmap (a receiver still mapping it keeps its pages until it unmaps)."""
+        if self._gone:
+            return
+        self._gone = True
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        if self._tracked:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister("/" + self.name, "shared_memory")
+        try:
+            self.mm.close()
+        except BufferError:  # a copy or checksum still running (close() racing a send): unmapped when done
+            pass
+
+
+@dataclass(frozen=True)
+class _Region:
+    slab: _Slab
+    offset: int
+    nbytes: int
+
+
+class ShmSender(GrpcSender):
+    """Pushes layers through shared memory to `ShmReceiver`s on this node. Thread-safe.
+
+    `ShmSender(compat_hash, timeout_s=30.0, sender_id=None, *, slab_bytes=2 MiB,
+    pool_bytes=256 MiB, shm_dir="/dev/shm")`: `timeout_s` bounds every control RPC as for grpc;
+    `slab_bytes` is the smallest segment made; `pool_bytes` how much free segment space is kept for
+    reuse between transfers (0: unlink each transfer's segments at its commit / abort). Segments'
+    pages are reserved when made, so in-flight transfers plus the pool is the /dev/shm (RAM) used.
+    """
+
+    def __init__(
+        self,
+        compat_hash: str,
+        timeout_s: float = 30.0,
+        sender_id: str | None = None,
+        *,
+        slab_bytes: int = 2 << 20,
+        pool_bytes: int = 256 << 20,
+        shm_dir: str = SHM_DIR,
+    ) -> None:
+        if not os.path.isdir(shm_dir):
+            raise KVTransferError(f"the shm KV backend needs {shm_dir} (POSIX shared memory, Linux)")
+        super().__init__(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
+        self.shm_dir = shm_dir
+        self.slab_bytes = max(PAGE, _round_up(slab_bytes, PAGE))
+        self.pool_bytes = pool_bytes
+        self.node_id = node_id()
+        self._arena_lock = threading.Lock()
+        self._free: list[_Slab] = []  # oldest first
+        self._leases: dict[str, list[_Slab]] = {}  # transfer id -> its slabs, the last one filling
+        # layers per transfer, as the last committed one had (the receiver checked them all): sizes a
+        # transfer's first slab; learned from commits only, so a stray layer index cannot inflate it
+        self._num_layers = 1
+        self._probe: _Slab | None = None
+        self._probe_data = b""
+        self._arena_closed = False
+
+    # ------------------------------------------------------------------ node check
+    def _handshake_request(self, endpoint: str) -> kv_transfer_pb2.HandshakeRequest:
+        request = super()._handshake_request(endpoint)
+        with self._arena_lock:
+            if self._arena_closed:
+                raise KVTransferError("KV sender is closed")
+            if self._probe is None:
+                probe = _Slab(self.shm_dir, PAGE)
+                self._probe_data = secrets.token_bytes(PROBE_BYTES)
+                probe.mm[:PROBE_BYTES] = self._probe_data
+                self._probe = probe
+            request.shm_probe = self._probe.name
+        request.node_id = self.node_id
+        return request
+
+    def _check_handshake(self, endpoint: str, response: kv_transfer_pb2.HandshakeResponse) -> str | None:
+        if not response.node_id:
+            return (
+                f"KV receiver at {endpoint} does not take the shm backend (its handshake names no node; "
+                "a grpc receiver?): use the same kv_transfer backend on both sides"
+            )
+        if response.node_id != self.node_id:
+            return (
+                f"shm needs both workers on one node: this prefill worker is on {self.node_id}, the KV "
+                f"receiver at {endpoint} on {response.node_id} (hostname/boot id); use grpc across nodes"
+            )
+        if response.shm_probe_data != self._probe_data:
+            return (
+                f"shm needs both workers on one node sharing {self.shm_dir}: the KV receiver at {endpoint} "
+                "runs on this host but cannot see this worker's shared memory (another container or "
+                "IPC namespace?); share /dev/shm between them or use grpc"
+            )
+        return None
+
+    def connect(self, endpoint: str, timeout: float | None = None) -> None:
+        """Handshake with `endpoint` now; raises KVTransferError if it cannot take shm transfers
+        from here (another node, no shared /dev/shm, another layout, unreachable)."""
+        with self._lock:
+            hs = self._handshake(endpoint)
+        self._await_handshake(endpoint, hs, self.timeout_s if timeout is None else timeout)
+
+    # ------------------------------------------------------------------ arena
+    def _alloc(self, transfer_id: str, layer: int, nbytes: int) -> _Region:
+        with self._arena_lock:
+            if self._arena_closed:
+                raise KVTransferError("KV sender is closed")
+            slabs = self._leases.setdefault(transfer_id, [])
+            if slabs:
+                slab = slabs[-1]
+                offset = _round_up(slab.used, ALIGN)
+                if offset + nbytes <= slab.size:
+                    slab.used = offset + nbytes
+                    return _Region(slab, offset, nbytes)
+            # room for the layers still to come (as many as transfers had), or double what it has
+            want = max(
+                self.slab_bytes,
+                _round_up(_round_up(nbytes, ALIGN) * max(1, self._num_layers - layer), PAGE),
+                sum(s.size for s in slabs),
+            )
+            fits = [s for s in self._free if s.size >= want]
+            if fits:
+                slab = min(fits, key=lambda s: s.size)
+                self._free.remove(slab)
+            else:
+                slab = _Slab(self.shm_dir, want)
+            slab.used = nbytes
+            slabs.append(slab)
+            return _Region(slab, 0, nbytes)
+
+    def _release(self, transfer_id: str) -> None:
+        """The transfer is over (committed, aborted or failed): its slabs go back to the pool."""
+        drop: list[_Slab] = []
+        with self._arena_lock:
+            slabs = self._leases.pop(transfer_id, [])
+            if self._arena_closed:
+                drop = slabs
+            else:
+                for slab in slabs:
+                    slab.used = 0
+                    self._free.append(slab)
+                free = sum(s.size for s in self._free)
+                while self._free and free > self.pool_bytes:
+                    slab = self._free.pop(0)
+                    free -= slab.size
+                    drop.append(slab)
+        for slab in drop:
+            slab.destroy()
+
+    @property
+    def segments(self) -> list[str]:
+        """Names of the segments this sender holds now (in use, pooled, the probe)."""
+        with self._arena_lock:
+            slabs = [*self._free, *(s for ss in self._leases.values() for s in ss)]
+            if self._probe is not None:
+                slabs.append(self._probe)
+            return sorted(s.name for s in slabs)
+
+    # ------------------------------------------------------------------ transfers
+    def _payload(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
+        with self._lock:  # do not fill a segment for an endpoint already refused
+            hs = self._handshakes.get(ticket.kv_endpoint)
+            if hs is not None and hs.error is not None:
+                raise KVTransferError(hs.error)
+        nbytes = kv.numel() * kv.element_size()
+        if nbytes == 0:
+            return b""  # nothing to map: an empty inline payload
+        region = self._alloc(ticket.transfer_id, layer, nbytes)
+        region.slab.write(region.offset, kv)
+        return region
+
+    def _layer_message(
+        self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any
+    ) -> kv_transfer_pb2.KVLayer:
+        if not isinstance(payload, _Region):
+            return super()._layer_message(ticket, layer, dtype, shape, payload)
+        try:
+            checksum = payload.slab.crc32(payload.offset, payload.nbytes)
+        except ValueError:  # unmapped by close(), which cancelled this stream: the receiver refuses it
+            checksum = 0
+        return kv_transfer_pb2.KVLayer(
+            transfer_id=ticket.transfer_id,
+            auth_token=ticket.auth_token,
+            layer=layer,
+            dtype=dtype,
+            shape=shape,
+            checksum=checksum,
+            shm_name=payload.slab.name,
+            shm_offset=payload.offset,
+            shm_nbytes=payload.nbytes,
+        )
+
+    def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:
+        with self._lock:
+            transfer = self._transfers.get(ticket.transfer_id)
+            num_layers = len(transfer.layers_sent) if transfer is not None else 0
+        try:
+            super().commit(ticket, first_token, logprob)
+            if num_layers:
+                with self._arena_lock:
+                    self._num_layers = num_layers
+        finally:  # the receiver has copied every layer it acknowledged; it reads nothing after this
+            self._release(ticket.transfer_id)
+
+    def abort(self, ticket: TransferTicket, reason: str) -> None:
+        try:
+            super().abort(ticket, reason)
+        finally:
+            self._release(ticket.transfer_id)
+
+    def close(self) -> None:
+        """Cancel streams in flight, close every channel and unlink every segment."""
+        super().close()
+        with self._arena_lock:
+            self._arena_closed = True
+            slabs = [*self._free, *(s for ss in self._leases.values() for s in ss)]
+            if self._probe is not None:
+                slabs.append(self._probe)
+            self._free, self._leases, self._probe = [], {}, None
+        for slab in slabs:
+            slab.destroy()
+
+
+# ---------------------------------------------------------------------------------------- receiver
+class ShmReceiver(GrpcReceiver):
+    """Serves `KVReceiver` for a sink and reads layers from the senders' shared memory.
+
+    Same constructor as `GrpcReceiver` (`ShmReceiver(sink, server, endpoint)` on the caller's
+    server, or its own on host:port), plus `shm_dir` (where senders' segments are, "/dev/shm").
+    """
+
+    def __init__(
+        self,
+        sink: KVSink,
+        server: grpc.Server | None = None,
+        endpoint: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_workers: int = 16,
+        shm_dir: str = SHM_DIR,
+    ) -> None:
+        self.shm_dir = shm_dir
+        self.node_id = node_id()
+        super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers)
+
+    @classmethod
+    def serve(
+        cls, sink: KVSink, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16
+    ) -> "ShmReceiver":
+        return cls(sink, host=host, port=port, max_workers=max_workers)
+
+    def handshake_fields(self, request: kv_transfer_pb2.HandshakeRequest) -> dict[str, Any]:
+        fields: dict[str, Any] = {"node_id": self.node_id}
+        if request.shm_probe:
+            fields["shm_probe_data"] = self._read_probe(request.shm_probe)
+        return fields
+
+    def _read_probe(self, name: str) -> bytes:
+        """The probe segment's first bytes, or b"" when this receiver cannot see it."""
+        if not _SEGMENT_NAME.fullmatch(name):
+            return b""
+        try:
+            fd = os.open(os.path.join(self.shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return b""
+        try:
+            return os.read(fd, PROBE_BYTES)
+        except OSError:
+            return b""
+        finally:
+            os.close(fd)
+
+    def receive_layer(self, msg: kv_transfer_pb2.KVLayer) -> None:
+        if not (msg.shm_name or msg.shm_nbytes or msg.shm_offset):
+            return super().receive_layer(msg)  # inline payload (a grpc sender, or an empty layer)
+        with self._lock:  # who is asking, before any shared memory is touched
+            self._get(msg.transfer_id, msg.auth_token)
+        if msg.payload:
+            raise KVTransferError(f"layer {msg.layer}: both an inline payload and a shared memory segment")
+        mm, start = self._map(msg)
+        try:
+            self._deliver(msg, mm, start)
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a view outlived the layer (cannot happen normally): unmapped when collected
+                pass
+
+    def _map(self, msg: kv_transfer_pb2.KVLayer) -> tuple[mmap.mmap, int]:
+        """Map [shm_offset, shm_offset + shm_nbytes) of the segment privately; returns (map, start)."""
+        name, offset, nbytes = msg.shm_name, msg.shm_offset, msg.shm_nbytes
+        _check_name(name)
+        if nbytes == 0:
+            raise KVTransferError(f"layer {msg.layer}: an empty range of shared memory segment {name!r}")
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(msg.dtype, 1)
+        if offset % itemsize:
+            raise KVTransferError(
+                f"layer {msg.layer}: offset {offset} in {name!r} is not aligned to {msg.dtype}"
+            )
+        try:
+            fd = os.open(os.path.join(self.shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise KVTransferError(
+                f"layer {msg.layer}: shared memory segment {name!r} not found in {self.shm_dir} "
+                "(sender gone, or not on this node?)"
+            ) from None
+        except OSError as e:
+            raise KVTransferError(
+                f"layer {msg.layer}: cannot open shared memory segment {name!r}: {e.strerror}"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if offset + nbytes > size:
+                raise KVTransferError(
+                    f"layer {msg.layer}: range [{offset}, {offset + nbytes}) outside shared memory "
+                    f"segment {name!r} of {size} bytes"
+                )
+            base = offset - offset % mmap.ALLOCATIONGRANULARITY
+            # private and never written: no copy, and nothing this side does reaches the sender's pages
+            return mmap.mmap(fd, offset + nbytes - base, access=mmap.ACCESS_COPY, offset=base), offset - base
+        except OSError as e:
+            raise KVTransferError(
+                f"layer {msg.layer}: cannot map shared memory segment {name!r}: {e.strerror}"
+            ) from None
+        finally:
+            os.close(fd)
+
+    def _deliver(self, msg: kv_transfer_pb2.KVLayer, mm: mmap.mmap, start: int) -> None:
+        """Check the mapped bytes and hand a tensor over them (no copy) to the shared checks."""
+        with memoryview(mm) as whole:
+            data = whole[start : start + msg.shm_nbytes]
+            try:
+                dtype, shape = self.check_layer(msg, data)
+            finally:
+                data.release()
+        kv = torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=start).view(shape)
+        try:
+            self._on_layer(msg.transfer_id, msg.auth_token, msg.layer, kv)  # copies into the blocks
+        except BaseException as e:
+            traceback.clear_frames(e.__traceback__)  # the frames below hold `kv`, i.e. the mapping
+            raise
+        finally:
+            del kv
