@@ -186,9 +186,18 @@ def _kv_backend(cfg: ClusterConfig) -> str:
         raise LaunchError("kv_transfer.backend: 'inproc' only works inside one process (the offline LLM); "
                           "use grpc or auto for a cluster")
     kv_backend = "grpc" if cfg.kv_transfer.backend == "auto" else cfg.kv_transfer.backend
-    if kv_backend != "grpc":
-        raise LaunchError(f"kv_transfer.backend: {kv_backend!r} is not available yet; use grpc or auto")
+    if kv_backend not in ("grpc", "shm"):
+        raise LaunchError(f"kv_transfer.backend: {kv_backend!r} is not available yet; use grpc, shm or auto")
     return kv_backend
+
+
+def _check_backend_placement(kv_backend: str, workers: list[dict[str, Any]]) -> None:
+    """A pinned backend that cannot work for some pair is an error now, not at the first request."""
+    if kv_backend == "shm":
+        nodes = {w["node_id"] for w in workers if w["role"] in ("prefill", "decode")}
+        if len(nodes) > 1:
+            raise LaunchError("kv_transfer.backend: 'shm' needs every prefill and decode worker on one node, "
+                              f"but they landed on {len(nodes)} nodes; use grpc or auto")
 
 
 def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime: str | None,
@@ -251,6 +260,7 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
             pending.update(refs)
         say(f"starting {len(pending)} workers (loading {cfg.model.path}) ...")
         workers = _wait_workers(pending, cfg.timeouts.startup_s)
+        _check_backend_placement(_kv_backend(cfg), workers)
         ray.get([controller.register_worker.remote(w) for w in workers])
         router = RouterActor.options(name="router", lifetime=lifetime, scheduling_strategy=_here()).remote(dict(
             model=cfg.model.path, max_model_len=cfg.model.max_model_len, mode=cfg.mode, host=cfg.router.host,

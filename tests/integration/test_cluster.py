@@ -24,7 +24,10 @@ MAX_TOKENS = 12
 
 
 def _config(mode: str) -> ClusterConfig:
+    mode, _, backend = mode.partition("+")
     cfg = load_cluster_config("cluster.yaml")
+    if backend:
+        cfg = dataclasses.replace(cfg, kv_transfer=dataclasses.replace(cfg.kv_transfer, backend=backend))
     router = dataclasses.replace(cfg.router, grpc_port=0, http_port=0)
     kv = dataclasses.replace(cfg.kv_cache, memory_mb=64)
     model = dataclasses.replace(cfg.model, max_model_len=1024)
@@ -47,10 +50,10 @@ def reference(builtin_path):
     return ref
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+@pytest.fixture(scope="module", params=["disaggregated", "disaggregated+shm", "colocated"])
 def cluster(request, builtin_path):
     handle = up(_config(request.param), say=lambda _: None)
-    yield request.param, handle
+    yield request.param.partition("+")[0], handle
     handle.stop()
 
 
