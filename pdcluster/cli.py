@@ -130,6 +130,14 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "transfer":
+        from kv_transfer.bench import main as bench_transfer
+
+        return bench_transfer(args.rest)
+    raise ValueError(f"unknown benchmark {args.what!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description="Prefill-Decode disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sc if name == "scale" else sub.add_parser(name, help=text)
         p.add_argument("--address", default=None, help="Ray address (default: the detached cluster's)")
         p.set_defaults(func=func)
+
+    bench = sub.add_parser("bench", help="benchmarks (`pdcluster bench transfer --help`)")
+    bench.add_argument("what", choices=["transfer"], help="transfer: KV transfer backends vs socket/memcpy, overlap")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -402,6 +402,11 @@ def scale(pool_name: str, replicas: int, address: str | None = None, drain_timeo
         if lifetime is None:  # a non-detached actor dies with its last handle: keep them
             _OWNED_ACTORS.extend(actors)
         started = _wait_workers(pending, cfg.timeouts.startup_s)
+        try:
+            _check_backend_placement(_kv_backend(cfg), started + info["workers"])
+        except LaunchError:
+            _stop_actors(actors)
+            raise
         ray.get([controller.register_worker.remote(w) for w in started])
         current += started
     elif replicas < len(current):
