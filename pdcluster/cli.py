@@ -88,6 +88,13 @@ def _up(args: argparse.Namespace) -> int:
         print("detached: `pdcluster status`, `pdcluster generate \"...\"`, `pdcluster down`")
         return 0
     print("serving; Ctrl-C stops the cluster")
+    import signal
+
+    def _interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, _interrupt)  # also when started with SIGINT ignored (e.g. `cmd &`)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(1)
