@@ -12,6 +12,7 @@ import threading
 import torch
 
 from engine.sequence import TokenLogprobs
+from kv_transfer.compression import roundtrip
 from kv_transfer.base import KVReceiver, KVSender, KVSink, KVTransferError, TransferTicket
 
 _receivers: dict[str, "InprocReceiver"] = {}
@@ -38,6 +39,11 @@ class InprocReceiver(KVReceiver):
 
 
 class InprocSender(KVSender):
+    def __init__(self, compat_hash: str, compression: str = "none") -> None:
+        super().__init__(compat_hash)
+        roundtrip(torch.zeros(2, 1, 1, 1, 1), compression)  # refuse an unknown compression now
+        self.compression = compression
+
     @staticmethod
     def _receiver(ticket: TransferTicket) -> InprocReceiver:
         receiver = _receivers.get(ticket.kv_endpoint)
@@ -47,6 +53,7 @@ class InprocSender(KVSender):
 
     def send_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None:
         self.check_ticket(ticket)
+        kv = roundtrip(kv, self.compression)  # what the receiver would get over the wire
         self._receiver(ticket)._on_layer(ticket.transfer_id, ticket.auth_token, layer, kv)
 
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:

@@ -58,6 +58,7 @@ class LLM:
         max_num_seqs: int = 256,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        kv_compression: str = "none",
     ) -> None:
         path = resolve_model_path(model)
         model_cfg = ModelConfig.from_pretrained(path)
@@ -76,7 +77,8 @@ class LLM:
         self.tokenizer = load_tokenizer(path)
         prefill = Engine(cfg, "prefill", model_cfg, seed=seed)
         decode = Engine(cfg, "decode", model_cfg, model=prefill.runner.model, seed=seed)
-        self.prefill = PrefillEngine(prefill, create_sender("inproc", prefill.runner.compat_hash))
+        self.prefill = PrefillEngine(prefill, create_sender("inproc", prefill.runner.compat_hash,
+                                                                compression=kv_compression))
         self.decode = DecodeEngine(decode, backend="inproc")
         self.model_config = model_cfg
         self.max_model_len = prefill.max_model_len

@@ -162,3 +162,11 @@ def test_unknown_model_path_and_unsupported_architecture(tmp_path, path):
 def test_kv_cache_too_small_for_max_model_len_is_refused(path):
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         LLM(path, num_blocks=4, block_size=16, max_model_len=256)
+
+
+def test_int8_kv_compression_keeps_greedy_output_on_a_decisive_model(path, reference):
+    prompts = _prompts([30, 64, 90])
+    llm = LLM(path, num_blocks=256, max_model_len=256, kv_compression="int8")
+    assert _ids(llm.generate(prompts, GREEDY)) == reference(prompts)
+    with pytest.raises(ValueError, match="allowed: none, int8"):
+        LLM(path, num_blocks=64, max_model_len=256, kv_compression="zstd")
