@@ -15,6 +15,8 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
     "inproc": ("kv_transfer.inproc", "InprocSender", "InprocReceiver"),
     "grpc": ("kv_transfer.grpc_backend", "GrpcSender", "GrpcReceiver"),
     "shm": ("kv_transfer.shm_backend", "ShmSender", "ShmReceiver"),
+    "torch_distributed": ("kv_transfer.torch_dist_backend", "TorchDistSender", "TorchDistReceiver"),
+    "auto": ("kv_transfer.auto", "AutoSender", "AutoReceiver"),
 }
 
 

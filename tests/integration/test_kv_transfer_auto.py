@@ -1,0 +1,54 @@
+"""`auto` picks shared memory for a decode worker on this node and falls back to gRPC otherwise."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+
+from decode_worker import DecodeEngine
+from engine import Engine, EngineConfig, SamplingParams
+from kv_transfer import create_sender
+
+pytestmark = pytest.mark.slow
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture
+def receivers(checkpoint):
+    path = str(checkpoint("llama-gqa"))
+    made = []
+
+    def make(backend: str) -> DecodeEngine:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        port = server.add_insecure_port("127.0.0.1:0")
+        engine = Engine(EngineConfig(model=path, num_blocks=32, max_model_len=256), "decode")
+        decode = DecodeEngine(engine, backend=backend, server=server, endpoint=f"127.0.0.1:{port}")
+        server.start()
+        made.append((decode, server))
+        return decode
+
+    yield make
+    for decode, server in made:
+        decode.close()
+        server.stop(0).wait()
+
+
+@pytest.mark.parametrize("receiver_backend, expected", [("auto", "shm"), ("shm", "shm"), ("grpc", "grpc")])
+def test_auto_sender_picks_shm_on_this_node_and_grpc_otherwise(receivers, receiver_backend, expected):
+    decode = receivers(receiver_backend)
+    sender = create_sender("auto", decode.compat_hash, timeout_s=10)
+    try:
+        ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+        import torch
+
+        for layer in range(decode.num_layers):
+            sender.send_layer(ticket, layer, torch.full(decode.layer_shape(len(ticket.block_ids)), layer + 1.0))
+        sender.commit(ticket, 7, None)
+        assert sender.backend_for(ticket.kv_endpoint) == expected
+        cache = decode.engine.runner.kv_caches
+        assert all(torch.all(cache[l][:, ticket.block_ids] == l + 1.0) for l in range(decode.num_layers))
+        assert decode.has_work()
+    finally:
+        sender.close()
