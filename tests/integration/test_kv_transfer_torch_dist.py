@@ -144,10 +144,9 @@ def test_layers_land_in_the_reserved_blocks_and_only_metadata_crosses_grpc(decod
     assert ticket.backend == "torch_distributed" and len(ticket.block_ids) == 3
     layers = [_layer(decode, ticket, seed=layer) for layer in range(decode.num_layers)]
     for layer, kv in enumerate(layers):
-        sender.send_layer(ticket, layer, kv)
-        kv.add_(1.0)  # the caller may reuse its buffer at once: the layer was copied
-    for kv in layers:
-        kv.sub_(1.0)
+        buffer = kv.clone()
+        sender.send_layer(ticket, layer, buffer)
+        buffer.zero_()  # the caller may reuse its buffer at once: the layer was copied
     sender.commit(ticket, 7, None)
     cache = decode.engine.runner.kv_caches
     for layer, kv in enumerate(layers):
