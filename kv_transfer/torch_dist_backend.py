@@ -44,6 +44,7 @@ import itertools
 import secrets
 import socket
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -299,14 +300,17 @@ class TorchDistSender(GrpcSender):
             return super()._layer_message(ticket, layer, dtype, shape, payload)
         checksum = crc32_of(payload.tensor)
         pair = self._pairs.get(ticket.kv_endpoint)
-        if pair is None or pair.broken is not None:
-            key, tag = "", 0  # refused by the receiver (no such pair): the transfer fails cleanly
-            key = pair.key if pair is not None else "gone"
+        if pair is None or pair.broken is not None:  # reset meanwhile: the receiver refuses it (no such pair)
+            key, tag = (pair.key if pair is not None else "gone"), 0
         else:
             key, tag = pair.key, next(pair.tags) % _TAG_LIMIT
-            work = self._post_send(pair, payload.tensor, tag)
-            with self._pair_lock:
-                pair.works.setdefault(ticket.transfer_id, []).append((work, payload.tensor))
+            try:
+                work = self._post_send(pair, payload.tensor, tag)
+            except Exception as e:  # the channel is closed (receiver gone): drop it, the receiver refuses this
+                self._reset(pair, f"send failed: {e}")
+            else:
+                with self._pair_lock:
+                    pair.works.setdefault(ticket.transfer_id, []).append((work, payload.tensor))
         return kv_transfer_pb2.KVLayer(
             transfer_id=ticket.transfer_id,
             auth_token=ticket.auth_token,
@@ -575,7 +579,13 @@ class TorchDistReceiver(GrpcReceiver):
             store, self._store = self._store, None
         for pair in pairs:
             self._drop(pair)
+        # a group still being built (its sender never came) holds the store until its rendezvous
+        # times out (timeout_s): wait for it, so that nothing of ours is left listening
+        deadline = time.monotonic() + self.timeout_s + 1.0
         for pair in pairs:
             if pair.thread is not None:
-                pair.thread.join(timeout=1.0)
+                pair.thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+                if pair.pg is not None:
+                    _shutdown(pair.pg)
+                    pair.pg = None
         del store

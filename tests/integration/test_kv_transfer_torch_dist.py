@@ -10,6 +10,7 @@ group or thread is left after each test. Ends with a throughput print for a 64 M
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -85,6 +86,7 @@ def decode(checkpoint, server):
     yield d
     d.close()
     assert not d.receiver.pairs and d.receiver._store is None
+    gc.collect()
     assert _port_is_closed(port), "the receiver's TCPStore is still listening"
 
 
