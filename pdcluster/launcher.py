@@ -186,8 +186,9 @@ def _kv_backend(cfg: ClusterConfig) -> str:
         raise LaunchError("kv_transfer.backend: 'inproc' only works inside one process (the offline LLM); "
                           "use grpc or auto for a cluster")
     kv_backend = cfg.kv_transfer.backend
-    if kv_backend not in ("grpc", "shm", "auto"):
-        raise LaunchError(f"kv_transfer.backend: {kv_backend!r} is not available yet; use grpc, shm or auto")
+    if kv_backend not in ("grpc", "shm", "torch_distributed", "auto"):
+        raise LaunchError(f"kv_transfer.backend: {kv_backend!r} cannot serve a cluster; "
+                          "use auto, grpc, shm or torch_distributed")
     if cfg.kv_transfer.compression != "none":
         raise LaunchError("kv_transfer.compression: int8 is implemented for the in-process path only so far "
                           "(LLM(kv_compression='int8')); use none in a cluster")

@@ -50,7 +50,7 @@ def reference(builtin_path):
     return ref
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "disaggregated+grpc", "colocated"])
+@pytest.fixture(scope="module", params=["disaggregated", "disaggregated+grpc", "disaggregated+torch_distributed", "colocated"])
 def cluster(request, builtin_path):
     handle = up(_config(request.param), say=lambda _: None)
     yield request.param.partition("+")[0], handle
