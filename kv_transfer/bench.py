@@ -1,4 +1,4 @@
-"""KV transfer benchmark: the grpc and shm backends against the machine's limits, and layer-wise overlap.
+"""KV transfer benchmark: the grpc, shm and torch_distributed backends against the machine's limits, and layer-wise overlap.
 
 Run as `pdcluster bench transfer [options]` or `python scripts/bench_transfer.py [options]`.
 
@@ -144,7 +144,7 @@ class _Receiver:
         cfg = EngineConfig(model=str(path), dtype=lay.dtype, device="cpu", num_blocks=blocks,
                            max_model_len=max_tokens + BLOCK_SIZE, enable_prefix_caching=False)
         self.engine = Engine(cfg, "decode")
-        self.decoders = {b: DecodeEngine(self.engine, backend=b) for b in ("grpc", "shm")}
+        self.decoders = {b: DecodeEngine(self.engine, backend=b) for b in ("grpc", "shm", "torch_distributed")}
 
     def close(self) -> None:
         for d in self.decoders.values():
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="512,2048,8192", help="prompt lengths (comma-separated)")
     p.add_argument("--layouts", default="builtin,llama3-8b", help=f"of {', '.join(LAYOUTS)}")
-    p.add_argument("--backends", default="grpc,shm")
+    p.add_argument("--backends", default="grpc,shm,torch_distributed")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--overlap-tokens", type=int, default=2048, help="0: skip the overlap measurement")
     p.add_argument("--overlap-repeats", type=int, default=7,
