@@ -48,6 +48,7 @@ import torch
 from engine.config import KV_LAYOUT_VERSION
 from engine.sequence import TokenLogprobs
 from kv_transfer.base import KVReceiver, KVSender, KVSink, KVTransferError, TransferTicket
+from kv_transfer.compression import COMPRESSIONS, dequantize_int8, quantize_int8
 from proto import generate_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
@@ -248,18 +249,27 @@ class GrpcReceiver(KVReceiver):
         dtype, shape = self.check_layer(msg, payload)
         if math.prod(shape) == 0:
             return torch.empty(shape, dtype=dtype)
+        if msg.compression == "int8":
+            q = torch.frombuffer(bytearray(payload), dtype=torch.int8).view(shape)
+            scales = torch.frombuffer(bytearray(msg.scales), dtype=torch.float32).view(shape[0], shape[1])
+            return dequantize_int8(q, scales, dtype)
         return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape)
 
     def check_layer(self, msg: kv_transfer_pb2.KVLayer, payload: Any) -> tuple[torch.dtype, tuple[int, ...]]:
         """Check a `KVLayer`'s framing against its bytes (any 1-D byte buffer): compression, split,
         checksum, dtype, size. Returns the dtype and shape the bytes hold."""
-        if msg.HasField("compression"):
+        int8 = msg.HasField("compression") and msg.compression == "int8"
+        if msg.HasField("compression") and not int8:
             raise KVTransferError(f"layer {msg.layer}: compression {msg.compression!r} is not supported")
+        if int8 and (msg.shm_name or msg.dist_pair):
+            raise KVTransferError(f"layer {msg.layer}: int8 compression travels inline (grpc) only")
         if msg.first_block != 0:
             raise KVTransferError(
                 f"layer {msg.layer}: split layers (first_block={msg.first_block}) are not supported"
             )
         crc = zlib.crc32(payload)
+        if int8:  # the scales are covered too
+            crc = zlib.crc32(msg.scales, crc)
         if crc != msg.checksum:
             raise _Corrupt(
                 f"checksum mismatch for layer {msg.layer} of {msg.transfer_id!r}: "
@@ -272,7 +282,9 @@ class GrpcReceiver(KVReceiver):
         shape = tuple(msg.shape)
         if not shape or any(d < 0 for d in shape):
             raise KVTransferError(f"layer {msg.layer}: bad shape {shape}")
-        size = math.prod(shape) * dtype.itemsize
+        size = math.prod(shape) * (1 if int8 else dtype.itemsize)
+        if int8 and (len(shape) != 5 or len(msg.scales) != shape[0] * shape[1] * 4):
+            raise KVTransferError(f"layer {msg.layer}: int8 scales of {len(msg.scales)} bytes do not fit shape {shape}")
         if size != len(payload):
             raise KVTransferError(
                 f"layer {msg.layer}: shape {shape} of {msg.dtype} is {size} bytes, payload has {len(payload)}"
@@ -290,6 +302,14 @@ class GrpcReceiver(KVReceiver):
 
 # ------------------------------------------------------------------------------------------ sender
 _END = object()  # closes a stream's request queue
+
+
+@dataclass
+class _Int8:
+    """A layer quantized for the wire: int8 values and float32 per-block scales (2, num_blocks)."""
+
+    q: bytes
+    scales: bytes
 
 
 @dataclass
@@ -334,8 +354,12 @@ class GrpcSender(KVSender):
 
     _ids = itertools.count()
 
-    def __init__(self, compat_hash: str, timeout_s: float = 30.0, sender_id: str | None = None) -> None:
+    def __init__(self, compat_hash: str, timeout_s: float = 30.0, sender_id: str | None = None,
+                 compression: str = "none") -> None:
         super().__init__(compat_hash)
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown KV compression {compression!r}; allowed: {', '.join(COMPRESSIONS)}")
+        self.compression = compression
         self.timeout_s = timeout_s
         self.sender_id = sender_id or f"prefill-{os.getpid()}-{next(self._ids)}"
         self._lock = threading.Lock()
@@ -417,7 +441,10 @@ class GrpcSender(KVSender):
 
     def _payload(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
         """On the caller's thread: what a layer's bytes travel as (an extension point; here the
-        raw C-contiguous bytes, sent inline)."""
+        raw C-contiguous bytes, sent inline; with int8 compression, the quantized bytes and scales)."""
+        if self.compression == "int8":
+            q, scales = quantize_int8(kv.detach().cpu())
+            return _Int8(q.reshape(-1).view(torch.uint8).numpy().tobytes(), scales.numpy().tobytes())
         payload = kv.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
         if len(payload) > MAX_MESSAGE_BYTES - (1 << 20):
             raise KVTransferError(
@@ -430,6 +457,12 @@ class GrpcSender(KVSender):
         self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any
     ) -> kv_transfer_pb2.KVLayer:
         """On the stream's request thread: the `KVLayer` for a queued layer (an extension point)."""
+        if isinstance(payload, _Int8):
+            return kv_transfer_pb2.KVLayer(
+                transfer_id=ticket.transfer_id, auth_token=ticket.auth_token, layer=layer, dtype=dtype,
+                shape=shape, checksum=zlib.crc32(payload.scales, zlib.crc32(payload.q)), payload=payload.q,
+                compression="int8", scales=payload.scales,
+            )
         return kv_transfer_pb2.KVLayer(
             transfer_id=ticket.transfer_id,
             auth_token=ticket.auth_token,

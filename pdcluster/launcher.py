@@ -189,9 +189,9 @@ def _kv_backend(cfg: ClusterConfig) -> str:
     if kv_backend not in ("grpc", "shm", "torch_distributed", "auto"):
         raise LaunchError(f"kv_transfer.backend: {kv_backend!r} cannot serve a cluster; "
                           "use auto, grpc, shm or torch_distributed")
-    if cfg.kv_transfer.compression != "none":
-        raise LaunchError("kv_transfer.compression: int8 is implemented for the in-process path only so far "
-                          "(LLM(kv_compression='int8')); use none in a cluster")
+    if cfg.kv_transfer.compression != "none" and kv_backend != "grpc":
+        raise LaunchError(f"kv_transfer.compression: {cfg.kv_transfer.compression} travels over the grpc backend "
+                          f"only; pin kv_transfer.backend: grpc (it is {kv_backend!r})")
     return kv_backend
 
 
@@ -219,6 +219,7 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
     options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s}
     if pool.role == "prefill":
         options["kv_timeout_s"] = cfg.kv_transfer.timeout_s
+        options["kv_compression"] = cfg.kv_transfer.compression
     actors, pending = [], {}
     for wid in worker_ids:
         actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources)).remote(

@@ -54,11 +54,13 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         kv_backend: str = "grpc",
         kv_timeout_s: float = 30.0,
         request_timeout_s: float = 600.0,
+        kv_compression: str = "none",
     ) -> None:
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
         self.request_timeout_s = request_timeout_s
         self.engine = Engine(engine_cfg, "prefill")
-        sender = create_sender(kv_backend, self.engine.runner.compat_hash, timeout_s=kv_timeout_s)
+        extra = {"compression": kv_compression} if kv_compression != "none" else {}
+        sender = create_sender(kv_backend, self.engine.runner.compat_hash, timeout_s=kv_timeout_s, **extra)
         self.prefill = PrefillEngine(self.engine, sender)
         self._inbox: queue.Queue[_Pending | str] = queue.Queue()  # requests, or request ids to abort
         self._pending: dict[str, _Pending] = {}

@@ -24,10 +24,12 @@ MAX_TOKENS = 12
 
 
 def _config(mode: str) -> ClusterConfig:
-    mode, _, backend = mode.partition("+")
+    mode, *transfer = mode.split("+")  # e.g. "disaggregated+grpc+int8"
     cfg = load_cluster_config("cluster.yaml")
-    if backend:
-        cfg = dataclasses.replace(cfg, kv_transfer=dataclasses.replace(cfg.kv_transfer, backend=backend))
+    if transfer:
+        kv = dataclasses.replace(cfg.kv_transfer, backend=transfer[0],
+                                 compression=transfer[1] if len(transfer) > 1 else "none")
+        cfg = dataclasses.replace(cfg, kv_transfer=kv)
     router = dataclasses.replace(cfg.router, grpc_port=0, http_port=0)
     kv = dataclasses.replace(cfg.kv_cache, memory_mb=64)
     model = dataclasses.replace(cfg.model, max_model_len=1024)
@@ -50,7 +52,8 @@ def reference(builtin_path):
     return ref
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "disaggregated+grpc", "disaggregated+torch_distributed", "colocated"])
+@pytest.fixture(scope="module", params=["disaggregated", "disaggregated+grpc", "disaggregated+torch_distributed",
+                                                  "disaggregated+grpc+int8", "colocated"])
 def cluster(request, builtin_path):
     handle = up(_config(request.param), say=lambda _: None)
     yield request.param.partition("+")[0], handle

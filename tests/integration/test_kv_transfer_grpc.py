@@ -230,7 +230,7 @@ def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub):
          "dtype 'float16', expected float32"),
         (_message(ticket, 0, kv, dtype="int64"), grpc.StatusCode.INVALID_ARGUMENT, "dtype 'int64'"),
         (_message(ticket, 0, kv, shape=[2, 3, 16, 2, 15]), grpc.StatusCode.INVALID_ARGUMENT, "payload has"),
-        (_message(ticket, 0, kv, compression="int8"), grpc.StatusCode.INVALID_ARGUMENT, "compression"),
+        (_message(ticket, 0, kv, compression="zstd"), grpc.StatusCode.INVALID_ARGUMENT, "compression"),
         (_message(ticket, 0, kv, first_block=1), grpc.StatusCode.INVALID_ARGUMENT, "split layers"),
         (_message(ticket, 0, kv, auth_token="x"), grpc.StatusCode.PERMISSION_DENIED, "bad auth token"),
     ]
@@ -392,3 +392,22 @@ def test_prefill_over_grpc_then_decode_matches_the_offline_llm(checkpoint, decod
             assert got.token_id == ref.token_id and got.logprob == pytest.approx(ref.logprob, abs=1e-5)
             assert [t for t, _ in got.top] == [t for t, _ in ref.top]
             assert [p for _, p in got.top] == pytest.approx([p for _, p in ref.top], abs=1e-5)
+
+
+def test_int8_compression_moves_a_quarter_of_the_bytes_within_a_half_step(decode):
+    from kv_transfer.compression import quantize_int8
+
+    sender = GrpcSender(decode.compat_hash, timeout_s=10, compression="int8")
+    try:
+        ticket = decode.reserve("r-int8", list(range(3, 40)), PARAMS)
+        layers = [_layer(decode, ticket, seed=layer) for layer in range(decode.num_layers)]
+        for layer, kv in enumerate(layers):
+            sender.send_layer(ticket, layer, kv)
+        sender.commit(ticket, 7, None)
+        cache = decode.engine.runner.kv_caches
+        for layer, kv in enumerate(layers):
+            got = cache[layer][:, ticket.block_ids]
+            _, scales = quantize_int8(kv)
+            assert torch.all((got - kv).abs() <= scales[:, :, None, None, None] / 2 + 1e-6)
+    finally:
+        sender.close()
