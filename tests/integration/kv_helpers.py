@@ -1,0 +1,234 @@
+"""Shared pieces of the KV transfer integration tests: a real DecodeEngine receiver on a real gRPC
+server on loopback, per backend, with that backend's cleanliness checks; layers, prompts, the
+disaggregated prefill -> decode run, and a 64 MiB sink for the throughput print.
+
+Used by tests/integration/test_kv_transfer_conformance.py (the suite every backend passes) and by
+the per-backend files (what is particular to one backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import glob
+import os
+import socket
+import threading
+import time
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+import torch
+
+from decode_worker import DecodeEngine
+from engine import Engine, EngineConfig, SamplingParams
+from kv_transfer import create_sender
+from kv_transfer.grpc_backend import MESSAGE_OPTIONS
+from kv_transfer.shm_backend import SHM_DIR
+
+BACKENDS = ["grpc", "shm", "torch_distributed"]
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+OTHER_HASH = "0123456789abcdef"
+PROMPTS = [list(range(3, 40)), [7, 1, 300, 42, 42, 9], list(range(100, 117)), [5] * 70]
+OURS = f"pdkv-{os.getpid()}-"  # every /dev/shm segment this process makes (senders' and tests' own)
+
+
+def decode_engine(checkpoint) -> Engine:
+    cfg = EngineConfig(model=str(checkpoint("llama-gqa")), num_blocks=32, max_model_len=256)
+    return Engine(cfg, "decode")
+
+
+def layer(decode, ticket, seed=0, extra_blocks=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(decode.layer_shape(len(ticket.block_ids) + extra_blocks), generator=g)
+
+
+def cache_is_zero(decode) -> bool:
+    return all(torch.all(c == 0) for c in decode.engine.runner.kv_caches)
+
+
+# ------------------------------------------------------------------------------------ cleanliness
+def ours_in_shm() -> list[str]:
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, OURS + "*")))
+
+
+def mapped_segments() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if "/pdkv-" in line]
+
+
+def port_is_closed(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def no_leftover_threads(daemon_prefix: str | None = None) -> Iterator[None]:
+    """No thread started inside is still running afterwards (non-daemon ones, and daemon ones
+    named `daemon_prefix...`)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        extra = [t for t in threading.enumerate() if t not in before and t.is_alive()
+                 and (not t.daemon or (daemon_prefix is not None and t.name.startswith(daemon_prefix)))]
+        if not extra or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not extra, f"threads left running: {extra}"
+
+
+@contextlib.contextmanager
+def no_leftover_shm() -> Iterator[None]:
+    """Nothing of ours stays in /dev/shm or mapped into this process."""
+    assert not ours_in_shm()
+    yield
+    gc.collect()
+    assert not ours_in_shm(), "segments left in /dev/shm"
+    assert not mapped_segments(), "segments still mapped"
+
+
+@contextlib.contextmanager
+def clean(backend: str) -> Iterator[None]:
+    """The backend's own leftovers check: threads for all, /dev/shm for shm, pair threads for
+    torch_distributed (its store and groups are checked where the receiver closes)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(no_leftover_threads("kv-dist-pair" if backend == "torch_distributed" else None))
+        if backend == "shm":
+            stack.enter_context(no_leftover_shm())
+        yield
+
+
+def sender_is_idle(backend: str, sender) -> bool:
+    """Nothing held for a transfer that is over (shm: no segment leases)."""
+    return sender.num_in_flight == 0 and (backend != "shm" or not sender._leases)
+
+
+# ------------------------------------------------------------------------------------ a live receiver
+@contextlib.contextmanager
+def grpc_server() -> Iterator[tuple[grpc.Server, str]]:
+    """A server owned by the test, as the decode worker owns its own (the receiver only registers)."""
+    executor = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="test-decode-server")
+    srv = grpc.server(executor, options=MESSAGE_OPTIONS)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    try:
+        yield srv, f"127.0.0.1:{port}"
+    finally:
+        srv.stop(grace=None).wait()
+        executor.shutdown(wait=True)
+
+
+@contextlib.contextmanager
+def live_decode(checkpoint, backend: str, srv: grpc.Server, endpoint: str) -> Iterator[DecodeEngine]:
+    """A DecodeEngine with `backend`'s receiver registered on `srv` (started here); closed after,
+    with torch_distributed's store and process groups checked gone."""
+    kwargs = dict(timeout_s=5.0) if backend == "torch_distributed" else {}
+    d = DecodeEngine(decode_engine(checkpoint), backend=backend, server=srv, endpoint=endpoint, **kwargs)
+    srv.start()
+    port = d.receiver._store.port if backend == "torch_distributed" else None
+    yield d
+    d.close()
+    if backend == "torch_distributed":
+        assert not d.receiver.pairs and d.receiver._store is None
+        gc.collect()
+        assert port_is_closed(port), "the receiver's TCPStore is still listening"
+
+
+@contextlib.contextmanager
+def live_sender(backend: str, compat_hash: str, timeout_s: float = 5.0):
+    s = create_sender(backend, compat_hash, timeout_s=timeout_s)
+    try:
+        yield s
+    finally:
+        s.close()
+    if backend == "torch_distributed":
+        assert not s.pairs
+
+
+# ------------------------------------------------------------------------------------ torch_distributed
+class RecvSpy:
+    """Stands in for a receiver pair's process group: counts the recvs posted."""
+
+    def __init__(self, pg):
+        self.pg, self.recvs = pg, 0
+
+    def recv(self, *args):
+        self.recvs += 1
+        return self.pg.recv(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.pg, name)
+
+
+def spy_on_pairs(decode, sender) -> RecvSpy:
+    """torch_distributed: connect, and count the recvs the receiver's pair posts from now on."""
+    sender.connect(decode.receiver.endpoint)
+    (key,) = decode.receiver.pairs
+    pair = decode.receiver._pairs[key]
+    assert pair.ready.wait(5) and pair.pg is not None
+    pair.pg = spy = RecvSpy(pair.pg)
+    return spy
+
+
+# ------------------------------------------------------------------------------------ end to end
+def run_disaggregated(checkpoint, decode, backend: str, params) -> list:
+    """Reserve on decode, prefill with `backend`'s sender, decode; returns the finished sequences."""
+    from prefill_worker import PrefillEngine
+
+    path = str(checkpoint("llama-gqa"))
+    prefill_engine = Engine(EngineConfig(model=path, num_blocks=64, max_model_len=256), "prefill")
+    sender = create_sender(backend, prefill_engine.runner.compat_hash, timeout_s=10.0)
+    prefill = PrefillEngine(prefill_engine, sender)
+    try:
+        rids = [f"q{i}" for i in range(len(PROMPTS))]
+        for rid, prompt in zip(rids, PROMPTS):
+            ticket = decode.reserve(rid, prompt, params)
+            assert ticket is not None and ticket.backend == backend
+            prefill.add(rid, prompt, params, ticket)
+        first = {}
+        while prefill.has_work():
+            for r in prefill.step():
+                assert r.error is None and r.finish_reason is None, r
+                first[r.request_id] = r.first_token
+        assert sorted(first) == rids and decode.num_reserved == 0 and sender.num_in_flight == 0
+        finished = {}
+        for _ in range(100):
+            for seq in decode.step():
+                if seq.finish_reason is not None:
+                    finished[seq.request_id] = seq
+            if len(finished) == len(rids):
+                break
+        for rid, prompt in zip(rids, PROMPTS):  # decode continues from the token prefill committed
+            assert finished[rid].token_ids[len(prompt)] == first[rid]
+        return [finished[rid] for rid in rids]
+    finally:
+        sender.close()
+
+
+# ------------------------------------------------------------------------------------ throughput
+class BigSink:
+    """One 64 MiB layer (1024 blocks of 16 tokens x 8 heads x 64 dims, K and V, float32)."""
+
+    compat_hash = "bench"
+    num_layers = 1
+    kv_dtype = torch.float32
+
+    def __init__(self, num_blocks: int) -> None:
+        self.cache = torch.zeros(self.layer_shape(num_blocks))
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, 16, 8, 64)
+
+    def write_layer(self, ticket, layer, kv):
+        self.cache.copy_(kv)
+
+    def commit(self, ticket, first_token, logprob):
+        pass
+
+    def abort(self, ticket, reason):
+        pass
+

@@ -1,0 +1,413 @@
+"""The conformance suite every KV transfer backend passes, over a real gRPC server on loopback into
+a real DecodeEngine: bytes land exactly in the reserved blocks, commit admits, forged or malformed
+transfers are refused before they touch the cache, a payload corrupted after its checksum is
+refused, aborts free blocks, a dead or silent receiver fails within the timeout; and a prefill ->
+transfer -> decode run gives the same greedy tokens (and logprobs) as the offline `LLM`.
+
+What is particular to one backend lives in tests/integration/test_kv_transfer_<backend>.py.
+Ends with a throughput print of every backend for a 64 MiB layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+import pytest
+import torch
+
+from decode_worker import DecodeEngine
+from engine import SamplingParams
+from kv_transfer import KVTransferError, TransferTicket, create_receiver, create_sender
+from kv_transfer.grpc_backend import MESSAGE_OPTIONS
+from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tests.integration.kv_helpers import (
+    BACKENDS, OTHER_HASH, PARAMS, PROMPTS, BigSink, cache_is_zero, clean, decode_engine, grpc_server,
+    layer as _layer, live_decode, live_sender, run_disaggregated, sender_is_idle, spy_on_pairs,
+)
+
+pytestmark = pytest.mark.slow
+
+
+# ------------------------------------------------------------------------------------ corruption hooks
+# Each flips one bit of layer `target`'s bytes on the sender's own path, after the crc32 went into
+# the message: the receiver must refuse it with DATA_LOSS.
+def _corrupt_grpc(sender, target: int) -> None:
+    original = sender._layer_message
+
+    def corrupting(ticket, layer, *rest):
+        msg = original(ticket, layer, *rest)
+        if layer == target:  # the inline payload
+            flipped = bytearray(msg.payload)
+            flipped[100] ^= 0x01
+            msg.payload = bytes(flipped)
+        return msg
+
+    sender._layer_message = corrupting
+
+
+def _corrupt_shm(sender, target: int) -> None:
+    original = sender._layer_message
+
+    def corrupting(ticket, layer, *rest):
+        msg = original(ticket, layer, *rest)
+        if layer == target:  # the segment the message points at
+            region = rest[-1]
+            region.slab.mm[region.offset + 100] ^= 0x01
+        return msg
+
+    sender._layer_message = corrupting
+
+
+def _corrupt_torch_distributed(sender, target: int) -> None:
+    original = sender._post_send
+    posted = []
+
+    def corrupting(pair, tensor, tag):
+        posted.append(tag)
+        if len(posted) == target + 1:  # the tensor about to be sent over the pair
+            tensor.view(-1).view(torch.int32)[25] ^= 1
+        return original(pair, tensor, tag)
+
+    sender._post_send = corrupting
+
+
+CORRUPT = {"grpc": _corrupt_grpc, "shm": _corrupt_shm, "torch_distributed": _corrupt_torch_distributed}
+
+
+@dataclass
+class Live:
+    backend: str
+    server: grpc.Server
+    decode: DecodeEngine
+    sender: object
+    corrupt: Callable[[object, int], None]
+
+    def idle(self, sender=None) -> bool:
+        return sender_is_idle(self.backend, self.sender if sender is None else sender)
+
+    def new_sender(self, compat_hash=None, timeout_s=5.0):
+        return create_sender(self.backend, compat_hash or self.decode.compat_hash, timeout_s=timeout_s)
+
+
+@pytest.fixture(params=BACKENDS)
+def kv(request, checkpoint):
+    """A live receiver (DecodeEngine on a real server) and a matching sender, for one backend; the
+    backend's leftovers checks (threads, /dev/shm segments and mappings, store and groups) after."""
+    backend = request.param
+    with clean(backend), grpc_server() as (srv, endpoint), \
+            live_decode(checkpoint, backend, srv, endpoint) as decode, \
+            live_sender(backend, decode.compat_hash) as sender:
+        yield Live(backend, srv, decode, sender, CORRUPT[backend])
+
+
+# ------------------------------------------------------------------------------------ conformance
+def test_layers_land_in_the_reserved_blocks_and_commit_admits(kv):
+    decode, sender = kv.decode, kv.sender
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    assert ticket.backend == kv.backend and ticket.kv_endpoint == decode.receiver.endpoint
+    assert len(ticket.block_ids) == 3 and decode.engine.block_manager.num_used_blocks == 3
+    layers = [_layer(decode, ticket, seed=layer) for layer in range(decode.num_layers)]
+    for layer, kv_ in enumerate(layers):
+        buffer = kv_.clone()
+        sender.send_layer(ticket, layer, buffer)
+        buffer.zero_()  # the caller may reuse its buffer at once: the layer was copied
+    sender.commit(ticket, 7, None)
+    cache = decode.engine.runner.kv_caches
+    for layer, kv_ in enumerate(layers):
+        assert torch.equal(cache[layer][:, ticket.block_ids], kv_)  # bit-exact
+        untouched = [b for b in range(32) if b not in ticket.block_ids]
+        assert torch.all(cache[layer][:, untouched] == 0)
+    assert decode.has_work() and decode.num_reserved == 0 and decode.receiver.num_pending == 0
+    assert kv.idle()
+
+
+def test_flush_waits_for_the_receivers_acknowledgement(kv):
+    decode, sender = kv.decode, kv.sender
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    kv_ = _layer(decode, ticket)
+    sender.send_layer(ticket, 0, kv_)
+    sender.send_layer(ticket, 1, kv_)
+    assert sender.flush(ticket) == 2 and decode.receiver.num_pending == 1
+    assert torch.equal(decode.engine.runner.kv_caches[1][:, ticket.block_ids], kv_)
+
+
+def test_many_transfers_in_flight_from_several_threads(kv):
+    decode, sender = kv.decode, kv.sender
+    tickets = [decode.reserve(f"r{i}", list(range(3, 20 + 9 * i)), PARAMS) for i in range(4)]
+    layers = {t.transfer_id: [_layer(decode, t, seed=10 * i + l) for l in range(decode.num_layers)]
+              for i, t in enumerate(tickets)}
+
+    def push(subset):
+        for layer in range(decode.num_layers):
+            for t in subset:
+                sender.send_layer(t, layer, layers[t.transfer_id][layer])
+
+    threads = [threading.Thread(target=push, args=(tickets[i::2],)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if kv.backend == "shm":  # one segment per transfer in flight
+        assert len([n for n in sender.segments if n != sender._probe.name]) == 4
+    assert sender.flush(tickets[0]) == decode.num_layers
+    for t in reversed(tickets):  # commits in any order
+        sender.commit(t, 5, None)
+    cache = decode.engine.runner.kv_caches
+    for t in tickets:
+        for layer in range(decode.num_layers):
+            assert torch.equal(cache[layer][:, t.block_ids], layers[t.transfer_id][layer])
+    assert decode.num_reserved == 0 and len(decode._committed) == 4 and kv.idle()
+    if kv.backend == "torch_distributed":
+        assert len(decode.receiver.pairs) == 1  # one pair carried them all
+
+
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (dict(transfer_id="not-a-transfer"), "NOT_FOUND: unknown transfer id"),
+        (dict(auth_token="forged"), "PERMISSION_DENIED: bad auth token"),
+    ],
+)
+def test_receiver_refuses_unknown_transfer_and_bad_token(kv, tamper, message):
+    decode, sender = kv.decode, kv.sender
+    ticket = decode.reserve("r1", list(range(3, 20)), PARAMS)
+    forged = dataclasses.replace(ticket, **tamper)
+    sender.send_layer(forged, 0, _layer(decode, ticket))
+    with pytest.raises(KVTransferError, match=message):
+        sender.flush(forged)
+    with pytest.raises(KVTransferError, match=message):
+        sender.commit(forged, 7, None)
+    assert cache_is_zero(decode) and decode.num_reserved == 1 and kv.idle()
+
+
+def test_receiver_refuses_wrong_shape_and_layer_and_an_early_commit(kv):
+    decode, sender = kv.decode, kv.sender
+    # torch_distributed: refused before any recv is posted (the next good layer goes over a new pair)
+    spy = spy_on_pairs(decode, sender) if kv.backend == "torch_distributed" else None
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    sender.send_layer(ticket, 0, _layer(decode, ticket, extra_blocks=1))
+    with pytest.raises(KVTransferError, match="INVALID_ARGUMENT: layer 0: shape"):
+        sender.flush(ticket)
+    sender.send_layer(ticket, decode.num_layers, _layer(decode, ticket))
+    with pytest.raises(KVTransferError, match="INVALID_ARGUMENT: layer .* out of range"):
+        sender.flush(ticket)
+    assert cache_is_zero(decode) and (spy is None or spy.recvs == 0)
+    sender.send_layer(ticket, 0, _layer(decode, ticket))  # a good layer still goes through
+    assert sender.flush(ticket) == 1
+    with pytest.raises(KVTransferError, match=r"FAILED_PRECONDITION: commit of .* before layers \[1\]"):
+        sender.commit(ticket, 7, None)
+    assert torch.all(decode.engine.runner.kv_caches[1] == 0) and decode.num_reserved == 1
+    assert decode.engine.block_manager.num_used_blocks == 3
+
+
+def test_bytes_corrupted_after_their_checksum_are_refused(kv):
+    decode, sender = kv.decode, kv.sender
+    kv.corrupt(sender, 1)
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    kv_ = _layer(decode, ticket)
+    sender.send_layer(ticket, 0, kv_)
+    sender.send_layer(ticket, 1, kv_)
+    with pytest.raises(KVTransferError, match="DATA_LOSS: checksum mismatch for layer 1"):
+        sender.flush(ticket)
+    cache = decode.engine.runner.kv_caches
+    assert torch.equal(cache[0][:, ticket.block_ids], kv_) and torch.all(cache[1] == 0)
+    with pytest.raises(KVTransferError, match=r"before layers \[1\]"):
+        sender.commit(ticket, 7, None)
+    assert decode.num_reserved == 1 and kv.idle()
+
+
+def test_incompatible_layout_is_refused_at_handshake_before_any_bytes_move(kv):
+    decode = kv.decode
+    channel = grpc.insecure_channel(decode.receiver.endpoint, options=MESSAGE_OPTIONS)
+    try:
+        stub = kv_transfer_pb2_grpc.KVReceiverStub(channel)
+        response = stub.Handshake(kv_transfer_pb2.HandshakeRequest(compat_hash=OTHER_HASH), timeout=5)
+        assert not response.ok and response.compat_hash == decode.compat_hash
+        assert OTHER_HASH in response.reason and decode.compat_hash in response.reason
+        assert stub.Handshake(kv_transfer_pb2.HandshakeRequest(compat_hash=decode.compat_hash), timeout=5).ok
+    finally:
+        channel.close()
+
+    ticket = decode.reserve("r1", list(range(3, 20)), PARAMS)
+    other = kv.new_sender(OTHER_HASH)
+    try:
+        with pytest.raises(KVTransferError, match="incompatible KV layout"):  # the ticket says so already
+            other.send_layer(ticket, 0, _layer(decode, ticket))
+        # a ticket claiming the sender's layout: the receiver refuses at the handshake
+        forged = dataclasses.replace(ticket, compat_hash=OTHER_HASH)
+        other.send_layer(forged, 0, _layer(decode, ticket))
+        refused = f"refused the handshake: .*{OTHER_HASH}.*{decode.compat_hash}"
+        with pytest.raises(KVTransferError, match=refused):
+            other.commit(forged, 7, None)
+        with pytest.raises(KVTransferError, match="refused the handshake"):  # cached: refused at once
+            other.send_layer(forged, 1, _layer(decode, ticket))
+        if kv.backend == "shm":
+            assert not other._leases  # nothing was copied for the refused endpoint
+        if kv.backend == "torch_distributed":
+            assert not other.pairs and not decode.receiver.pairs  # no group was made
+    finally:
+        other.close()
+    assert cache_is_zero(decode) and decode.num_reserved == 1
+
+
+def test_abort_of_a_reserved_transfer_frees_its_blocks(kv):
+    decode, sender = kv.decode, kv.sender
+    bm = decode.engine.block_manager
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    sender.send_layer(ticket, 0, _layer(decode, ticket))
+    sender.abort(ticket, "prefill failed")
+    assert bm.num_used_blocks == 0 and decode.num_reserved == 0 and decode.receiver.num_pending == 0
+    assert kv.idle()
+    sender.send_layer(ticket, 1, _layer(decode, ticket))  # a late message is refused
+    with pytest.raises(KVTransferError, match="NOT_FOUND: unknown transfer id"):
+        sender.flush(ticket)
+    with pytest.raises(KVTransferError, match="NOT_FOUND: unknown transfer id"):
+        sender.abort(ticket, "again")
+    ticket2 = decode.reserve("r2", list(range(3, 40)), PARAMS)
+    assert decode.abort_request("r2") and bm.num_used_blocks == 0
+    sender.send_layer(ticket2, 0, _layer(decode, ticket2))
+    with pytest.raises(KVTransferError, match="NOT_FOUND: unknown transfer id"):
+        sender.commit(ticket2, 7, None)
+    assert kv.idle()  # commit and abort forget a transfer, even when they fail
+    ticket3 = decode.reserve("r3", list(range(3, 40)), PARAMS)  # the channel still works afterwards
+    for layer in range(decode.num_layers):
+        sender.send_layer(ticket3, layer, _layer(decode, ticket3))
+    sender.commit(ticket3, 7, None)
+    assert decode.num_reserved == 0 and not cache_is_zero(decode)
+
+
+def test_a_receiver_that_is_gone_fails_within_the_timeout(kv):
+    decode = kv.decode
+    sender = kv.new_sender(timeout_s=1.0)
+    try:
+        ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+        sender.send_layer(ticket, 0, _layer(decode, ticket))
+        assert sender.flush(ticket) == 1  # connected and handshaken
+        kv.server.stop(grace=None).wait()
+        if kv.backend == "torch_distributed":
+            decode.receiver.close()  # its store and groups go too
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="UNAVAILABLE|timed out|DEADLINE_EXCEEDED"):
+            sender.send_layer(ticket, 1, _layer(decode, ticket))
+            sender.commit(ticket, 7, None)
+        with pytest.raises(KVTransferError):
+            sender.abort(ticket, "receiver gone")
+        assert time.monotonic() - start < 5.0 and kv.idle(sender)
+    finally:
+        sender.close()
+
+
+def test_a_receiver_that_never_answers_fails_within_the_timeout(kv):
+    """A port that accepts connections but never speaks HTTP/2: every RPC hits its deadline."""
+    decode = kv.decode
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)
+        ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+        ticket = dataclasses.replace(ticket, kv_endpoint=f"127.0.0.1:{hole.getsockname()[1]}")
+        sender = kv.new_sender(timeout_s=2.0)
+        try:
+            start = time.monotonic()
+            for layer in range(decode.num_layers):  # the forward pass does not wait on the network
+                sender.send_layer(ticket, layer, _layer(decode, ticket))
+            assert time.monotonic() - start < 1.0
+            with pytest.raises(KVTransferError, match="DEADLINE_EXCEEDED|timed out"):
+                sender.commit(ticket, 7, None)
+            if kv.backend != "torch_distributed":
+                with pytest.raises(KVTransferError, match="DEADLINE_EXCEEDED|timed out|UNAVAILABLE"):
+                    sender.abort(ticket, "stuck")
+            assert time.monotonic() - start < 8.0
+        finally:
+            sender.close()
+    assert cache_is_zero(decode)
+
+
+@pytest.mark.parametrize("backend", ["grpc", "shm"])
+def test_own_server_with_fewer_threads_than_open_streams(checkpoint, backend):
+    """Without a server the receiver serves on its own port; a commit never waits behind open streams."""
+    with clean(backend):
+        d = DecodeEngine(decode_engine(checkpoint), backend=backend, max_workers=2)
+        s = create_sender(backend, d.compat_hash, timeout_s=5.0)
+        try:
+            assert d.receiver.endpoint.startswith("127.0.0.1:")
+            tickets = [d.reserve(f"r{i}", list(range(3, 30)), PARAMS) for i in range(5)]
+            for layer in range(d.num_layers):
+                for t in tickets:  # five streams open, two server threads
+                    s.send_layer(t, layer, _layer(d, t, seed=layer))
+            start = time.monotonic()
+            for t in reversed(tickets):  # the last-opened stream is still queued behind the others
+                s.commit(t, 5, None)
+            assert time.monotonic() - start < 5.0 and d.num_reserved == 0
+        finally:
+            s.close()
+            d.close()
+        # default kwargs work too, and close() stops the server it started
+        r = create_receiver(backend, d)
+        endpoint = r.endpoint
+        r.close()
+        s2 = create_sender(backend, d.compat_hash, timeout_s=2.0)
+        try:
+            ticket = dataclasses.replace(tickets[0], kv_endpoint=endpoint)
+            with pytest.raises(KVTransferError, match="UNAVAILABLE"):
+                s2.send_layer(ticket, 0, _layer(d, ticket))
+                s2.commit(ticket, 5, None)
+        finally:
+            s2.close()
+
+
+# ------------------------------------------------------------------------------------ end to end
+def test_prefill_then_decode_matches_the_offline_llm(checkpoint, kv):
+    from pdcluster import LLM
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    seqs = run_disaggregated(checkpoint, kv.decode, kv.backend, params)
+    llm = LLM(str(checkpoint("llama-gqa")), num_blocks=128, max_model_len=256)
+    try:
+        want = llm.generate(PROMPTS, params)
+    finally:
+        llm.decode.close()
+    assert [s.token_ids[len(p):] for s, p in zip(seqs, PROMPTS)] == [o.token_ids for o in want]
+    for seq, out in zip(seqs, want):
+        # decode's logprobs start with the first token's, which travelled in the Commit message
+        assert len(seq.logprobs) == len(out.logprobs) == 8
+        for got, ref in zip(seq.logprobs, out.logprobs):
+            assert got.token_id == ref.token_id and got.logprob == pytest.approx(ref.logprob, abs=1e-5)
+            assert [t for t, _ in got.top] == [t for t, _ in ref.top]
+            assert [p for _, p in got.top] == pytest.approx([p for _, p in ref.top], abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------ throughput
+def test_throughput_of_a_64_mib_layer_for_every_backend(capsys):
+    """Not an assertion on speed: prints MB/s (send_layer .. commit returned) for each backend."""
+    blocks = 1024
+    kv_ = torch.randn(BigSink(0).layer_shape(blocks))
+    assert kv_.numel() * 4 == 64 << 20
+    rates = {}
+    for backend in BACKENDS:
+        with clean(backend):
+            sink = BigSink(blocks)
+            receiver = create_receiver(backend, sink)
+            sender = create_sender(backend, sink.compat_hash, timeout_s=30.0)
+            try:
+                times = []
+                for i in range(3):  # the first warms up: connection, handshake, group / segment
+                    ticket = TransferTicket(f"t{i}", receiver.endpoint, list(range(blocks)), "bench", "tok",
+                                            16 * blocks, backend)
+                    receiver.expect(ticket)
+                    start = time.perf_counter()
+                    sender.send_layer(ticket, 0, kv_)
+                    sender.commit(ticket, 1, None)
+                    times.append(time.perf_counter() - start)
+                assert torch.equal(sink.cache, kv_)
+                rates[backend] = 64 * 1.048576 / min(times[1:])
+            finally:
+                sender.close()
+                receiver.close()
+    with capsys.disabled():
+        print("\n64 MiB layer: " + ", ".join(f"{b} {r:.0f} MB/s" for b, r in rates.items()))
