@@ -204,6 +204,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
             timing.router_queue_ms = (time.monotonic() - arrival) * 1e3
             stream = decode.stub.Stream(wk.StreamRequest(request_id=rid), timeout=max(0.1, deadline - time.monotonic()))
             emitted = 0
+            msg: gen.GenerateResponse | None = None  # built but not yet sent
             token_times: list[float] = []
             finish = ""
             if self.mode != "colocated":
@@ -223,6 +224,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
                     stream.cancel()
                 else:
                     yield msg
+                    msg = None
             if not finish:
                 for chunk in stream:
                     if chunk.start_index <= 1 and chunk.decode_queue_ms:
@@ -241,12 +243,13 @@ class RouterServer(gen_grpc.PDClusterServicer):
                             break
                         if not chunk.finish_reason:
                             yield msg
+                            msg = None
                     if chunk.finish_reason:
                         finish = chunk.finish_reason
                         break
                 if not finish:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.worker_id} ended the stream early")
-            final = msg if token_times else gen.GenerateResponse(request_id=rid)
+            final = msg if msg is not None else gen.GenerateResponse(request_id=rid)  # unsent last tokens, if any
             if detok is not None:
                 final.text += detok.flush()
             final.finish_reason = finish

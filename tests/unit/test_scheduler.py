@@ -324,7 +324,7 @@ def test_no_deadlock_with_tiny_cache():
         sched.add(s)
     # Run one at a time, the 8 sequences need about 8 * (14 decode + 1 prefill) steps; preemption and
     # recomputation add a few. 300 steps is a generous bound that still catches a livelock.
-    steps = run_to_completion(sched, max_steps=300)
+    run_to_completion(sched, max_steps=300)
     assert sched.num_preemptions > 0  # the cache really was too small
     for s in seqs:
         assert s.is_finished and s.finish_reason == "length" and s.num_output_tokens == 14
