@@ -124,12 +124,9 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             stream.queue.put(_DONE)
 
     def _fail_all(self, reason: str) -> None:
-        for rid in list(self._streams):
-            self._abort(rid)
-            stream = self._streams.get(rid)
-            if stream:
-                stream.queue.put(wk.TokenChunk(request_id=rid, finish_reason="abort"))
-                stream.queue.put(_DONE)
+        for rid, stream in list(self._streams.items()):
+            stream.queue.put(wk.TokenChunk(request_id=rid, finish_reason="abort"))
+            self._abort(rid)  # frees the blocks and closes the stream after the abort chunk
 
     def _expire_reservations(self) -> None:
         if not self.decode or not self.decode.num_reserved:
@@ -157,11 +154,11 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         try:
             params = sampling_from_proto(request.sampling)
             ids = list(request.token_ids)
-            if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already active on this worker")
+            with self._lock:
+                if rid in self._streams:
+                    raise ValueError(f"request id {rid!r} is already active on this worker")
+                self._streams[rid] = _Stream()
             if self.decode:
-                stream = _Stream()
-                self._streams[rid] = stream
                 try:
                     ticket = self.decode.reserve(rid, ids, params, on_commit=lambda: self._committed(rid),
                                                  transfer_id=request.transfer_id or None)
@@ -175,10 +172,14 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             with self._lock:
                 bm = self.engine.block_manager
                 if bm.blocks_needed(len(ids)) + len(self.engine.scheduler.running) > bm.num_free_blocks:
+                    self._streams.pop(rid, None)
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker")
-                stream = _Stream(committed_at=time.monotonic())
-                self._streams[rid] = stream
-                self.engine.add_request(rid, ids, params)
+                self._streams[rid].committed_at = time.monotonic()
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except ValueError:
+                    self._streams.pop(rid, None)
+                    raise
             self._wake.set()
             return wk.ReserveResponse()
         except ValueError as e:
@@ -226,6 +227,14 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         return self.stats()
 
     def stats(self) -> wk.WorkerStats:
+        for _ in range(10):  # the engine thread may change the queues while we read them
+            try:
+                return self._stats()
+            except RuntimeError:
+                time.sleep(0.001)
+        return self._stats()
+
+    def _stats(self) -> wk.WorkerStats:
         bm = self.engine.block_manager
         sched = self.engine.scheduler
         queued = len(sched.waiting) + (self.decode.num_reserved if self.decode else 0)

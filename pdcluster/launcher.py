@@ -109,11 +109,14 @@ def _start_head(port: int, cpus: int) -> int:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
-    while "Ray runtime started" not in log_path.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _kill_head(proc.pid)
-            raise LaunchError(f"`{' '.join(cmd)}` did not start:\n{log_path.read_text()[-2000:]}")
-        time.sleep(0.3)
+    try:
+        while "Ray runtime started" not in log_path.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise LaunchError(f"`{' '.join(cmd)}` did not start:\n{log_path.read_text()[-2000:]}")
+            time.sleep(0.3)
+    except BaseException:  # including Ctrl-C while waiting
+        _kill_head(proc.pid)
+        raise
     return proc.pid
 
 
@@ -145,18 +148,22 @@ def _connect(cfg: ClusterConfig, detach: bool, num_cpus: float) -> tuple[str | N
     if address is None and detach:
         port = _free_port()
         address, started = f"127.0.0.1:{port}", f"head:{_start_head(port, cpus)}"
-    if address is not None:
-        ray_auth_env(address)
-    import ray
+    try:
+        if address is not None:
+            ray_auth_env(address)
+        import ray
 
-    from pdcluster.actors import NAMESPACE
+        from pdcluster.actors import NAMESPACE
 
-    if address is None:
-        ray.init(address="local", namespace=NAMESPACE, num_cpus=cpus, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
-        return None, "inprocess"
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
-    return address, started
+        if address is None:
+            ray.init(address="local", namespace=NAMESPACE, num_cpus=cpus, include_dashboard=False,
+                     _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+            return None, "inprocess"
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+        return address, started
+    except BaseException:
+        _stop_ray(started)  # never leave a head we started behind
+        raise
 
 
 def pool_resource(pool_name: str) -> str:
@@ -406,10 +413,10 @@ def scale(pool_name: str, replicas: int, address: str | None = None, drain_timeo
                                          meta.get("worker_host", "auto"))
         if lifetime is None:  # a non-detached actor dies with its last handle: keep them
             _OWNED_ACTORS.extend(actors)
-        started = _wait_workers(pending, cfg.timeouts.startup_s)
         try:
+            started = _wait_workers(pending, cfg.timeouts.startup_s)
             _check_backend_placement(_kv_backend(cfg), started + info["workers"])
-        except LaunchError:
+        except BaseException:
             _stop_actors(actors)
             raise
         ray.get([controller.register_worker.remote(w) for w in started])

@@ -182,6 +182,14 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         return self.stats()
 
     def stats(self) -> wk.WorkerStats:
+        for _ in range(10):  # the engine thread may change the queues while we read them
+            try:
+                return self._stats()
+            except RuntimeError:
+                time.sleep(0.001)
+        return self._stats()
+
+    def _stats(self) -> wk.WorkerStats:
         bm = self.engine.block_manager
         sched = self.engine.scheduler
         return wk.WorkerStats(

@@ -15,6 +15,7 @@ Every wait is bounded by the request deadline.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from concurrent import futures
@@ -49,6 +50,14 @@ class _Active:
     request_id: str
     workers: list[WorkerHandle] = field(default_factory=list)
     done: bool = False
+    cancelled: bool = False  # aborted by the client: stop at the next step, abort what was reached
+
+    def add_worker(self, w: WorkerHandle, router: "RouterServer") -> None:
+        """Record a worker the request reached; if it was cancelled meanwhile, abort there now."""
+        self.workers.append(w)
+        if self.cancelled:
+            router._abort(self, force=True)
+            raise RequestError(grpc.StatusCode.CANCELLED, f"request {self.request_id} was aborted")
 
 
 class RouterServer(gen_grpc.PDClusterServicer):
@@ -73,6 +82,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.api_keys = set(api_keys or [])
         self.pool = WorkerPool()
         self._active: dict[str, _Active] = {}
+        self._lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=512))
         bound = self.server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
@@ -134,12 +144,13 @@ class RouterServer(gen_grpc.PDClusterServicer):
             self._check_auth(context)
             ids, params = self._parse(request)
             rid = request.request_id if request.HasField("request_id") and request.request_id else uuid.uuid4().hex
-            if rid in self._active:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
+            active = _Active(rid)
+            with self._lock:
+                if rid in self._active:
+                    raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
+                self._active[rid] = active
         except RequestError as e:
             context.abort(e.code, str(e))
-        active = _Active(rid)
-        self._active[rid] = active
         context.add_callback(lambda: self._abort(active))  # client went away (or the call ended)
         deadline = arrival + self.request_timeout_s
         try:
@@ -149,7 +160,9 @@ class RouterServer(gen_grpc.PDClusterServicer):
             context.abort(e.code, str(e))
         finally:
             active.done = True
-            self._active.pop(rid, None)
+            with self._lock:
+                if self._active.get(rid) is active:
+                    del self._active[rid]
 
     def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
         active = self._active.get(request.request_id)
@@ -157,18 +170,20 @@ class RouterServer(gen_grpc.PDClusterServicer):
             self._abort(active)
         return gen.AbortResponse(found=active is not None)
 
-    def _abort(self, active: _Active) -> None:
-        if active.done:
+    def _abort(self, active: _Active, force: bool = False) -> None:
+        if active.done and not force:
             return
-        for w in active.workers:
+        active.cancelled = True
+        for w in list(active.workers):
             try:
                 w.stub.Abort(gen.AbortRequest(request_id=active.request_id), timeout=5.0)
             except grpc.RpcError:
                 pass
 
     # ------------------------------------------------------------------ orchestration
-    def _reserve(self, rid: str, ids: list[int], params: SamplingParams, deadline: float):
+    def _reserve(self, active: _Active, ids: list[int], params: SamplingParams, deadline: float):
         """Reserve on the least-loaded decode worker; wait (bounded) while all are full."""
+        rid = active.request_id
         role = "colocated" if self.mode == "colocated" else "decode"
         req = wk.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
                                 sampling=sampling_to_proto(params), token_ids=ids, run_prefill=self.mode == "colocated",
@@ -188,6 +203,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
                         log.warning("reserve on %s failed: %s %s", w.worker_id, e.code(), e.details())
             if not tried:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker")
+            if active.cancelled:
+                raise RequestError(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
             if time.monotonic() + delay > deadline:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV capacity before the request deadline")
             time.sleep(delay)
@@ -197,8 +214,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
         rid = active.request_id
         timing = gen.Timing()
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer else None
-        decode, ticket = self._reserve(rid, ids, params, deadline)
-        active.workers.append(decode)
+        decode, ticket = self._reserve(active, ids, params, deadline)
+        active.add_worker(decode, self)
         self.pool.acquire(decode)
         try:
             timing.router_queue_ms = (time.monotonic() - arrival) * 1e3
@@ -233,9 +250,9 @@ class RouterServer(gen_grpc.PDClusterServicer):
                     new = list(chunk.token_ids[skip:])
                     lps = list(chunk.logprobs[skip:])
                     if new:
-                        token_times.extend([time.monotonic()] * len(new))
-                        emitted += len(new)
                         msg, stopped = self._chunk(rid, new, lps, detok)
+                        token_times.extend([time.monotonic()] * len(msg.token_ids))
+                        emitted += len(msg.token_ids)
                         if stopped:
                             finish = "stop"
                             self._abort(active)
@@ -275,7 +292,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         prefill = self.pool.pick("prefill")
         if prefill is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        active.workers.append(prefill)
+        active.add_worker(prefill, self)
         self.pool.acquire(prefill, len(ids))
         try:
             return prefill.stub.Prefill(
@@ -290,10 +307,11 @@ class RouterServer(gen_grpc.PDClusterServicer):
         text = ""
         stopped = False
         if detok is not None:
-            for t in tokens:
+            for i, t in enumerate(tokens):
                 text += detok.add(t)
-                if detok.stopped:
+                if detok.stopped:  # the tokens after the one that completed the stop string are dropped
                     stopped = True
+                    tokens, logprobs = tokens[: i + 1], logprobs[: i + 1]
                     break
         return gen.GenerateResponse(request_id=rid, token_ids=tokens, text=text, logprobs=logprobs), stopped
 

@@ -89,6 +89,8 @@ class WorkerPool:
                     stats = w.stub.Stats(wk.StatsRequest(), timeout=2.0)
                     w.kv_blocks_free, w.healthy = stats.kv_blocks_free, True
                 except grpc.RpcError as e:
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        continue  # it answered, with an error: still alive
                     if w.healthy:
                         log.warning("worker %s at %s is not answering: %s", w.worker_id, w.address, e.code())
                     w.healthy = False

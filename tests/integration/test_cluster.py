@@ -166,3 +166,16 @@ def test_bad_requests_get_invalid_argument_and_the_cluster_keeps_serving(cluster
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown fields" in err.value.details()
     with Client(handle.router_address) as client:
         assert client.complete("still serving", max_tokens=3, temperature=0.0).completion_tokens >= 1
+
+
+def test_stop_string_ends_the_stream_with_text_and_tokens_cut_at_it(cluster):
+    mode, handle = cluster
+    with Client(handle.router_address) as client:
+        full = client.complete("Once upon a time", max_tokens=24, temperature=0.0, ignore_eos=True)
+        stop = full.text[8:11]
+        out = client.complete("Once upon a time", max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
+    assert out.completion_tokens == len(out.token_ids)
+    assert all(s.kv_blocks_used == 0 for s in _wait_blocks_free(handle))
