@@ -102,15 +102,16 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             self._drain_inbox(block=not self.prefill.has_work())
             if not self.prefill.has_work():
                 continue
-            now = time.monotonic()
-            for seq in self.engine.scheduler.waiting:
-                p = self._pending.get(seq.request_id)
-                if p is not None and p.started is None:
-                    p.started = now  # admitted at this step at the latest (FCFS)
+            waiting = {seq.request_id for seq in self.engine.scheduler.waiting}
             try:
                 t0 = time.monotonic()
                 results = self.prefill.step()
                 step_end = time.monotonic()
+                # requests that left the queue in this step were scheduled at its start
+                for rid in waiting - {seq.request_id for seq in self.engine.scheduler.waiting}:
+                    p = self._pending.get(rid)
+                    if p is not None and p.started is None:
+                        p.started = t0
             except Exception:
                 log.exception("prefill step failed")
                 for rid in list(self._pending):
