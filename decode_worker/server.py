@@ -17,7 +17,6 @@ import queue
 import threading
 import time
 import uuid
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,10 +28,10 @@ from engine.sequence import Sequence
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
+from proto.serving import bind_server
 from proto.convert import logprob_to_proto, sampling_from_proto, ticket_to_proto
 
 log = logging.getLogger("pdcluster.decode")
-GRPC_OPTIONS = [("grpc.max_send_message_length", 512 * 2**20), ("grpc.max_receive_message_length", 512 * 2**20)]
 _DONE = object()
 
 
@@ -60,17 +59,14 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         self.colocated = colocated
         self.request_timeout_s = request_timeout_s
         self.reservation_ttl_s = reservation_ttl_s
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=256), options=GRPC_OPTIONS)
-        bound = self.server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise RuntimeError(f"cannot bind {host}:{port}")
-        self.address = f"{host}:{bound}"
+        self.server, self.address = bind_server(host, port, 256, f"decode worker {self.worker_id}")
         self.engine = Engine(engine_cfg, "colocated" if colocated else "decode")
         self.decode: DecodeEngine | None = None
         if not colocated:
             self.decode = DecodeEngine(self.engine, backend=kv_backend, server=self.server, endpoint=self.address)
         self._lock = threading.RLock()  # engine state (colocated mode; DecodeEngine has its own)
         self._streams: dict[str, _Stream] = {}
+        self._queued_tokens = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         wk_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
@@ -86,6 +82,8 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._expire_reservations()
+            # the only iteration over the engine's queues, on this thread (Stats would race it)
+            self._queued_tokens = sum(s.num_remaining for s in self.engine.scheduler.waiting)
             if not self._has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -112,7 +110,9 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         stream.sent += len(new)
         lps = seq.logprobs[first : first + len(new)] if seq.logprobs else []
         decode_queue_ms = 0.0
-        if first <= 1 and stream.committed_at is not None:
+        if first == 0 and self.colocated:  # queued until the prompt was first scheduled
+            decode_queue_ms = seq.queue_ms
+        elif first == 0 and stream.committed_at is not None:  # KV committed -> first decode step done
             decode_queue_ms = (time.monotonic() - stream.committed_at) * 1e3
         chunk = wk.TokenChunk(
             request_id=seq.request_id, start_index=first, token_ids=new,
@@ -227,21 +227,14 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         return self.stats()
 
     def stats(self) -> wk.WorkerStats:
-        for _ in range(10):  # the engine thread may change the queues while we read them
-            try:
-                return self._stats()
-            except RuntimeError:
-                time.sleep(0.001)
-        return self._stats()
-
-    def _stats(self) -> wk.WorkerStats:
+        """Lengths and block counts are read live; the queued-token sum comes from the engine thread."""
         bm = self.engine.block_manager
         sched = self.engine.scheduler
         queued = len(sched.waiting) + (self.decode.num_reserved if self.decode else 0)
         return wk.WorkerStats(
             worker_id=self.worker_id, role=self.role, running=len(sched.running), queued=queued,
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-            queued_prefill_tokens=sum(s.num_remaining for s in sched.waiting),
+            queued_prefill_tokens=self._queued_tokens,
         )
 
     def stop(self, grace: float = 1.0) -> None:

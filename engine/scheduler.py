@@ -19,6 +19,7 @@ recomputed), which always leaves the oldest sequence able to progress: no deadlo
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from engine.block_manager import BlockManager
@@ -98,6 +99,8 @@ class Scheduler:
             if not self.bm.can_allocate(len(seq.token_ids)):
                 break
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.bm.allocate(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

@@ -10,6 +10,7 @@ preempted sequence resumes by recomputing all of its tokens (prompt and generate
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -46,10 +47,17 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table already entered in the prefix cache
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    arrival_step: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when it first left `waiting` (its queueing ended)
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def queue_ms(self) -> float:
+        """Time waiting to be scheduled (so far, if it still waits)."""
+        end = self.first_scheduled_time if self.first_scheduled_time is not None else time.monotonic()
+        return (end - self.arrival_time) * 1e3
 
     @property
     def num_output_tokens(self) -> int:

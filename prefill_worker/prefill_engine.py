@@ -32,6 +32,8 @@ class PrefillResult:
     # ms spent in commit (draining the layer stream + the commit itself): the part of the KV
     # transfer that was not hidden behind the forward pass
     commit_ms: float = 0.0
+    queue_ms: float = 0.0  # added until first scheduled
+    compute_ms: float = 0.0  # first scheduled until the first token was sampled (commit excluded)
 
 
 class PrefillEngine:
@@ -92,6 +94,7 @@ class PrefillEngine:
     def step(self) -> list[PrefillResult]:
         results = []
         for seq in self.engine.step(self._layer_hook):
+            sampled_at = time.monotonic()
             rid = seq.request_id
             ticket = self._tickets.pop(rid)
             token = seq.token_ids[-1]
@@ -107,5 +110,7 @@ class PrefillEngine:
                 commit_ms = (time.monotonic() - t0) * 1e3
             if error is not None or seq.finish_reason is not None:
                 self._safe_abort(ticket, error or "finished at prefill")
-            results.append(PrefillResult(rid, token, lp, seq.finish_reason, seq.num_cached_tokens, error, commit_ms))
+            compute_ms = (sampled_at - (seq.first_scheduled_time or seq.arrival_time)) * 1e3
+            results.append(PrefillResult(rid, token, lp, seq.finish_reason, seq.num_cached_tokens, error, commit_ms,
+                                         seq.queue_ms, compute_ms))
         return results

@@ -10,9 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import uuid
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,6 +23,7 @@ from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
+from proto.serving import bind_server
 from proto.convert import logprob_to_proto, sampling_from_proto, ticket_from_proto
 
 log = logging.getLogger("pdcluster.prefill")
@@ -36,12 +35,8 @@ class _Pending:
     token_ids: list[int]
     params: SamplingParams
     ticket: TransferTicket
-    arrived: float = field(default_factory=time.monotonic)
-    started: float | None = None  # first scheduled
     done: threading.Event = field(default_factory=threading.Event)
     result: PrefillResult | None = None
-    kv_ms: float = 0.0
-    finished: float = 0.0
 
 
 class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
@@ -64,12 +59,9 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self.prefill = PrefillEngine(self.engine, sender)
         self._inbox: queue.Queue[_Pending | str] = queue.Queue()  # requests, or request ids to abort
         self._pending: dict[str, _Pending] = {}
+        self._queued_tokens = 0
         self._stop = threading.Event()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=256))
-        bound = self.server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise RuntimeError(f"cannot bind {host}:{port}")
-        self.address = f"{host}:{bound}"
+        self.server, self.address = bind_server(host, port, 256, f"prefill worker {self.worker_id}")
         wk_grpc.add_PrefillWorkerServicer_to_server(self, self.server)
         self.server.start()
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-engine", daemon=True)
@@ -100,18 +92,11 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox(block=not self.prefill.has_work())
+            self._queued_tokens = self.prefill.num_queued_tokens  # read by Stats (engine thread only)
             if not self.prefill.has_work():
                 continue
-            waiting = {seq.request_id for seq in self.engine.scheduler.waiting}
             try:
-                t0 = time.monotonic()
                 results = self.prefill.step()
-                step_end = time.monotonic()
-                # requests that left the queue in this step were scheduled at its start
-                for rid in waiting - {seq.request_id for seq in self.engine.scheduler.waiting}:
-                    p = self._pending.get(rid)
-                    if p is not None and p.started is None:
-                        p.started = t0
             except Exception:
                 log.exception("prefill step failed")
                 for rid in list(self._pending):
@@ -119,18 +104,13 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
                     self._finish(rid, PrefillResult(rid, 0, None, None, 0, error="prefill engine error"))
                 continue
             for r in results:
-                p = self._pending.get(r.request_id)
-                if p is not None:
-                    p.kv_ms = r.commit_ms
-                    p.started = p.started or t0
-                self._finish(r.request_id, r, step_end)
+                self._finish(r.request_id, r)
 
-    def _finish(self, request_id: str, result: PrefillResult | None, end: float | None = None) -> None:
+    def _finish(self, request_id: str, result: PrefillResult | None) -> None:
         p = self._pending.pop(request_id, None)
         if p is None:
             return
         p.result = result
-        p.finished = end or time.monotonic()
         p.done.set()
 
     # ------------------------------------------------------------------ RPCs
@@ -155,13 +135,10 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} was aborted")
         if r.error is not None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {r.error}")
-        started = pending.started or pending.arrived
         response = wk.PrefillResponse(
             request_id=rid, first_token=r.first_token, num_prompt_tokens=len(ids),
             num_cached_tokens=r.num_cached_tokens, finish_reason=r.finish_reason or "",
-            prefill_queue_ms=(started - pending.arrived) * 1e3,
-            prefill_compute_ms=max(0.0, (pending.finished - started) * 1e3 - pending.kv_ms),
-            kv_transfer_ms=pending.kv_ms,
+            prefill_queue_ms=r.queue_ms, prefill_compute_ms=r.compute_ms, kv_transfer_ms=r.commit_ms,
         )
         if r.logprob is not None:
             response.first_token_logprob.CopyFrom(logprob_to_proto(r.logprob))
@@ -183,20 +160,14 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         return self.stats()
 
     def stats(self) -> wk.WorkerStats:
-        for _ in range(10):  # the engine thread may change the queues while we read them
-            try:
-                return self._stats()
-            except RuntimeError:
-                time.sleep(0.001)
-        return self._stats()
-
-    def _stats(self) -> wk.WorkerStats:
+        """Lengths and block counts are read live; the queued-token sum, which iterates the engine's
+        queues, is taken by the engine thread after each step (iterating here would race it)."""
         bm = self.engine.block_manager
         sched = self.engine.scheduler
         return wk.WorkerStats(
             worker_id=self.worker_id, role=wk.WORKER_ROLE_PREFILL, running=len(sched.running),
             queued=len(sched.waiting) + self._inbox.qsize(), kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_free=bm.num_free_blocks, queued_prefill_tokens=self.prefill.num_queued_tokens,
+            kv_blocks_free=bm.num_free_blocks, queued_prefill_tokens=self._queued_tokens,
         )
 
     def stop(self, grace: float = 1.0) -> None:

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 import uuid
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,6 +32,7 @@ from engine.tokenizer import load_tokenizer
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
 from proto import worker_pb2 as wk
+from proto.serving import bind_server
 from proto.convert import sampling_from_proto, sampling_to_proto, unknown_fields
 from router.worker_pool import WorkerHandle, WorkerPool
 
@@ -83,11 +83,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.pool = WorkerPool()
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=512))
-        bound = self.server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise RuntimeError(f"router cannot bind {host}:{port} (port in use?)")
-        self.address = f"{host}:{bound}"
+        self.server, self.address = bind_server(host, port, 512, "router")
         gen_grpc.add_PDClusterServicer_to_server(self, self.server)
         self.server.start()
 

@@ -534,3 +534,21 @@ def test_all_blocks_free_after_mixed_workload():
     assert seqs[3].finish_reason == "stop" and seqs[5].finish_reason == "abort"
     assert all(s.finish_reason == "length" for i, s in enumerate(seqs) if i not in (3, 5))
     assert_all_free(sched)
+
+
+def test_queue_time_ends_when_a_sequence_is_first_scheduled_and_not_after_preemption():
+    from engine.block_manager import BlockManager as _BM
+    from engine.sampling_params import SamplingParams as _SP
+    from engine.scheduler import Scheduler as _Sched
+    from engine.sequence import Sequence as _Seq
+
+    sched = _Sched(_BM(8, 4), max_num_batched_tokens=64, max_num_seqs=8)
+    seq = _Seq("q", list(range(3, 9)), 6, _SP(max_tokens=4))
+    sched.add(seq)
+    assert seq.first_scheduled_time is None and seq.queue_ms >= 0
+    sched.schedule()
+    first = seq.first_scheduled_time
+    assert first is not None and seq.queue_ms == (first - seq.arrival_time) * 1e3
+    sched._preempt(seq)
+    sched.schedule()  # readmitted: the queue time it reports does not grow
+    assert seq.first_scheduled_time == first
