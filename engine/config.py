@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-KV_LAYOUT_VERSION = 1  # bump when the paged-KV tensor layout changes; part of the compatibility hash
+KV_LAYOUT_VERSION = 2  # bump when the paged-KV tensor layout or the KV wire format changes (2: XXH3-64 checksums); part of the compatibility hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -45,6 +45,11 @@ class AutoSender(KVSender):
                     self._choice[endpoint] = self.grpc
             return "shm" if self._choice[endpoint] is self.shm else "grpc"
 
+    def connect(self, endpoint: str, timeout: float | None = None) -> None:
+        """Choose the backend for `endpoint` and handshake with it now (see GrpcSender.connect)."""
+        if self.backend_for(endpoint) == "grpc":
+            self.grpc.connect(endpoint, timeout)
+
     def _sender(self, ticket: TransferTicket) -> KVSender:
         self.backend_for(ticket.kv_endpoint)
         return self._choice[ticket.kv_endpoint]

@@ -2,19 +2,23 @@
 
 Run as `pdcluster bench transfer [options]` or `python scripts/bench_transfer.py [options]`.
 
+The receiving side runs in a second process, as a decode worker does (its own interpreter and
+GIL); the sending side, the memcpy limit and the overlap measurement run in this one.
+
 Transfers (per layout x prompt length x backend)
-    A real `DecodeEngine` (backend "grpc" or "shm", its receiver on its own gRPC server on
-    127.0.0.1) over a tiny random Llama checkpoint written with transformers whose KV cache has the
-    layout's shape. A ticket is reserved with `DecodeEngine.reserve` for a dummy prompt of the
-    length; the prefill side (`create_sender(backend, compat_hash)`, default options) then pushes
+    A real `DecodeEngine` per backend (its receiver on its own gRPC server on 127.0.0.1) over a
+    tiny random Llama checkpoint written with transformers whose KV cache has the layout's shape,
+    in the receiving process. A ticket is reserved with `DecodeEngine.reserve` for a dummy prompt
+    of the length (asked for over a pipe, untimed); the prefill side (`create_sender(backend, compat_hash)`, default options) then pushes
     one random layer tensor (2, blocks, block_size, kv_heads, head_dim) with `send_layer` for every
     layer, then `commit`. Timed: first `send_layer` to `commit` returned (the receiver has written
-    every layer into the reserved blocks). One untimed warm-up transfer per (layout, backend).
+    every layer into the reserved blocks). One untimed warm-up transfer per case.
     Bytes = 2 * layers * blocks * block_size * kv_heads * head_dim * itemsize (whole blocks).
 
 Limits, same bytes
-    socket   plain TCP on 127.0.0.1: a server thread `recv_into` a preallocated bytearray, the
-             client `sendall`s each layer's bytes (no copy, no framing), then waits for a 1-byte ack.
+    socket   plain TCP on 127.0.0.1 between the two processes: the receiving one `recv_into`s a
+             preallocated bytearray, this one `sendall`s each layer's bytes (no copy, no framing),
+             then waits for a 1-byte ack.
     memcpy   `torch.Tensor.copy_` of each layer into a preallocated destination.
 
 Overlap (built-in model, `--overlap-tokens` prompt, grpc, TTFT = `PrefillEngine.step()` incl. commit)
@@ -30,7 +34,9 @@ warm-up round, median and min (the effect is small next to CPU noise on a shared
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -39,6 +45,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
 
@@ -90,13 +97,26 @@ def _median(xs: list[float]) -> float:
 
 
 # ------------------------------------------------------------------------------- limits
-def socket_time(layer: torch.Tensor, layers: int) -> float:
-    """Seconds to move `layers` copies of `layer`'s bytes over loopback TCP into a preallocated buffer."""
+def socket_time(layer: torch.Tensor, layers: int, peer: _Peer) -> float:
+    """Seconds to move `layers` copies of `layer`'s bytes over loopback TCP into the receiving
+    process's preallocated buffer."""
     view = memoryview(layer.contiguous().view(-1).view(torch.uint8).numpy())
-    total = len(view) * layers
+    port = peer.call("socket", total=len(view) * layers)["port"]
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(layers):
+            c.sendall(view)
+        c.recv(1)
+    elapsed = time.perf_counter() - start
+    peer.call("socket_done")
+    return elapsed
+
+
+def _socket_sink(total: int) -> tuple[socket.socket, threading.Thread]:
+    """Receiving process: a listening socket and a thread that takes `total` bytes, then acks."""
     sink = bytearray(total)
     srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
 
     def serve() -> None:
         conn, _ = srv.accept()
@@ -111,16 +131,7 @@ def socket_time(layer: torch.Tensor, layers: int) -> float:
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    start = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as c:
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(layers):
-            c.sendall(view)
-        c.recv(1)
-    elapsed = time.perf_counter() - start
-    t.join()
-    srv.close()
-    return elapsed
+    return srv, t
 
 
 def memcpy_time(layer: torch.Tensor, layers: int) -> float:
@@ -151,19 +162,84 @@ class _Receiver:
             d.close()
 
 
-def transfer_time(decode, sender, layer: torch.Tensor, layers: int, tokens: int) -> float:
+def _receiving_process(conn: Connection, lay: dict, max_tokens: int, workdir: str, threads: int | None) -> None:
+    """The receiving process: a `_Receiver` for one layout, driven by JSON requests over `conn`."""
     from engine import SamplingParams
 
-    rid = uuid.uuid4().hex
-    ticket = decode.reserve(rid, [5] * tokens, SamplingParams(max_tokens=1))
-    if ticket is None:
+    if threads:
+        torch.set_num_threads(threads)
+    recv = _Receiver(Layout(**lay), max_tokens, Path(workdir))
+    sockets: list[tuple[socket.socket, threading.Thread]] = []
+    reply: dict = {"hashes": {b: d.compat_hash for b, d in recv.decoders.items()}}
+    try:
+        while True:
+            conn.send_bytes(json.dumps(reply).encode())
+            req = json.loads(conn.recv_bytes())
+            op, reply = req.pop("op"), {}
+            if op == "reserve":
+                rid = uuid.uuid4().hex
+                ticket = recv.decoders[req["backend"]].reserve(rid, [5] * req["tokens"], SamplingParams(max_tokens=1))
+                reply = {"rid": rid, "ticket": dataclasses.asdict(ticket) if ticket is not None else None}
+            elif op == "abort":
+                recv.decoders[req["backend"]].abort_request(req["rid"])  # frees the blocks for the next one
+            elif op == "socket":
+                sockets.append(_socket_sink(req["total"]))
+                reply = {"port": sockets[-1][0].getsockname()[1]}
+            elif op == "socket_done":
+                srv, t = sockets.pop()
+                t.join()
+                srv.close()
+            elif op == "stop":
+                return
+    finally:
+        recv.close()
+
+
+class _Peer:
+    """This process's end of the receiving process."""
+
+    def __init__(self, lay: Layout, max_tokens: int, workdir: Path, threads: int | None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiving_process, daemon=True, name=f"bench-receiver-{lay.name}",
+                                args=(child, dataclasses.asdict(lay), max_tokens, str(workdir), threads))
+        self.proc.start()
+        child.close()
+        self.hashes: dict[str, str] = self._recv()["hashes"]
+
+    def _recv(self, timeout: float = 600.0) -> dict:
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"the receiving process did not answer within {timeout:.0f} s")
+        return json.loads(self.conn.recv_bytes())
+
+    def call(self, op: str, **kwargs) -> dict:
+        self.conn.send_bytes(json.dumps({"op": op, **kwargs}).encode())
+        return self._recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send_bytes(json.dumps({"op": "stop"}).encode())
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.conn.close()
+
+
+def transfer_time(peer: _Peer, backend: str, sender, layer: torch.Tensor, layers: int, tokens: int) -> float:
+    from kv_transfer import TransferTicket
+
+    r = peer.call("reserve", backend=backend, tokens=tokens)
+    if r["ticket"] is None:
         raise RuntimeError("decode cache too small for the prompt")
+    ticket = TransferTicket(**r["ticket"])
     start = time.perf_counter()
     for i in range(layers):
         sender.send_layer(ticket, i, layer)
     sender.commit(ticket, 7, None)
     elapsed = time.perf_counter() - start
-    decode.abort_request(rid)  # free the blocks for the next one
+    peer.call("abort", backend=backend, rid=r["rid"])
     return elapsed
 
 
@@ -286,28 +362,28 @@ def main(argv: list[str] | None = None) -> int:
     rate: dict[tuple[str, str], float] = {}  # (layout, backend) -> bytes/s seen so far, for estimates
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-") as tmp:
         for lay in layouts:
-            recv = _Receiver(lay, max(tokens), Path(tmp))
+            peer = _Peer(lay, max(tokens), Path(tmp), args.threads)
             try:
                 for n in sorted(tokens):
                     bar.set_postfix_str(f"{lay.name} {n} tok")
                     nbytes = lay.nbytes(n)
                     layer = torch.randn(lay.layer_shape(n)).to(getattr(torch, lay.dtype))
                     row = {"layout": lay.name, "tokens": n, "bytes": nbytes,
-                           "socket_s": _median([socket_time(layer, lay.layers) for _ in range(args.repeats)]),
+                           "socket_s": _median([socket_time(layer, lay.layers, peer) for _ in range(args.repeats)]),
                            "memcpy_s": _median([memcpy_time(layer, lay.layers) for _ in range(args.repeats)])}
                     for b in backends:
-                        decode = recv.decoders[b]
-                        sender = create_sender(b, decode.compat_hash, timeout_s=300.0)
+                        sender = create_sender(b, peer.hashes[b], timeout_s=300.0)
                         try:
-                            if (lay.name, b) not in rate:  # warm-up: connection, handshake, first slab
-                                transfer_time(decode, sender, layer, lay.layers, n)
+                            # warm-up, per case (a fresh sender): connection, handshake, shm segments
+                            # sized for this prompt length, as a serving worker has them after one request
+                            transfer_time(peer, b, sender, layer, lay.layers, n)
                             est = nbytes / rate[(lay.name, b)] * args.repeats if (lay.name, b) in rate else 0.0
                             if est > SKIP_ESTIMATE_S and not args.no_skip:
                                 notes.append(f"skipped {b} {lay.name} {n} tokens: estimated {est:.0f} s "
                                              f"for {args.repeats} repeats (--no-skip runs it)")
                                 row[f"{b}_s"] = None
                                 continue
-                            ts = [transfer_time(decode, sender, layer, lay.layers, n) for _ in range(args.repeats)]
+                            ts = [transfer_time(peer, b, sender, layer, lay.layers, n) for _ in range(args.repeats)]
                         finally:
                             sender.close()
                         row[f"{b}_s"] = _median(ts)
@@ -317,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                     del layer
                     bar.update()
             finally:
-                recv.close()
+                peer.close()
         ov = None
         if args.overlap_tokens:
             bar.set_postfix_str(f"overlap {args.overlap_tokens} tok")

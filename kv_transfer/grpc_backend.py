@@ -4,7 +4,7 @@ Wire protocol (proto/kv_transfer.proto), per transfer:
 
     Handshake      once per (sender, endpoint): the compatibility hashes must match, else refused
     SendLayers     one client stream per transfer carrying its `KVLayer`s (raw C-contiguous tensor
-                   bytes + crc32; never pickled); the stream is fed from a queue in the background,
+                   bytes + XXH3-64 checksum; never pickled); the stream is fed from a queue in the background,
                    so `send_layer` returns at once and the forward pass never waits on the network
     Commit         after the stream is acknowledged: the first token (and its logprob)
     Abort          cancels the stream, then tells the receiver to free the blocks
@@ -13,7 +13,7 @@ Receiver-side refusals are gRPC status codes whose details carry the reason:
 
     NOT_FOUND            unknown transfer id (never reserved, already committed or aborted)
     PERMISSION_DENIED    bad auth token for the transfer
-    DATA_LOSS            payload crc32 does not match the message's checksum (corrupted in transit)
+    DATA_LOSS            payload checksum does not match the message's checksum (corrupted in transit)
     INVALID_ARGUMENT     layer out of range, wrong shape / dtype / payload size, unsupported
                          compression or split layer
     FAILED_PRECONDITION  commit before all layers arrived
@@ -37,10 +37,11 @@ import os
 import queue
 import threading
 import time
-import zlib
+import warnings
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import torch
@@ -48,6 +49,8 @@ import torch
 from engine.config import KV_LAYOUT_VERSION
 from engine.sequence import TokenLogprobs
 from kv_transfer.base import KVReceiver, KVSender, KVSink, KVTransferError, TransferTicket
+from kv_transfer.checksum import NAME as CHECKSUM
+from kv_transfer.checksum import checksum
 from kv_transfer.compression import COMPRESSIONS, dequantize_int8, quantize_int8
 from proto import generate_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -58,6 +61,9 @@ MESSAGE_OPTIONS = [
 ]
 # a restarted decode worker is found again within seconds, not gRPC's default of up to two minutes
 CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.max_reconnect_backoff_ms", 5000)]
+
+# received payloads are viewed in place (torch.frombuffer over the message's bytes) and only read
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning, r"kv_transfer\.")
 
 # wire dtype names, as in the proto ("bfloat16"): str(torch dtype) without the "torch." prefix
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -116,7 +122,7 @@ def logprob_from_proto(msg: generate_pb2.TokenLogprob) -> TokenLogprobs:
 
 # ---------------------------------------------------------------------------------------- receiver
 class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
-    def __init__(self, receiver: "GrpcReceiver") -> None:
+    def __init__(self, receiver: GrpcReceiver) -> None:
         self.r = receiver
 
     def _check_open(self, context: grpc.ServicerContext) -> None:
@@ -228,7 +234,7 @@ class GrpcReceiver(KVReceiver):
     @classmethod
     def serve(
         cls, sink: KVSink, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16
-    ) -> "GrpcReceiver":
+    ) -> GrpcReceiver:
         return cls(sink, host=host, port=port, max_workers=max_workers)
 
     @property
@@ -249,11 +255,13 @@ class GrpcReceiver(KVReceiver):
         dtype, shape = self.check_layer(msg, payload)
         if math.prod(shape) == 0:
             return torch.empty(shape, dtype=dtype)
+        # views of the message's immutable bytes, not copies: nothing writes through them (the
+        # sink copies them into the cache; int8 dequantizes into a new tensor)
         if msg.compression == "int8":
-            q = torch.frombuffer(bytearray(payload), dtype=torch.int8).view(shape)
-            scales = torch.frombuffer(bytearray(msg.scales), dtype=torch.float32).view(shape[0], shape[1])
+            q = torch.frombuffer(payload, dtype=torch.int8).view(shape)
+            scales = torch.frombuffer(msg.scales, dtype=torch.float32).view(shape[0], shape[1])
             return dequantize_int8(q, scales, dtype)
-        return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape)
+        return torch.frombuffer(payload, dtype=dtype).view(shape)
 
     def check_layer(self, msg: kv_transfer_pb2.KVLayer, payload: Any) -> tuple[torch.dtype, tuple[int, ...]]:
         """Check a `KVLayer`'s framing against its bytes (any 1-D byte buffer): compression, split,
@@ -267,13 +275,11 @@ class GrpcReceiver(KVReceiver):
             raise KVTransferError(
                 f"layer {msg.layer}: split layers (first_block={msg.first_block}) are not supported"
             )
-        crc = zlib.crc32(payload)
-        if int8:  # the scales are covered too
-            crc = zlib.crc32(msg.scales, crc)
-        if crc != msg.checksum:
+        digest = checksum(payload, msg.scales) if int8 else checksum(payload)  # int8: the scales too
+        if digest != msg.checksum:
             raise _Corrupt(
                 f"checksum mismatch for layer {msg.layer} of {msg.transfer_id!r}: "
-                f"payload crc32 {crc:#010x}, message says {msg.checksum:#010x}"
+                f"payload {CHECKSUM} {digest:#018x}, message says {msg.checksum:#018x}"
             )
         dtype = WIRE_DTYPES.get(msg.dtype)
         if dtype is None or (self._dtype is not None and dtype != self._dtype):
@@ -320,7 +326,7 @@ class _Handshake:
 
 @dataclass(eq=False)
 class _Stream:
-    requests: "queue.SimpleQueue[Any]"
+    requests: queue.SimpleQueue[Any]
     future: grpc.Future | None = None
     error: str | None = None  # set by the request iterator when the handshake failed
 
@@ -378,6 +384,14 @@ class GrpcSender(KVSender):
             channel = grpc.insecure_channel(_target(endpoint), options=CHANNEL_OPTIONS)
             entry = self._channels[endpoint] = (channel, kv_transfer_pb2_grpc.KVReceiverStub(channel))
         return entry[1]
+
+    def connect(self, endpoint: str, timeout: float | None = None) -> None:
+        """Handshake with `endpoint` now (at start-up, say); raises KVTransferError if it cannot take
+        this backend's transfers from here: unreachable, another KV layout, and for shm another node
+        or no shared /dev/shm, for torch_distributed no process group between the two."""
+        with self._lock:
+            hs = self._handshake(endpoint)
+        self._await_handshake(endpoint, hs, self.timeout_s if timeout is None else timeout)
 
     def _handshake(self, endpoint: str) -> _Handshake:
         """Under self._lock: the endpoint's handshake, started (not awaited) on first use."""
@@ -460,7 +474,7 @@ class GrpcSender(KVSender):
         if isinstance(payload, _Int8):
             return kv_transfer_pb2.KVLayer(
                 transfer_id=ticket.transfer_id, auth_token=ticket.auth_token, layer=layer, dtype=dtype,
-                shape=shape, checksum=zlib.crc32(payload.scales, zlib.crc32(payload.q)), payload=payload.q,
+                shape=shape, checksum=checksum(payload.q, payload.scales), payload=payload.q,
                 compression="int8", scales=payload.scales,
             )
         return kv_transfer_pb2.KVLayer(
@@ -469,7 +483,7 @@ class GrpcSender(KVSender):
             layer=layer,
             dtype=dtype,
             shape=shape,
-            checksum=zlib.crc32(payload),
+            checksum=checksum(payload),
             payload=payload,
         )
 

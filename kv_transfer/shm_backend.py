@@ -4,11 +4,12 @@ The sender copies each layer's raw C-contiguous bytes into POSIX shared memory (
 /dev/shm that it owns) and only the metadata travels over the gRPC control channel, which is the
 grpc backend's unchanged: the same `KVReceiver` service, handshake, one SendLayers stream per
 transfer, Commit, Abort, deadlines and status codes (see kv_transfer.grpc_backend). A `KVLayer`
-carries `shm_name`, `shm_offset`, `shm_nbytes` instead of a payload, and `checksum` is the crc32 of
-those bytes. The receiver checks the transfer id and auth token first, then maps just that range
-(a private, never-written mapping: no copy), checks its crc32, dtype and size, views it as a
-tensor (`torch.frombuffer`, no intermediate bytes), hands it to the shared checks that copy it
-into the reserved blocks, and unmaps it.
+carries `shm_name`, `shm_offset`, `shm_nbytes` instead of a payload, and `checksum` is the XXH3-64 of
+those bytes. The receiver checks the transfer id and auth token first, then maps the segment
+(read-only and shared; kept mapped while the segment exists, since senders reuse theirs), checks
+the range's checksum, dtype and size, views it as a tensor (`torch.frombuffer`, no intermediate
+bytes) and hands it to the shared checks, which copy it into the reserved blocks. So a layer costs
+one copy on each side plus a checksum pass on each side.
 
 Segments (the sender's arena): a transfer takes whole segments ("slabs") from a per-sender pool
 and packs its layers into them. A transfer's first slab is sized for all its layers (layer size x
@@ -43,8 +44,8 @@ import re
 import secrets
 import socket
 import threading
+import time
 import traceback
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ import torch
 
 from engine.sequence import TokenLogprobs
 from kv_transfer.base import KVSink, KVTransferError, TransferTicket
+from kv_transfer.checksum import checksum
 from kv_transfer.grpc_backend import GrpcReceiver, GrpcSender
 from proto import kv_transfer_pb2
 
@@ -62,6 +64,7 @@ _SEGMENT_NAME = re.compile(r"pdkv-[A-Za-z0-9_-]{1,200}")
 ALIGN = 256  # layers start on this byte boundary within a slab
 PAGE = mmap.PAGESIZE
 PROBE_BYTES = 16
+MAX_MAPPINGS = 64  # segments a receiver keeps mapped (a sender normally uses a few)
 
 
 def node_id() -> str:
@@ -127,11 +130,11 @@ class _Slab:
         finally:
             del dst
 
-    def crc32(self, offset: int, nbytes: int) -> int:
+    def checksum(self, offset: int, nbytes: int) -> int:
         with memoryview(self.mm) as whole:
             part = whole[offset : offset + nbytes]
             try:
-                return zlib.crc32(part)
+                return checksum(part)
             finally:
                 part.release()
 
@@ -165,7 +168,7 @@ class ShmSender(GrpcSender):
     """Pushes layers through shared memory to `ShmReceiver`s on this node. Thread-safe.
 
     `ShmSender(compat_hash, timeout_s=30.0, sender_id=None, *, slab_bytes=2 MiB,
-    pool_bytes=256 MiB, shm_dir="/dev/shm")`: `timeout_s` bounds every control RPC as for grpc;
+    pool_bytes=1 GiB, shm_dir="/dev/shm")`: `timeout_s` bounds every control RPC as for grpc;
     `slab_bytes` is the smallest segment made; `pool_bytes` how much free segment space is kept for
     reuse between transfers (0: unlink each transfer's segments at its commit / abort). Segments'
     pages are reserved when made, so in-flight transfers plus the pool is the /dev/shm (RAM) used.
@@ -178,7 +181,7 @@ class ShmSender(GrpcSender):
         sender_id: str | None = None,
         *,
         slab_bytes: int = 2 << 20,
-        pool_bytes: int = 256 << 20,
+        pool_bytes: int = 1 << 30,
         shm_dir: str = SHM_DIR,
     ) -> None:
         if not os.path.isdir(shm_dir):
@@ -231,13 +234,6 @@ class ShmSender(GrpcSender):
                 "IPC namespace?); share /dev/shm between them or use grpc"
             )
         return None
-
-    def connect(self, endpoint: str, timeout: float | None = None) -> None:
-        """Handshake with `endpoint` now; raises KVTransferError if it cannot take shm transfers
-        from here (another node, no shared /dev/shm, another layout, unreachable)."""
-        with self._lock:
-            hs = self._handshake(endpoint)
-        self._await_handshake(endpoint, hs, self.timeout_s if timeout is None else timeout)
 
     # ------------------------------------------------------------------ arena
     def _alloc(self, transfer_id: str, layer: int, nbytes: int) -> _Region:
@@ -314,7 +310,7 @@ class ShmSender(GrpcSender):
         if not isinstance(payload, _Region):
             return super()._layer_message(ticket, layer, dtype, shape, payload)
         try:
-            checksum = payload.slab.crc32(payload.offset, payload.nbytes)
+            checksum = payload.slab.checksum(payload.offset, payload.nbytes)
         except ValueError:  # unmapped by close(), which cancelled this stream: the receiver refuses it
             checksum = 0
         return kv_transfer_pb2.KVLayer(
@@ -361,6 +357,23 @@ class ShmSender(GrpcSender):
 
 
 # ---------------------------------------------------------------------------------------- receiver
+@dataclass
+class _Mapping:
+    """A receiver's read-only, shared mapping of a whole sender segment."""
+
+    mm: mmap.mmap
+    identity: tuple[int, int, int]  # (st_dev, st_ino, st_size) when mapped
+    size: int
+    users: int = 0  # layers being read from it now
+    retired: bool = False
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:  # a view outlived its layer (cannot happen normally): unmapped when collected
+            pass
+
+
 class ShmReceiver(GrpcReceiver):
     """Serves `KVReceiver` for a sink and reads layers from the senders' shared memory.
 
@@ -381,12 +394,15 @@ class ShmReceiver(GrpcReceiver):
     ) -> None:
         self.shm_dir = shm_dir
         self.node_id = node_id()
+        self._maps: dict[str, _Mapping] = {}  # segment name -> mapping, least recently mapped first
+        self._maps_lock = threading.Lock()
+        self._last_sweep = 0.0
         super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers)
 
     @classmethod
     def serve(
         cls, sink: KVSink, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16
-    ) -> "ShmReceiver":
+    ) -> ShmReceiver:
         return cls(sink, host=host, port=port, max_workers=max_workers)
 
     def handshake_fields(self, request: kv_transfer_pb2.HandshakeRequest) -> dict[str, Any]:
@@ -417,17 +433,20 @@ class ShmReceiver(GrpcReceiver):
             self._get(msg.transfer_id, msg.auth_token)
         if msg.payload:
             raise KVTransferError(f"layer {msg.layer}: both an inline payload and a shared memory segment")
-        mm, start = self._map(msg)
+        mapping = self._map(msg)
         try:
-            self._deliver(msg, mm, start)
+            self._deliver(msg, mapping.mm, msg.shm_offset)
         finally:
-            try:
-                mm.close()
-            except BufferError:  # a view outlived the layer (cannot happen normally): unmapped when collected
-                pass
+            self._unuse(mapping)
 
-    def _map(self, msg: kv_transfer_pb2.KVLayer) -> tuple[mmap.mmap, int]:
-        """Map [shm_offset, shm_offset + shm_nbytes) of the segment privately; returns (map, start)."""
+    # ------------------------------------------------------------------ mappings
+    # A sender reuses its segments transfer after transfer, so each one is mapped once (read-only,
+    # shared) and kept: a fresh mapping per layer page-faults every 4 KiB and its unmapping stalls
+    # every thread of the process. A mapping whose file is gone (unlinked by its sender) or was
+    # replaced is closed at the next sweep, which runs whenever a segment is mapped and at most once
+    # a second otherwise, so a departed sender's pages are not held for long.
+    def _map(self, msg: kv_transfer_pb2.KVLayer) -> _Mapping:
+        """The mapping of the segment holding [shm_offset, shm_offset + shm_nbytes), in use."""
         name, offset, nbytes = msg.shm_name, msg.shm_offset, msg.shm_nbytes
         _check_name(name)
         if nbytes == 0:
@@ -437,8 +456,9 @@ class ShmReceiver(GrpcReceiver):
             raise KVTransferError(
                 f"layer {msg.layer}: offset {offset} in {name!r} is not aligned to {msg.dtype}"
             )
+        path = os.path.join(self.shm_dir, name)
         try:
-            fd = os.open(os.path.join(self.shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
             raise KVTransferError(
                 f"layer {msg.layer}: shared memory segment {name!r} not found in {self.shm_dir} "
@@ -448,22 +468,91 @@ class ShmReceiver(GrpcReceiver):
             raise KVTransferError(
                 f"layer {msg.layer}: cannot open shared memory segment {name!r}: {e.strerror}"
             ) from None
-        try:
-            size = os.fstat(fd).st_size
-            if offset + nbytes > size:
+        with self._maps_lock:
+            mapping = self._maps.get(name)
+            if mapping is None or mapping.identity != (st.st_dev, st.st_ino, st.st_size):
+                mapping = self._open(msg.layer, name, path)
+            if offset + nbytes > mapping.size:
                 raise KVTransferError(
                     f"layer {msg.layer}: range [{offset}, {offset + nbytes}) outside shared memory "
-                    f"segment {name!r} of {size} bytes"
+                    f"segment {name!r} of {mapping.size} bytes"
                 )
-            base = offset - offset % mmap.ALLOCATIONGRANULARITY
-            # private and never written: no copy, and nothing this side does reaches the sender's pages
-            return mmap.mmap(fd, offset + nbytes - base, access=mmap.ACCESS_COPY, offset=base), offset - base
-        except OSError as e:
+            mapping.users += 1
+        return mapping
+
+    def _open(self, layer: int, name: str, path: str) -> _Mapping:
+        """Under _maps_lock: map the segment at `path` and cache it (after a sweep)."""
+        self._sweep(force=True)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
             raise KVTransferError(
-                f"layer {msg.layer}: cannot map shared memory segment {name!r}: {e.strerror}"
+                f"layer {layer}: shared memory segment {name!r} not found in {self.shm_dir} "
+                "(sender gone, or not on this node?)"
             ) from None
+        except OSError as e:
+            raise KVTransferError(f"layer {layer}: cannot open shared memory segment {name!r}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0:
+                raise KVTransferError(f"layer {layer}: shared memory segment {name!r} is empty")
+            mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise KVTransferError(f"layer {layer}: cannot map shared memory segment {name!r}: {e.strerror}") from None
         finally:
             os.close(fd)
+        old = self._maps.pop(name, None)
+        if old is not None:
+            self._retire(old)
+        mapping = self._maps[name] = _Mapping(mm, (st.st_dev, st.st_ino, st.st_size), st.st_size)
+        while len(self._maps) > MAX_MAPPINGS:  # least recently mapped first
+            self._retire(self._maps.pop(next(iter(self._maps))))
+        return mapping
+
+    def _sweep(self, force: bool = False) -> None:
+        """Under _maps_lock: close the mappings of segments that are gone or were replaced."""
+        now = time.monotonic()
+        if not force and now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        for name, mapping in list(self._maps.items()):
+            try:
+                st = os.stat(os.path.join(self.shm_dir, name), follow_symlinks=False)
+                alive = mapping.identity == (st.st_dev, st.st_ino, st.st_size)
+            except OSError:
+                alive = False
+            if not alive:
+                self._retire(self._maps.pop(name))
+
+    def _retire(self, mapping: _Mapping) -> None:
+        """Under _maps_lock: unmap now, or when its last reader is done."""
+        mapping.retired = True
+        if mapping.users == 0:
+            mapping.close()
+
+    def _unuse(self, mapping: _Mapping) -> None:
+        with self._maps_lock:
+            mapping.users -= 1
+            if mapping.retired and mapping.users == 0:
+                mapping.close()
+            self._sweep()
+
+    def sweep(self) -> None:
+        """Unmap now the segments that are gone (this also happens by itself; see above)."""
+        with self._maps_lock:
+            self._sweep(force=True)
+
+    @property
+    def num_mappings(self) -> int:
+        """Segments this receiver keeps mapped now."""
+        return len(self._maps)
+
+    def close(self) -> None:
+        super().close()
+        with self._maps_lock:
+            for mapping in self._maps.values():
+                self._retire(mapping)
+            self._maps.clear()
 
     def _deliver(self, msg: kv_transfer_pb2.KVLayer, mm: mmap.mmap, start: int) -> None:
         """Check the mapped bytes and hand a tensor over them (no copy) to the shared checks."""

@@ -2,7 +2,7 @@
 
 Only the bytes move another way; everything else is the grpc backend's control plane, unchanged
 (see kv_transfer.grpc_backend): the `KVReceiver` service, handshake, one SendLayers stream per
-transfer carrying `KVLayer` metadata with the crc32 of the bytes, Commit, Abort, deadlines and
+transfer carrying `KVLayer` metadata with the checksum (XXH3-64) of the bytes, Commit, Abort, deadlines and
 status codes. The model followed is the shm backend.
 
 Pairs: per (sender, receiver) a 2-rank process group, made without the global default group.
@@ -16,12 +16,12 @@ reached within `timeout_s` is a refusal, cached per endpoint like a refused layo
 (`TorchDistSender.connect(endpoint)` runs it at once, e.g. when a cluster starts).
 
 Per layer: `send_layer` only copies the layer (to the group's device, contiguous) and queues it.
-On the stream's thread the sender computes the crc32, takes the pair's next tag, posts
+On the stream's thread the sender computes the checksum, takes the pair's next tag, posts
 `send([tensor], dstRank=0, tag)` (asynchronous: the wait happens in `flush` / `commit`, never in
 `send_layer`) and yields a `KVLayer` with `dist_pair`, `dist_tag`, dtype, shape and checksum
 (no payload). The receiver checks transfer id, auth token, layer range, dtype and shape against
 the ticket before posting the matching `recv` into a fresh buffer, waits for it (bounded by
-`timeout_s`), checks its crc32 (DATA_LOSS when it differs) and hands it to the shared checks,
+`timeout_s`), checks its checksum (DATA_LOSS when it differs) and hands it to the shared checks,
 which copy it into the reserved blocks.
 
 A refused message leaves the sender's send unmatched, and a timed-out send or recv closes the
@@ -45,7 +45,6 @@ import secrets
 import socket
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +53,8 @@ import torch
 
 from engine.sequence import TokenLogprobs
 from kv_transfer.base import KVSink, KVTransferError, TransferTicket
+from kv_transfer.checksum import NAME as CHECKSUM
+from kv_transfer.checksum import tensor_checksum
 from kv_transfer.grpc_backend import (
     WIRE_DTYPES,
     GrpcReceiver,
@@ -118,16 +119,6 @@ def _shutdown(pg: Any) -> None:
                 continue
 
 
-def crc32_of(tensor: torch.Tensor) -> int:
-    """crc32 of a contiguous tensor's bytes (copied to the CPU first when on a GPU)."""
-    if tensor.numel() == 0:
-        return zlib.crc32(b"")
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
 def _check_dist_backend(backend: str) -> str:
     if backend not in DIST_BACKENDS:
         raise ValueError(f"dist_backend must be one of {DIST_BACKENDS}, not {backend!r}")
@@ -148,7 +139,7 @@ class _SendPair:
     pg: Any
     store: Any
     device: torch.device
-    tags: "itertools.count[int]" = field(default_factory=itertools.count)
+    tags: itertools.count[int] = field(default_factory=itertools.count)
     broken: str | None = None
     # transfer id -> the sends posted for it, with the tensors they read from
     works: dict[str, list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
@@ -271,13 +262,6 @@ class TorchDistSender(GrpcSender):
             if hs is not None and hs.error is None:
                 del self._handshakes[pair.endpoint]
 
-    def connect(self, endpoint: str, timeout: float | None = None) -> None:
-        """Handshake with `endpoint` and build the channel now; raises KVTransferError if it cannot
-        take torch_distributed transfers from here (no such backend, unreachable store, another layout)."""
-        with self._lock:
-            hs = self._handshake(endpoint)
-        self._await_handshake(endpoint, hs, self.timeout_s if timeout is None else timeout)
-
     # ------------------------------------------------------------------ transfers
     def _payload(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
         """On the caller's thread: a private contiguous copy on the group's device (no network)."""
@@ -298,7 +282,7 @@ class TorchDistSender(GrpcSender):
         """On the stream's thread (after the handshake and its pair): post the send, describe it."""
         if not isinstance(payload, _Staged):
             return super()._layer_message(ticket, layer, dtype, shape, payload)
-        checksum = crc32_of(payload.tensor)
+        checksum = tensor_checksum(payload.tensor)
         pair = self._pairs.get(ticket.kv_endpoint)
         if pair is None or pair.broken is not None:  # reset meanwhile: the receiver refuses it (no such pair)
             key, tag = (pair.key if pair is not None else "gone"), 0
@@ -454,7 +438,7 @@ class TorchDistReceiver(GrpcReceiver):
     @classmethod
     def serve(
         cls, sink: KVSink, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16
-    ) -> "TorchDistReceiver":
+    ) -> TorchDistReceiver:
         return cls(sink, host=host, port=port, max_workers=max_workers)
 
     # ------------------------------------------------------------------ pairs
@@ -540,16 +524,16 @@ class TorchDistReceiver(GrpcReceiver):
                 f"layer {msg.layer} of {msg.transfer_id!r}: torch_distributed recv (tag {msg.dist_tag}) "
                 f"over {pair.key} failed: {e}"
             ) from None
-        crc = crc32_of(buf)
-        if crc != msg.checksum:
+        digest = tensor_checksum(buf)
+        if digest != msg.checksum:
             raise _Corrupt(
                 f"checksum mismatch for layer {msg.layer} of {msg.transfer_id!r}: "
-                f"received crc32 {crc:#010x}, message says {msg.checksum:#010x}"
+                f"received {CHECKSUM} {digest:#018x}, message says {msg.checksum:#018x}"
             )
         self._on_layer(msg.transfer_id, msg.auth_token, msg.layer, buf)
 
     def _check_dist_layer(self, msg: kv_transfer_pb2.KVLayer, num_blocks: int) -> tuple[torch.dtype, tuple[int, ...]]:
-        """The framing checks that can be made before the bytes arrive (their crc32 comes after)."""
+        """The framing checks that can be made before the bytes arrive (their checksum comes after)."""
         if msg.payload:
             raise KVTransferError(f"layer {msg.layer}: both an inline payload and a torch_distributed send")
         if msg.HasField("compression"):

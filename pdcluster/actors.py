@@ -55,6 +55,10 @@ class WorkerActor:
             "pid": os.getpid(),
         }
 
+    def connect_kv(self, endpoints: list[str], timeout_s: float) -> dict[str, str]:
+        """A prefill worker's KV handshakes with these decode workers: endpoint -> why refused."""
+        return self.server.connect_kv(endpoints, timeout_s) if self.role == "prefill" else {}
+
     def load(self) -> dict[str, int]:
         """What the worker still holds (for draining): running, queued, KV blocks used."""
         s = self.server.stats()

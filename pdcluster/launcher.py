@@ -211,6 +211,30 @@ def _check_backend_placement(kv_backend: str, workers: list[dict[str, Any]]) -> 
                               f"but they landed on {len(nodes)} nodes; use grpc or auto")
 
 
+def _check_kv_pairs(workers: list[dict[str, Any]], timeout_s: float) -> None:
+    """Every prefill worker handshakes with every decode worker's KV receiver now, so a backend that
+    cannot work for some pair (another node for shm, no process group for torch_distributed, a
+    different KV layout) is an error at `up` / `scale`, not at the first request."""
+    import ray
+
+    decode = [w["address"] for w in workers if w["role"] == "decode"]
+    prefill = [w for w in workers if w["role"] == "prefill"]
+    if not decode or not prefill:
+        return
+    refs = {ray.get_actor(w["worker_id"]).connect_kv.remote(decode, timeout_s): w["worker_id"] for w in prefill}
+    by_address = {w["address"]: w["worker_id"] for w in workers if w["role"] == "decode"}
+    problems = []
+    for ref, worker_id in refs.items():
+        try:
+            errors = ray.get(ref, timeout=timeout_s * len(decode) + 30)
+        except Exception as e:
+            problems.append(f"  {worker_id}: KV handshakes failed: {_cause(e)}")
+            continue
+        problems += [f"  {worker_id} -> {by_address[a]} ({a}): {reason}" for a, reason in errors.items()]
+    if problems:
+        raise LaunchError("KV transfer between these prefill and decode workers cannot work:\n" + "\n".join(problems))
+
+
 def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime: str | None,
                    log_level: str, host: str) -> tuple[list[Any], dict[Any, str]]:
     """Create the WorkerActors of `pool` named `worker_ids`; returns (actors, info ref -> label).
@@ -273,6 +297,7 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
         say(f"starting {len(pending)} workers (loading {cfg.model.path}) ...")
         workers = _wait_workers(pending, cfg.timeouts.startup_s)
         _check_backend_placement(_kv_backend(cfg), workers)
+        _check_kv_pairs(workers, cfg.kv_transfer.timeout_s)
         ray.get([controller.register_worker.remote(w) for w in workers])
         router = RouterActor.options(name="router", lifetime=lifetime, scheduling_strategy=_here()).remote(dict(
             model=cfg.model.path, max_model_len=cfg.model.max_model_len, mode=cfg.mode, host=cfg.router.host,
@@ -416,6 +441,7 @@ def scale(pool_name: str, replicas: int, address: str | None = None, drain_timeo
         try:
             started = _wait_workers(pending, cfg.timeouts.startup_s)
             _check_backend_placement(_kv_backend(cfg), started + info["workers"])
+            _check_kv_pairs(started + info["workers"], cfg.kv_transfer.timeout_s)
         except BaseException:
             _stop_actors(actors)
             raise

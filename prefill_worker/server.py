@@ -18,7 +18,7 @@ import grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from kv_transfer import TransferTicket, create_sender
+from kv_transfer import KVTransferError, TransferTicket, create_sender
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
@@ -66,6 +66,17 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self.server.start()
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-engine", daemon=True)
         self._thread.start()
+
+    def connect_kv(self, endpoints: list[str], timeout_s: float) -> dict[str, str]:
+        """Handshake with each decode worker's KV receiver now (at start-up); returns endpoint ->
+        reason for those that cannot take this worker's transfers (layout, node, backend, network)."""
+        errors: dict[str, str] = {}
+        for endpoint in endpoints:
+            try:
+                self.prefill.sender.connect(endpoint, timeout_s)
+            except KVTransferError as e:
+                errors[endpoint] = str(e)
+        return errors
 
     # ------------------------------------------------------------------ engine loop
     def _drain_inbox(self, block: bool) -> None:

@@ -10,12 +10,12 @@ tests/integration/test_kv_transfer_conformance.py.
 
 from __future__ import annotations
 
-import zlib
 
 import grpc
 import pytest
 import torch
 
+from kv_transfer.checksum import checksum
 from kv_transfer.grpc_backend import MESSAGE_OPTIONS, GrpcSender, wire_dtype
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.kv_helpers import PARAMS, cache_is_zero, clean, grpc_server, layer as _layer, live_decode
@@ -46,7 +46,7 @@ def _message(ticket, layer, kv, **override):
     payload = kv.contiguous().numpy().tobytes()
     fields = dict(
         transfer_id=ticket.transfer_id, auth_token=ticket.auth_token, layer=layer, dtype=wire_dtype(kv.dtype),
-        shape=list(kv.shape), checksum=zlib.crc32(payload), payload=payload,
+        shape=list(kv.shape), checksum=checksum(payload), payload=payload,
     )
     fields.update(override)
     return kv_transfer_pb2.KVLayer(**fields)

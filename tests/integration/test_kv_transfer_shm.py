@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import zlib
 
 import grpc
 import pytest
 import torch
 
 from decode_worker import DecodeEngine
+from kv_transfer.checksum import checksum
 from kv_transfer import KVTransferError
 from kv_transfer.grpc_backend import MESSAGE_OPTIONS, GrpcReceiver, wire_dtype
 from kv_transfer.shm_backend import SHM_DIR, ShmReceiver, ShmSender
@@ -84,7 +84,7 @@ def _message(ticket, layer, kv, name, offset=0, **override):
     data = kv.contiguous().numpy().tobytes()
     fields = dict(
         transfer_id=ticket.transfer_id, auth_token=ticket.auth_token, layer=layer, dtype=wire_dtype(kv.dtype),
-        shape=list(kv.shape), checksum=zlib.crc32(data),
+        shape=list(kv.shape), checksum=checksum(data),
         shm_name=name, shm_offset=offset, shm_nbytes=len(data),
     )
     fields.update(override)
@@ -115,7 +115,7 @@ def test_only_metadata_crosses_the_control_channel(decode, sender):
     assert sender.flush(ticket) == decode.num_layers
     msg = sent[0]
     assert msg.payload == b"" and msg.shm_name.startswith(OURS) and msg.shm_nbytes == kv.numel() * 4
-    assert msg.checksum == zlib.crc32(kv.numpy().tobytes())
+    assert msg.checksum == checksum(kv.numpy().tobytes())
 
 
 def test_segments_are_reused_across_transfers_and_unlinked(decode, sender):
@@ -204,7 +204,15 @@ def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub, segment
     ack = stub.Commit(kv_transfer_pb2.KVCommit(transfer_id=ticket.transfer_id, auth_token=ticket.auth_token,
                                                first_token=9, num_layers=2), timeout=5)
     assert ack.ok and decode.has_work()
-    assert not _mapped_segments()  # every message's mapping was closed, refused or not
+    # live segments stay mapped (senders reuse theirs), read-only; none once they are gone
+    assert 0 < decode.receiver.num_mappings <= 3 and _mapped_segments()
+    assert all(line.split()[1].startswith("r--s") for line in _mapped_segments())
+    for n in (name, bad, short):
+        os.rename(os.path.join(SHM_DIR, n), os.path.join(SHM_DIR, n + "-moved"))
+    decode.receiver.sweep()
+    assert decode.receiver.num_mappings == 0 and not _mapped_segments()
+    for n in (name, bad, short):
+        os.rename(os.path.join(SHM_DIR, n + "-moved"), os.path.join(SHM_DIR, n))  # for the fixture to unlink
 
 
 def test_a_receiver_on_another_node_is_refused(decode, sender, monkeypatch):

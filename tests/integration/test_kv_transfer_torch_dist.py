@@ -18,13 +18,13 @@ import socket
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from decode_worker import DecodeEngine
+from kv_transfer.checksum import checksum
 from kv_transfer import KVTransferError, create_sender
 from kv_transfer.grpc_backend import GrpcReceiver
 from kv_transfer.torch_dist_backend import TorchDistReceiver, TorchDistSender
@@ -79,7 +79,7 @@ def test_only_metadata_crosses_grpc(decode, sender):
     assert [m.dist_tag for m in sent] == list(range(decode.num_layers))
     for msg, kv in zip(sent, layers):
         assert msg.payload == b"" and msg.dist_pair == sender.pairs[decode.receiver.endpoint]
-        assert msg.checksum == zlib.crc32(kv.numpy().tobytes())
+        assert msg.checksum == checksum(kv.numpy().tobytes())
 
 
 @pytest.mark.parametrize(

@@ -98,3 +98,23 @@ def test_router_reports_a_dead_prefill_worker_and_frees_the_reservation(servers,
         router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
     with Client(router.address, timeout_s=30) as client:
         assert len(client.complete([5, 6, 7, 8], max_tokens=4, temperature=0.0, ignore_eos=True).token_ids) == 4
+
+
+def test_prefill_worker_reports_decode_workers_it_cannot_reach_at_startup(servers, checkpoint):
+    """What `pdcluster up` / `scale` asks every prefill worker before serving (launcher._check_kv_pairs)."""
+    decode, prefill, _ = servers
+    assert prefill.connect_kv([decode.address], 5.0) == {}  # grpc to a grpc receiver: fine
+    other = EngineConfig(model=str(checkpoint("llama-gqa")), num_blocks=64, max_model_len=256, num_threads=1,
+                         block_size=32)  # another KV layout
+    odd = PrefillWorkerServer(other, "prefill-odd", kv_timeout_s=5.0)
+    shm = PrefillWorkerServer(EngineConfig(model=str(checkpoint("llama-gqa")), num_blocks=64, max_model_len=256,
+                                           num_threads=1), "prefill-shm", kv_backend="shm", kv_timeout_s=5.0)
+    try:
+        errors = odd.connect_kv([decode.address, "127.0.0.1:1"], 2.0)
+        assert "incompatible KV layout" in errors[decode.address]
+        assert "127.0.0.1:1" in errors  # nobody there
+        errors = shm.connect_kv([decode.address], 5.0)
+        assert "does not take the shm backend" in errors[decode.address]
+    finally:
+        odd.stop()
+        shm.stop()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import zlib
 from pathlib import Path
 
 import pytest
+
+from kv_transfer.checksum import checksum
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = REPO_ROOT / "proto"
@@ -131,14 +132,14 @@ def test_kv_layer_round_trip():
         layer=31,
         dtype="bfloat16",
         shape=[2, 4, 16, 8, 64],
-        checksum=zlib.crc32(payload),
+        checksum=checksum(payload),
         payload=payload,
         first_block=2,
     )
     back = kv.KVLayer.FromString(layer.SerializeToString())
     assert back == layer
     assert list(back.shape) == [2, 4, 16, 8, 64]
-    assert zlib.crc32(back.payload) == back.checksum
+    assert checksum(back.payload) == back.checksum
     assert not back.HasField("compression")
 
     q = kv.KVLayer(transfer_id="t-1", layer=0, dtype="int8", compression="int8", scales=b"\x00\x00\x80?")
