@@ -89,9 +89,9 @@ class DecodeEngine:
         cache = self.engine.runner.kv_caches[0]
         return (2, num_blocks, *cache.shape[2:])
 
-    def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None:
+    def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> None:
         cache = self.engine.runner.kv_caches[layer]
-        index = torch.tensor(ticket.block_ids, device=cache.device)
+        index = torch.tensor(ticket.block_ids[first_block : first_block + kv.shape[1]], device=cache.device)
         cache.index_copy_(1, index, kv.to(device=cache.device, dtype=cache.dtype))
 
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:

@@ -29,6 +29,7 @@ class AutoSender(KVSender):
         self.timeout_s = timeout_s
         self.shm = ShmSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
         self.grpc = GrpcSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
+        self.shm.bytes_sent = self.grpc.bytes_sent = self.bytes_sent  # one tally, keyed "shm" / "grpc"
         self._choice: dict[str, KVSender] = {}
         self._lock = threading.Lock()
 

@@ -51,7 +51,9 @@ class KVSink(Protocol):
     num_layers: int
 
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]: ...
-    def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None: ...
+    def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> None:
+        """Copy `kv` (2, n, ...) into the ticket's blocks block_ids[first_block : first_block + n]."""
+        ...
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None: ...
     def abort(self, ticket: TransferTicket, reason: str) -> None: ...
 
@@ -59,7 +61,8 @@ class KVSink(Protocol):
 @dataclass
 class _Pending:
     ticket: TransferTicket
-    layers: set[int] = field(default_factory=set)
+    layers: set[int] = field(default_factory=set)  # complete layers
+    blocks: dict[int, bytearray] = field(default_factory=dict)  # layer -> which of its blocks arrived
 
 
 class KVReceiver(ABC):
@@ -101,16 +104,34 @@ class KVReceiver(ABC):
                 "(model, dtype, block size and layout version must match)"
             )
 
-    def _on_layer(self, transfer_id: str, auth_token: str, layer: int, kv: torch.Tensor) -> None:
+    def _on_layer(
+        self, transfer_id: str, auth_token: str, layer: int, kv: torch.Tensor, first_block: int = 0
+    ) -> None:
+        """One layer's K and V, or a run of its blocks starting at the ticket's `first_block`
+        (a large layer may travel in several messages); the layer is complete once every block came."""
         with self._lock:
             pending = self._get(transfer_id, auth_token)
             if not 0 <= layer < self.sink.num_layers:
                 raise KVTransferError(f"layer {layer} out of range [0, {self.sink.num_layers})")
-            expected = self.sink.layer_shape(len(pending.ticket.block_ids))
-            if tuple(kv.shape) != expected:
-                raise KVTransferError(f"layer {layer}: shape {tuple(kv.shape)}, expected {expected}")
-            self.sink.write_layer(pending.ticket, layer, kv)
-            pending.layers.add(layer)
+            total = len(pending.ticket.block_ids)
+            expected = self.sink.layer_shape(total)
+            shape = tuple(kv.shape)
+            blockwise = len(shape) == len(expected) and shape[:1] + shape[2:] == expected[:1] + expected[2:]
+            n = shape[1] if blockwise else 0
+            if n < 1 or (first_block == 0 and n > total):
+                raise KVTransferError(f"layer {layer}: shape {shape}, expected {expected}")
+            if first_block + n > total:
+                raise KVTransferError(
+                    f"layer {layer}: blocks [{first_block}, {first_block + n}) outside the transfer's {total}"
+                )
+            self.sink.write_layer(pending.ticket, layer, kv, first_block)
+            if first_block == 0 and n == total:
+                pending.layers.add(layer)
+                return
+            seen = pending.blocks.setdefault(layer, bytearray(total))
+            seen[first_block : first_block + n] = b"\x01" * n
+            if seen.count(0) == 0:
+                pending.layers.add(layer)
 
     def _on_commit(self, transfer_id: str, auth_token: str, first_token: int, logprob: TokenLogprobs | None) -> None:
         with self._lock:
@@ -132,10 +153,17 @@ class KVReceiver(ABC):
 
 
 class KVSender(ABC):
-    """Prefill side. `kv` is one layer of the request's blocks: (2, num_blocks, block_size, kvh, hd)."""
+    """Prefill side. `kv` is one layer of the request's blocks: (2, num_blocks, block_size, kvh, hd).
+
+    `bytes_sent`: KV bytes handed to the transport so far, by backend name (cumulative; written by
+    the thread calling `send_layer`, read for metrics)."""
 
     def __init__(self, compat_hash: str) -> None:
         self.compat_hash = compat_hash
+        self.bytes_sent: dict[str, int] = {}
+
+    def _count_sent(self, backend: str, nbytes: int) -> None:
+        self.bytes_sent[backend] = self.bytes_sent.get(backend, 0) + nbytes
 
     def check_ticket(self, ticket: TransferTicket) -> None:
         if ticket.compat_hash != self.compat_hash:

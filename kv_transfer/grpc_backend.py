@@ -247,7 +247,7 @@ class GrpcReceiver(KVReceiver):
 
     def receive_layer(self, msg: kv_transfer_pb2.KVLayer) -> None:
         """Check one `KVLayer` and hand it to the shared checks (an extension point for other transports)."""
-        self._on_layer(msg.transfer_id, msg.auth_token, msg.layer, self.decode_layer(msg))
+        self._on_layer(msg.transfer_id, msg.auth_token, msg.layer, self.decode_layer(msg), msg.first_block)
 
     def decode_layer(self, msg: kv_transfer_pb2.KVLayer) -> torch.Tensor:
         """Check a `KVLayer`'s framing (checksum, dtype, size) and view its payload as a tensor."""
@@ -271,10 +271,6 @@ class GrpcReceiver(KVReceiver):
             raise KVTransferError(f"layer {msg.layer}: compression {msg.compression!r} is not supported")
         if int8 and (msg.shm_name or msg.dist_pair):
             raise KVTransferError(f"layer {msg.layer}: int8 compression travels inline (grpc) only")
-        if msg.first_block != 0:
-            raise KVTransferError(
-                f"layer {msg.layer}: split layers (first_block={msg.first_block}) are not supported"
-            )
         digest = checksum(payload, msg.scales) if int8 else checksum(payload)  # int8: the scales too
         if digest != msg.checksum:
             raise _Corrupt(
@@ -359,6 +355,9 @@ class GrpcSender(KVSender):
     """
 
     _ids = itertools.count()
+    BACKEND = "grpc"  # the name its bytes are counted under (`bytes_sent`)
+    # a layer larger than this travels as several KVLayer messages (runs of blocks); None: one message
+    max_message_bytes: int | None = 8 << 20
 
     def __init__(self, compat_hash: str, timeout_s: float = 30.0, sender_id: str | None = None,
                  compression: str = "none") -> None:
@@ -463,19 +462,19 @@ class GrpcSender(KVSender):
         if len(payload) > MAX_MESSAGE_BYTES - (1 << 20):
             raise KVTransferError(
                 f"layer {layer} of {ticket.transfer_id!r} is {len(payload)} bytes, over the "
-                f"{MAX_MESSAGE_BYTES}-byte message limit (split layers are not implemented)"
+                f"{MAX_MESSAGE_BYTES}-byte message limit (one block of it is larger than a message may be)"
             )
         return payload
 
     def _layer_message(
-        self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any
+        self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any, first_block: int = 0
     ) -> kv_transfer_pb2.KVLayer:
         """On the stream's request thread: the `KVLayer` for a queued layer (an extension point)."""
         if isinstance(payload, _Int8):
             return kv_transfer_pb2.KVLayer(
                 transfer_id=ticket.transfer_id, auth_token=ticket.auth_token, layer=layer, dtype=dtype,
                 shape=shape, checksum=checksum(payload.q, payload.scales), payload=payload.q,
-                compression="int8", scales=payload.scales,
+                compression="int8", scales=payload.scales, first_block=first_block,
             )
         return kv_transfer_pb2.KVLayer(
             transfer_id=ticket.transfer_id,
@@ -485,6 +484,7 @@ class GrpcSender(KVSender):
             shape=shape,
             checksum=checksum(payload),
             payload=payload,
+            first_block=first_block,
         )
 
     @staticmethod
@@ -512,7 +512,7 @@ class GrpcSender(KVSender):
         dtype = wire_dtype(kv.dtype)
         if dtype not in WIRE_DTYPES:
             raise KVTransferError(f"layer {layer}: cannot send KV of dtype {kv.dtype}")
-        payload = self._payload(ticket, layer, kv)
+        parts = [(first, list(part.shape), self._payload(ticket, layer, part)) for first, part in self._split(kv)]
         with self._lock:
             hs = self._handshake(endpoint)
             if hs.error is not None:
@@ -533,8 +533,22 @@ class GrpcSender(KVSender):
                 )
                 # once the call is over (failed early, cancelled), the request iterator must not block
                 stream.future.add_done_callback(lambda _f, q=stream.requests: q.put(_END))
-            stream.requests.put((layer, dtype, list(kv.shape), payload))
+            for first, shape, payload in parts:
+                stream.requests.put((layer, dtype, shape, payload, first))
             transfer.layers_sent.add(layer)
+            nbytes = sum(len(p.q) + len(p.scales) if isinstance(p, _Int8) else 0 for _, _, p in parts) or kv.nbytes
+            self._count_sent(self.BACKEND, nbytes)
+
+    def _split(self, kv: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """A layer as (first block, run of blocks) messages of at most `max_message_bytes` each (at
+        least one block each): HTTP/2 moves one huge message far slower than several, and a layer
+        may be larger than a gRPC message can be."""
+        limit = self.max_message_bytes
+        if limit is None or kv.dim() < 2 or kv.nbytes <= limit or kv.shape[1] < 2:
+            return [(0, kv)]
+        per_block = max(1, kv.nbytes // kv.shape[1])
+        step = max(1, limit // per_block)
+        return [(first, kv[:, first : first + step]) for first in range(0, kv.shape[1], step)]
 
     def _close_streams(self, endpoint: str) -> None:
         """Under self._lock: end the open streams to `endpoint` (their layers are all queued).

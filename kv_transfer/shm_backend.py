@@ -174,6 +174,9 @@ class ShmSender(GrpcSender):
     pages are reserved when made, so in-flight transfers plus the pool is the /dev/shm (RAM) used.
     """
 
+    BACKEND = "shm"
+    max_message_bytes = None  # the bytes are in shared memory: one message per layer
+
     def __init__(
         self,
         compat_hash: str,
@@ -305,10 +308,10 @@ class ShmSender(GrpcSender):
         return region
 
     def _layer_message(
-        self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any
+        self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any, first_block: int = 0
     ) -> kv_transfer_pb2.KVLayer:
         if not isinstance(payload, _Region):
-            return super()._layer_message(ticket, layer, dtype, shape, payload)
+            return super()._layer_message(ticket, layer, dtype, shape, payload, first_block)
         try:
             checksum = payload.slab.checksum(payload.offset, payload.nbytes)
         except ValueError:  # unmapped by close(), which cancelled this stream: the receiver refuses it
@@ -564,7 +567,7 @@ class ShmReceiver(GrpcReceiver):
                 data.release()
         kv = torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=start).view(shape)
         try:
-            self._on_layer(msg.transfer_id, msg.auth_token, msg.layer, kv)  # copies into the blocks
+            self._on_layer(msg.transfer_id, msg.auth_token, msg.layer, kv, msg.first_block)  # copies into the blocks
         except BaseException as e:
             traceback.clear_frames(e.__traceback__)  # the frames below hold `kv`, i.e. the mapping
             raise

@@ -160,6 +160,9 @@ class TorchDistSender(GrpcSender):
     building its group, and each wait for a send to complete.
     """
 
+    BACKEND = "torch_distributed"
+    max_message_bytes = None  # one point-to-point send per layer
+
     def __init__(
         self,
         compat_hash: str,
@@ -277,11 +280,11 @@ class TorchDistSender(GrpcSender):
         return _Staged(tensor)
 
     def _layer_message(
-        self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any
+        self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any, first_block: int = 0
     ) -> kv_transfer_pb2.KVLayer:
         """On the stream's thread (after the handshake and its pair): post the send, describe it."""
         if not isinstance(payload, _Staged):
-            return super()._layer_message(ticket, layer, dtype, shape, payload)
+            return super()._layer_message(ticket, layer, dtype, shape, payload, first_block)
         checksum = tensor_checksum(payload.tensor)
         pair = self._pairs.get(ticket.kv_endpoint)
         if pair is None or pair.broken is not None:  # reset meanwhile: the receiver refuses it (no such pair)

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 
 # ------------------------------------------------------------------------------------ corruption hooks
-# Each flips one bit of layer `target`'s bytes on the sender's own path, after the crc32 went into
+# Each flips one bit of layer `target`'s bytes on the sender's own path, after the checksum went into
 # the message: the receiver must refuse it with DATA_LOSS.
 def _corrupt_grpc(sender, target: int) -> None:
     original = sender._layer_message
@@ -56,8 +56,8 @@ def _corrupt_shm(sender, target: int) -> None:
 
     def corrupting(ticket, layer, *rest):
         msg = original(ticket, layer, *rest)
-        if layer == target:  # the segment the message points at
-            region = rest[-1]
+        if layer == target:  # the segment the message points at (rest: dtype, shape, payload, first block)
+            region = rest[2]
             region.slab.mm[region.offset + 100] ^= 0x01
         return msg
 

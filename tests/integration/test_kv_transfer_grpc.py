@@ -1,7 +1,8 @@
 """What is particular to the gRPC KV transfer backend, over a real server on loopback into a real
 DecodeEngine: hand-built forged and malformed messages are refused with the right status before
 they touch the cache (a stream that fails part-way keeps only what came before), and int8
-compression lands within half a quantization step.
+compression lands within half a quantization step; a layer larger than a message travels as several
+runs of blocks, and the receiver completes it only when every block came.
 
 The conformance tests every backend passes (bytes land in the reserved blocks, refusals, abort,
 timeouts, corrupted payload, prefill -> decode matches the offline `LLM`) are in
@@ -9,7 +10,6 @@ tests/integration/test_kv_transfer_conformance.py.
 """
 
 from __future__ import annotations
-
 
 import grpc
 import pytest
@@ -65,7 +65,7 @@ def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub):
         (_message(ticket, 0, kv, dtype="int64"), grpc.StatusCode.INVALID_ARGUMENT, "dtype 'int64'"),
         (_message(ticket, 0, kv, shape=[2, 3, 16, 2, 15]), grpc.StatusCode.INVALID_ARGUMENT, "payload has"),
         (_message(ticket, 0, kv, compression="zstd"), grpc.StatusCode.INVALID_ARGUMENT, "compression"),
-        (_message(ticket, 0, kv, first_block=1), grpc.StatusCode.INVALID_ARGUMENT, "split layers"),
+        (_message(ticket, 0, kv, first_block=1), grpc.StatusCode.INVALID_ARGUMENT, "outside the transfer"),
         (_message(ticket, 0, kv, auth_token="x"), grpc.StatusCode.PERMISSION_DENIED, "bad auth token"),
     ]
     for msg, code, message in cases:
@@ -102,3 +102,41 @@ def test_int8_compression_moves_a_quarter_of_the_bytes_within_a_half_step(decode
             assert torch.all((got - kv).abs() <= scales[:, :, None, None, None] / 2 + 1e-6)
     finally:
         sender.close()
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_a_large_layer_travels_as_runs_of_blocks_and_lands_whole(decode, compression):
+    sender = GrpcSender(decode.compat_hash, timeout_s=10, compression=compression)
+    sent = []
+    make = sender._layer_message
+    sender._layer_message = lambda *a, **k: sent.append(make(*a, **k)) or sent[-1]
+    try:
+        ticket = decode.reserve("r-split", list(range(3, 40)), PARAMS)  # 3 blocks of 16
+        layers = [_layer(decode, ticket, seed=layer) for layer in range(decode.num_layers)]
+        sender.max_message_bytes = layers[0].nbytes // 3 + 1  # one block per message
+        for layer, kv in enumerate(layers):
+            sender.send_layer(ticket, layer, kv)
+        sender.commit(ticket, 7, None)
+        assert [(m.layer, m.first_block, m.shape[1]) for m in sent] == [
+            (layer, b, 1) for layer in range(decode.num_layers) for b in range(3)]
+        cache = decode.engine.runner.kv_caches
+        for layer, kv in enumerate(layers):
+            got = cache[layer][:, ticket.block_ids]
+            assert torch.equal(got, kv) if compression == "none" else torch.allclose(got, kv, atol=0.05)
+    finally:
+        sender.close()
+
+
+def test_a_layer_with_a_missing_run_of_blocks_is_not_complete(decode, stub):
+    ticket = decode.reserve("r-partial", list(range(3, 40)), PARAMS)
+    kv = _layer(decode, ticket)
+    messages = [_message(ticket, layer, kv[:, b : b + 1].contiguous(), first_block=b)
+                for layer in range(decode.num_layers) for b in (0, 2)]  # block 1 never comes
+    assert stub.SendLayers(iter(messages), timeout=5).ok
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Commit(kv_transfer_pb2.KVCommit(transfer_id=ticket.transfer_id, auth_token=ticket.auth_token,
+                                             first_token=9, num_layers=decode.num_layers), timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "before layers [0, 1]" in info.value.details()
+    overflow = _message(ticket, 0, kv[:, :2].contiguous(), first_block=2)  # blocks [2, 4) of 3
+    with pytest.raises(grpc.RpcError, match="outside the transfer"):
+        stub.SendLayers(iter([overflow]), timeout=5)

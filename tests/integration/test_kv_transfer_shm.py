@@ -183,7 +183,7 @@ def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub, segment
         (_message(ticket, 0, kv, "other-file"), invalid, "bad shared memory segment"),
         (_message(ticket, 0, kv, name, 4096, payload=b"x"), invalid, "both an inline"),
         (_message(ticket, 0, kv, name, 4096, compression="int8"), invalid, "inline (grpc) only"),
-        (_message(ticket, 0, kv, name, 4096, first_block=1), invalid, "split layers"),
+        (_message(ticket, 0, kv, name, 4096, first_block=1), invalid, "outside the transfer"),
         (_message(ticket, 0, kv, name, 4096, auth_token="x"), denied, "bad auth token"),
         (_message(ticket, 0, kv, "../x", transfer_id="t"), grpc.StatusCode.NOT_FOUND, "unknown transfer id"),
     ]
