@@ -8,6 +8,8 @@ prefills too (`ReserveRequest.run_prefill`), so the router drives both modes the
 A request's stream is a queue created at Reserve; `Stream` drains it, so tokens produced before
 the router opened the stream are not lost. Reservations whose KV never commits expire after
 `reservation_ttl_s` (their blocks are freed), so a dead prefill worker cannot strand blocks.
+
+Lines logged about a request carry its id (the gRPC handlers set it; the engine thread passes it).
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ from decode_worker.decode_engine import DecodeEngine
 from engine.engine import Engine
 from engine.config import EngineConfig
 from engine.sequence import Sequence
+from pdcluster.logs import request_context
 from proto import generate_pb2 as gen
+from proto import kv_transfer_pb2
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
-from proto.serving import bind_server
+from proto.serving import add_health_and_reflection, bind_server
 from proto.convert import logprob_to_proto, sampling_from_proto, ticket_to_proto
 
 log = logging.getLogger("pdcluster.decode")
+SERVICE_NAME = wk.DESCRIPTOR.services_by_name["DecodeWorker"].full_name  # "pdcluster.v1.DecodeWorker"
+KV_SERVICE_NAME = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVReceiver"].full_name
 _DONE = object()
 
 
@@ -67,10 +73,15 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         self._lock = threading.RLock()  # engine state (colocated mode; DecodeEngine has its own)
         self._streams: dict[str, _Stream] = {}
         self._queued_tokens = 0
+        self._prompt_tokens = 0  # cumulative, prompts prefilled here (colocated; engine thread)
+        self._cached_tokens = 0  # of which served from the prefix cache
         self._wake = threading.Event()
         self._stop = threading.Event()
         wk_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
+        services = [SERVICE_NAME, KV_SERVICE_NAME] if self.decode else [SERVICE_NAME]
+        self.health = add_health_and_reflection(self.server, services)
         self.server.start()
+        self.health.serving()
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-engine", daemon=True)
         self._thread.start()
         self.role = wk.WORKER_ROLE_COLOCATED if colocated else wk.WORKER_ROLE_DECODE
@@ -112,6 +123,8 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         decode_queue_ms = 0.0
         if first == 0 and self.colocated:  # queued until the prompt was first scheduled
             decode_queue_ms = seq.queue_ms
+            self._prompt_tokens += seq.num_prompt_tokens
+            self._cached_tokens += seq.num_cached_tokens
         elif first == 0 and stream.committed_at is not None:  # KV committed -> first decode step done
             decode_queue_ms = (time.monotonic() - stream.committed_at) * 1e3
         chunk = wk.TokenChunk(
@@ -122,6 +135,8 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         stream.queue.put(chunk)
         if seq.finish_reason is not None:
             stream.queue.put(_DONE)
+            log.debug("finished: %s, %d tokens", seq.finish_reason, stream.sent,
+                      extra={"request_id": seq.request_id})
 
     def _fail_all(self, reason: str) -> None:
         for rid, stream in list(self._streams.items()):
@@ -134,7 +149,8 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         now = time.monotonic()
         for rid, stream in list(self._streams.items()):
             if stream.committed_at is None and now - stream.reserved_at > self.reservation_ttl_s:
-                log.warning("request %s: KV never committed within %.0fs; freeing its blocks", rid, self.reservation_ttl_s)
+                log.warning("KV never committed within %.0fs; freeing its blocks", self.reservation_ttl_s,
+                            extra={"request_id": rid})
                 self._abort(rid)
 
     def _abort(self, request_id: str) -> bool:
@@ -150,6 +166,10 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
 
     # ------------------------------------------------------------------ RPCs
     def Reserve(self, request: wk.ReserveRequest, context: grpc.ServicerContext) -> wk.ReserveResponse:
+        with request_context(request.request_id):
+            return self._reserve(request, context)
+
+    def _reserve(self, request: wk.ReserveRequest, context: grpc.ServicerContext) -> wk.ReserveResponse:
         rid = request.request_id
         try:
             params = sampling_from_proto(request.sampling)
@@ -167,7 +187,9 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
                     raise
                 if ticket is None:
                     self._streams.pop(rid, None)
+                    log.debug("no free KV blocks for %d prompt tokens", len(ids))
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
+                log.debug("reserved %d blocks, transfer %s", len(ticket.block_ids), ticket.transfer_id)
                 return wk.ReserveResponse(ticket=ticket_to_proto(ticket))
             with self._lock:
                 bm = self.engine.block_manager
@@ -181,8 +203,10 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
                     self._streams.pop(rid, None)
                     raise
             self._wake.set()
+            log.debug("admitted: %d prompt tokens (colocated)", len(ids))
             return wk.ReserveResponse()
         except ValueError as e:
+            log.warning("refused: %s", e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _committed(self, request_id: str) -> None:
@@ -198,16 +222,18 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no active request {rid!r} on this worker")
         context.add_callback(lambda: self._on_disconnect(rid, stream))
         deadline = time.monotonic() + self.request_timeout_s
-        while True:
-            try:
-                item = stream.queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                self._abort(rid)
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} exceeded {self.request_timeout_s}s")
-            if item is _DONE:
-                self._streams.pop(rid, None)
-                return
-            yield item
+        with request_context(rid):
+            while True:
+                try:
+                    item = stream.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    self._abort(rid)
+                    log.warning("exceeded %.0fs; aborted", self.request_timeout_s)
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} exceeded {self.request_timeout_s}s")
+                if item is _DONE:
+                    self._streams.pop(rid, None)
+                    return
+                yield item
 
     def _on_disconnect(self, rid: str, stream: _Stream) -> None:
         if self._streams.get(rid) is stream:  # still running: the client went away
@@ -234,10 +260,12 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         return wk.WorkerStats(
             worker_id=self.worker_id, role=self.role, running=len(sched.running), queued=queued,
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-            queued_prefill_tokens=self._queued_tokens,
+            queued_prefill_tokens=self._queued_tokens, prefix_cache_hit_tokens=self._cached_tokens,
+            prompt_tokens=self._prompt_tokens,
         )
 
     def stop(self, grace: float = 1.0) -> None:
+        self.health.stopping()
         self._stop.set()
         self._wake.set()
         for rid in list(self._streams):

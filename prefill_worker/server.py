@@ -3,6 +3,9 @@
 `Prefill` is unary: the handler queues the request for the engine thread and waits (bounded) for
 its result, which arrives after the KV has been pushed and committed to the decode worker named
 in the ticket. The engine thread batches whatever is queued at each step.
+
+`Stats` also reports cumulative counts (prompt tokens prefilled, prefix-cache hits, KV bytes sent
+per backend) that the router exposes as metrics; lines logged about a request carry its id.
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVTransferError, TransferTicket, create_sender
+from pdcluster.logs import request_context
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
-from proto.serving import bind_server
+from proto.serving import add_health_and_reflection, bind_server
 from proto.convert import logprob_to_proto, sampling_from_proto, ticket_from_proto
 
 log = logging.getLogger("pdcluster.prefill")
+SERVICE_NAME = wk.DESCRIPTOR.services_by_name["PrefillWorker"].full_name  # "pdcluster.v1.PrefillWorker"
 
 
 @dataclass
@@ -60,10 +65,14 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self._inbox: queue.Queue[_Pending | str] = queue.Queue()  # requests, or request ids to abort
         self._pending: dict[str, _Pending] = {}
         self._queued_tokens = 0
+        self._prompt_tokens = 0  # cumulative, successful prefills (engine thread)
+        self._cached_tokens = 0  # of which served from the prefix cache
         self._stop = threading.Event()
         self.server, self.address = bind_server(host, port, 256, f"prefill worker {self.worker_id}")
         wk_grpc.add_PrefillWorkerServicer_to_server(self, self.server)
+        self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self.server.start()
+        self.health.serving()
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-engine", daemon=True)
         self._thread.start()
 
@@ -121,31 +130,45 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         p = self._pending.pop(request_id, None)
         if p is None:
             return
+        if result is not None and result.error is None:
+            self._prompt_tokens += len(p.token_ids)
+            self._cached_tokens += result.num_cached_tokens
         p.result = result
         p.done.set()
 
     # ------------------------------------------------------------------ RPCs
     def Prefill(self, request: wk.PrefillRequest, context: grpc.ServicerContext) -> wk.PrefillResponse:
+        with request_context(request.request_id):
+            return self._prefill(request, context)
+
+    def _prefill(self, request: wk.PrefillRequest, context: grpc.ServicerContext) -> wk.PrefillResponse:
         rid = request.request_id
         try:
             params = sampling_from_proto(request.sampling)
             ids = list(request.token_ids)
             self.engine.validate(ids, params)
         except ValueError as e:
+            log.warning("refused: %s", e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         pending = _Pending(rid, ids, params, ticket_from_proto(request.ticket))
         context.add_callback(lambda: None if pending.done.is_set() else self._inbox.put(rid))
         self._inbox.put(pending)
+        log.debug("queued: %d prompt tokens, KV to %s", len(ids), pending.ticket.kv_endpoint)
         remaining = context.time_remaining()
         timeout = self.request_timeout_s if remaining is None else min(remaining, self.request_timeout_s)
         if not pending.done.wait(timeout):
             self._inbox.put(rid)
+            log.warning("prefill did not finish in %.0fs", timeout)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish in {timeout:.0f}s")
         r = pending.result
         if r is None:
+            log.debug("aborted")
             context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} was aborted")
         if r.error is not None:
+            log.warning("failed: %s", r.error)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {r.error}")
+        log.debug("prefilled: %d cached tokens; queue %.1f ms, compute %.1f ms, kv commit %.1f ms",
+                  r.num_cached_tokens, r.queue_ms, r.compute_ms, r.commit_ms)
         response = wk.PrefillResponse(
             request_id=rid, first_token=r.first_token, num_prompt_tokens=len(ids),
             num_cached_tokens=r.num_cached_tokens, finish_reason=r.finish_reason or "",
@@ -179,9 +202,12 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             worker_id=self.worker_id, role=wk.WORKER_ROLE_PREFILL, running=len(sched.running),
             queued=len(sched.waiting) + self._inbox.qsize(), kv_blocks_used=bm.num_used_blocks,
             kv_blocks_free=bm.num_free_blocks, queued_prefill_tokens=self._queued_tokens,
+            kv_bytes_sent=dict(self.prefill.sender.bytes_sent), prefix_cache_hit_tokens=self._cached_tokens,
+            prompt_tokens=self._prompt_tokens,
         )
 
     def stop(self, grace: float = 1.0) -> None:
+        self.health.stopping()
         self._stop.set()
         self.server.stop(grace).wait(grace + 1)
         self._thread.join(timeout=5)

@@ -142,7 +142,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "running", "queued", "kv_blocks_used", "kv_blocks_free", "queued_prefill_tokens")
+    __slots__ = ("worker_id", "role", "running", "queued", "kv_blocks_used", "kv_blocks_free", "queued_prefill_tokens", "kv_bytes_sent", "prefix_cache_hit_tokens", "prompt_tokens")
+    class KvBytesSentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +157,9 @@ class WorkerStats(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     running: int
@@ -157,4 +167,7 @@ class WorkerStats(_message.Message):
     kv_blocks_used: int
     kv_blocks_free: int
     queued_prefill_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    kv_bytes_sent: _containers.ScalarMap[str, int]
+    prefix_cache_hit_tokens: int
+    prompt_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[_Mapping[str, int]] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...

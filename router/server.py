@@ -10,6 +10,10 @@ One `Generate` call, disaggregated mode:
 Colocated mode: D.Reserve(run_prefill=True) and relay D.Stream (the worker does both phases).
 Any failure or client disconnect aborts the request on both workers, which frees its blocks.
 Every wait is bounded by the request deadline.
+
+Observability: each request's latencies and outcome go to `self.metrics` (router/metrics.py; the
+per-request recorder rides on `_Active`), log lines about a request carry its id
+(pdcluster/logs.py), and the server answers `grpc.health.v1.Health` and reflection.
 """
 
 from __future__ import annotations
@@ -29,14 +33,18 @@ from engine.engine import validate_request
 from engine.model_runner import resolve_max_model_len
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
+from pdcluster.logs import request_context
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
 from proto import worker_pb2 as wk
-from proto.serving import bind_server
+from proto.serving import add_health_and_reflection, bind_server
 from proto.convert import sampling_from_proto, sampling_to_proto, unknown_fields
+from router import metrics as router_metrics
+from router.metrics import RequestMetrics, RouterMetrics
 from router.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdcluster.router")
+SERVICE_NAME = gen.DESCRIPTOR.services_by_name["PDCluster"].full_name  # "pdcluster.v1.PDCluster"
 
 
 class RequestError(Exception):
@@ -48,6 +56,7 @@ class RequestError(Exception):
 @dataclass
 class _Active:
     request_id: str
+    metrics: RequestMetrics
     workers: list[WorkerHandle] = field(default_factory=list)
     done: bool = False
     cancelled: bool = False  # aborted by the client: stop at the next step, abort what was reached
@@ -81,18 +90,24 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.request_timeout_s = request_timeout_s
         self.api_keys = set(api_keys or [])
         self.pool = WorkerPool()
+        self.metrics = RouterMetrics(self.pool.workers, mode)
+        router_metrics.set_current(self.metrics.registry)  # what router.metrics.render() serves
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
         self.server, self.address = bind_server(host, port, 512, "router")
         gen_grpc.add_PDClusterServicer_to_server(self, self.server)
+        self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self.server.start()
+        self.health.serving()
 
     def set_workers(self, workers: list[tuple[str, str, str]]) -> None:
         self.pool.set_workers(workers)
 
     def stop(self, grace: float = 1.0) -> None:
+        self.health.stopping()
         self.server.stop(grace).wait(grace + 1)
         self.pool.close()
+        router_metrics.clear_current(self.metrics.registry)
 
     # ------------------------------------------------------------------ validation
     def _check_auth(self, context: grpc.ServicerContext) -> None:
@@ -136,29 +151,37 @@ class RouterServer(gen_grpc.PDClusterServicer):
     # ------------------------------------------------------------------ RPCs
     def Generate(self, request: gen.GenerateRequest, context: grpc.ServicerContext):
         arrival = time.monotonic()
+        metrics = self.metrics.request(arrival)
         try:
             self._check_auth(context)
             ids, params = self._parse(request)
             rid = request.request_id if request.HasField("request_id") and request.request_id else uuid.uuid4().hex
-            active = _Active(rid)
+            active = _Active(rid, metrics)
             with self._lock:
                 if rid in self._active:
                     raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
                 self._active[rid] = active
         except RequestError as e:
+            metrics.error(e.code)
+            log.warning("refused: %s: %s", e.code.name, e, extra={"request_id": request.request_id or None})
             context.abort(e.code, str(e))
         context.add_callback(lambda: self._abort(active))  # client went away (or the call ended)
         deadline = arrival + self.request_timeout_s
-        try:
-            yield from self._generate(active, ids, params, arrival, deadline)
-        except RequestError as e:
-            self._abort(active)
-            context.abort(e.code, str(e))
-        finally:
-            active.done = True
-            with self._lock:
-                if self._active.get(rid) is active:
-                    del self._active[rid]
+        with request_context(rid):
+            log.info("admitted: %d prompt tokens, max_tokens %d", len(ids), params.max_tokens)
+            try:
+                yield from self._generate(active, ids, params, arrival, deadline)
+            except RequestError as e:
+                metrics.error(e.code)
+                log.warning("failed: %s: %s", e.code.name, e)
+                self._abort(active)
+                context.abort(e.code, str(e))
+            finally:
+                metrics.close()  # ended without a final message or an error: the client went away
+                active.done = True
+                with self._lock:
+                    if self._active.get(rid) is active:
+                        del self._active[rid]
 
     def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
         active = self._active.get(request.request_id)
@@ -211,6 +234,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
         timing = gen.Timing()
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer else None
         decode, ticket = self._reserve(active, ids, params, deadline)
+        active.metrics.running()
+        log.debug("reserved KV on %s", decode.worker_id)
         active.add_worker(decode, self)
         self.pool.acquire(decode)
         try:
@@ -226,6 +251,10 @@ class RouterServer(gen_grpc.PDClusterServicer):
                 timing.prefill_compute_ms = first.prefill_compute_ms
                 timing.kv_transfer_ms = first.kv_transfer_ms
                 token_times.append(time.monotonic())
+                active.metrics.tokens(token_times[-1])
+                log.debug("first token: %d prompt tokens cached; prefill queue %.1f ms, compute %.1f ms, "
+                          "kv transfer %.1f ms", first.num_cached_tokens, first.prefill_queue_ms,
+                          first.prefill_compute_ms, first.kv_transfer_ms)
                 emitted = 1
                 finish = first.finish_reason
                 lps = [first.first_token_logprob] if first.HasField("first_token_logprob") else []
@@ -248,6 +277,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
                     if new:
                         msg, stopped = self._chunk(rid, new, lps, detok)
                         token_times.extend([time.monotonic()] * len(msg.token_ids))
+                        active.metrics.tokens(token_times[-1])
                         emitted += len(msg.token_ids)
                         if stopped:
                             finish = "stop"
@@ -274,6 +304,9 @@ class RouterServer(gen_grpc.PDClusterServicer):
             if len(token_times) > 1:
                 timing.mean_tpot_ms = (token_times[-1] - token_times[0]) / (len(token_times) - 1) * 1e3
             final.timing.CopyFrom(timing)
+            active.metrics.finished(final)
+            log.info("finished: %s, %d tokens, ttft %.1f ms, e2e %.1f ms", finish, emitted, timing.ttft_ms,
+                     active.metrics.e2e_s * 1e3)
             yield final
         except grpc.RpcError as e:
             code = e.code()
@@ -289,6 +322,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         if prefill is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         active.add_worker(prefill, self)
+        log.debug("prefill on %s", prefill.worker_id)
         self.pool.acquire(prefill, len(ids))
         try:
             return prefill.stub.Prefill(

@@ -2,6 +2,7 @@
 
 Load is tracked by the router itself (requests and prompt tokens it has in flight per worker) and
 refreshed from each worker's `Stats` (free KV blocks) by a background poll, so a pick costs no RPC.
+The last `WorkerStats` of each worker is kept on its handle (`stats`), for the router's metrics.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class WorkerHandle:
     inflight_tokens: int = 0  # prompt tokens the router has queued on it (prefill)
     kv_blocks_free: int = 0
     healthy: bool = True
+    stats: wk.WorkerStats | None = field(default=None, repr=False)  # last answer to Stats (None: none yet)
 
 
 class WorkerPool:
@@ -87,9 +89,10 @@ class WorkerPool:
             for w in self.workers():
                 try:
                     stats = w.stub.Stats(wk.StatsRequest(), timeout=2.0)
-                    w.kv_blocks_free, w.healthy = stats.kv_blocks_free, True
+                    w.kv_blocks_free, w.healthy, w.stats = stats.kv_blocks_free, True, stats
                 except grpc.RpcError as e:
                     if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        log.debug("Stats of worker %s failed: %s %s", w.worker_id, e.code(), e.details())
                         continue  # it answered, with an error: still alive
                     if w.healthy:
                         log.warning("worker %s at %s is not answering: %s", w.worker_id, w.address, e.code())
