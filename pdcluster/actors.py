@@ -18,8 +18,10 @@ NAMESPACE = "pdcluster"
 CONTROLLER_NAME = "controller"
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _setup_logging(level: str, fmt: str) -> None:
+    from pdcluster.logs import setup_logging
+
+    setup_logging(level, fmt)
 
 
 @ray.remote(num_cpus=0)
@@ -27,8 +29,8 @@ class WorkerActor:
     """Hosts a prefill, decode or colocated worker server."""
 
     def __init__(self, role: str, worker_id: str, engine_kwargs: dict, options: dict, log_level: str = "info",
-                 pool: str = "") -> None:
-        _setup_logging(log_level)
+                 pool: str = "", log_format: str = "text") -> None:
+        _setup_logging(log_level, log_format)
         from engine.config import EngineConfig
 
         cfg = EngineConfig(**engine_kwargs)
@@ -70,19 +72,40 @@ class WorkerActor:
 
 @ray.remote(num_cpus=0)
 class RouterActor:
-    def __init__(self, router_kwargs: dict, log_level: str = "info") -> None:
-        _setup_logging(log_level)
+    """Hosts the RouterServer (gRPC) and, when `http` ({host, port}) is given, the OpenAI HTTP API
+    in front of it."""
+
+    def __init__(self, router_kwargs: dict, log_level: str = "info", http: dict | None = None,
+                 log_format: str = "text") -> None:
+        _setup_logging(log_level, log_format)
         from router.server import RouterServer
 
         self.server = RouterServer(**router_kwargs)
+        self.http = None
+        if http is not None:
+            from router.http_api import HttpApi, router_readiness
+
+            try:
+                self.http = HttpApi(self.server.address, self.server.model_name, router_kwargs["model"],
+                                    api_keys=router_kwargs.get("api_keys"), readiness=router_readiness(self.server),
+                                    request_timeout_s=self.server.request_timeout_s + 10, **http)
+                self.http.start()
+            except BaseException:
+                self.server.stop()
+                raise
 
     def address(self) -> str:
         return self.server.address
+
+    def http_address(self) -> str | None:
+        return self.http.address if self.http else None
 
     def set_workers(self, workers: list[tuple[str, str, str]]) -> None:
         self.server.set_workers(workers)
 
     def stop(self) -> None:
+        if self.http:
+            self.http.stop()
         self.server.stop()
 
 

@@ -79,9 +79,10 @@ def _up(args: argparse.Namespace) -> int:
     from pdcluster.launcher import up
 
     cfg = load_cluster_config(args.config)
-    handle = up(cfg, detach=args.detach, log_level=args.log_level)
+    handle = up(cfg, detach=args.detach, log_level=args.log_level, log_format=args.log_format)
     print(f"pdcluster is up ({cfg.mode}, model {cfg.model.path})")
     print(f"  router gRPC   {handle.router_address}")
+    print(f"  OpenAI API at http://{handle.http_address}/v1")
     for w in handle.workers:
         print(f"  {w['role']:<9} {w['worker_id']:<16} {w['address']}  (pool {w['pool']}, pid {w['pid']})")
     if args.detach:
@@ -128,6 +129,8 @@ def _status(args: argparse.Namespace) -> int:
     meta = info.get("meta", {})
     print(f"pdcluster: mode {meta.get('mode')}, model {meta.get('model')}, "
           f"router {(info.get('router') or {}).get('address')}")
+    if meta.get("http_address"):
+        print(f"OpenAI API at http://{meta['http_address']}/v1")
     header = f"{'pool':<10} {'worker':<16} {'role':<9} {'state':<12} {'running':>7} {'queued':>6} {'kv used/free':>14}"
     print(header)
     for w in sorted(info["workers"], key=lambda w: (w.get("pool", ""), w["worker_id"])):
@@ -142,6 +145,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kv_transfer.bench import main as bench_transfer
 
         return bench_transfer(args.rest)
+    if args.what == "serve":
+        from loadgen.cli import main as bench_serve
+
+        return bench_serve(args.rest)
     raise ValueError(f"unknown benchmark {args.what!r}")
 
 
@@ -174,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("-c", "--config", default="cluster.yaml", help="deployment file (default: cluster.yaml)")
     upp.add_argument("--detach", action="store_true", help="return once the cluster is up; stop it with `down`")
     upp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    upp.add_argument("--log-format", default="text", choices=["text", "json"],
+                     help="worker and router log lines: text, or one JSON object per line (request_id included)")
     upp.set_defaults(func=_up)
 
     sc = sub.add_parser("scale", help="set the number of workers of a pool (running detached cluster)")
@@ -186,8 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--address", default=None, help="Ray address (default: the detached cluster's)")
         p.set_defaults(func=func)
 
-    bench = sub.add_parser("bench", help="benchmarks (`pdcluster bench transfer --help`)")
-    bench.add_argument("what", choices=["transfer"], help="transfer: KV transfer backends vs socket/memcpy, overlap")
+    bench = sub.add_parser("bench", help="benchmarks (`pdcluster bench transfer --help`, `bench serve --help`)")
+    bench.add_argument("what", choices=["transfer", "serve"],
+                       help="transfer: KV transfer backends vs socket/memcpy, overlap; "
+                            "serve: load generator for any OpenAI-compatible endpoint")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)
     return parser

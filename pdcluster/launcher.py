@@ -48,6 +48,7 @@ class ClusterHandle:
     ray_address: str | None
     started_ray: str | None  # "inprocess" | "head:PID" | None (joined an existing cluster)
     actors: list[Any] = field(default_factory=list, repr=False)
+    http_address: str = ""  # the OpenAI-compatible HTTP API (host:port)
 
     def stop(self) -> None:
         _stop_actors(self.actors)
@@ -236,7 +237,7 @@ def _check_kv_pairs(workers: list[dict[str, Any]], timeout_s: float) -> None:
 
 
 def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime: str | None,
-                   log_level: str, host: str) -> tuple[list[Any], dict[Any, str]]:
+                   log_level: str, host: str, log_format: str = "text") -> tuple[list[Any], dict[Any, str]]:
     """Create the WorkerActors of `pool` named `worker_ids`; returns (actors, info ref -> label).
     `host`: where workers serve gRPC; "auto" = their node's IP (a Ray we started here: loopback)."""
     import ray
@@ -254,7 +255,7 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
     actors, pending = [], {}
     for wid in worker_ids:
         actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources)).remote(
-            pool.role, wid, engine_kwargs, options, log_level, pool.name)
+            pool.role, wid, engine_kwargs, options, log_level, pool.name, log_format)
         actors.append(actor)
         pending[actor.info.remote()] = f"{wid} (pool {pool.name}, role {pool.role})"
     return actors, pending
@@ -269,7 +270,9 @@ def _here() -> Any:
 
 
 def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
-       say: Callable[[str], None] = print) -> ClusterHandle:
+       say: Callable[[str], None] = print, log_format: str = "text") -> ClusterHandle:
+    """Bring the cluster of `cfg` up; workers and router log at `log_level` in `log_format`
+    ("text", or "json": one object per line), with the request id on every line about a request."""
     _kv_backend(cfg)
     num_cpus = sum(p.resources.get("num_cpus", 1) * p.replicas for p in cfg.pools)
     ray_address, started = _connect(cfg, detach, num_cpus)
@@ -291,7 +294,7 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
         pending: dict[Any, str] = {}
         for pool in cfg.pools:
             new, refs = _start_workers(cfg, pool, [f"{pool.name}-{i}" for i in range(pool.replicas)], lifetime,
-                                       log_level, worker_host)
+                                       log_level, worker_host, log_format)
             actors += new
             pending.update(refs)
         say(f"starting {len(pending)} workers (loading {cfg.model.path}) ...")
@@ -302,22 +305,25 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
         router = RouterActor.options(name="router", lifetime=lifetime, scheduling_strategy=_here()).remote(dict(
             model=cfg.model.path, max_model_len=cfg.model.max_model_len, mode=cfg.mode, host=cfg.router.host,
             port=cfg.router.grpc_port, request_timeout_s=cfg.timeouts.request_s, api_keys=list(cfg.router.api_keys),
-        ), log_level)
+        ), log_level, dict(host=cfg.router.host, port=cfg.router.http_port), log_format)
         actors.append(router)
         try:
             router_address = ray.get(router.address.remote(), timeout=cfg.timeouts.startup_s)
+            http_address = ray.get(router.http_address.remote(), timeout=cfg.timeouts.startup_s)
         except Exception as e:
-            raise LaunchError(f"router did not start on {cfg.router.host}:{cfg.router.grpc_port}: {_cause(e)}") from None
+            raise LaunchError(f"router did not start on {cfg.router.host} (gRPC port {cfg.router.grpc_port}, "
+                              f"HTTP port {cfg.router.http_port}): {_cause(e)}") from None
         ray.get(router.set_workers.remote([(w["worker_id"], w["role"], w["address"]) for w in workers]))
         ray.get(controller.register_router.remote({"address": router_address}))
         ray.get(controller.set_meta.remote(mode=cfg.mode, model=cfg.model.path, ray_address=ray_address,
-                                           config=cfg.to_dict(), log_level=log_level, worker_host=worker_host,
-                                           detached=detach))
+                                           config=cfg.to_dict(), log_level=log_level, log_format=log_format,
+                                           worker_host=worker_host,
+                                           detached=detach, http_address=http_address))
     except BaseException:
         _stop_actors(actors)
         _stop_ray(started)
         raise
-    handle = ClusterHandle(router_address, workers, ray_address, started, actors)
+    handle = ClusterHandle(router_address, workers, ray_address, started, actors, http_address=http_address)
     if detach:
         _state_path().parent.mkdir(parents=True, exist_ok=True)
         _state_path().write_text(json.dumps(
@@ -435,7 +441,7 @@ def scale(pool_name: str, replicas: int, address: str | None = None, drain_timeo
         # workers of a foreground cluster belong to the process that scales it
         lifetime = "detached" if meta.get("detached") else None
         actors, pending = _start_workers(cfg, pool, ids, lifetime, meta.get("log_level", "info"),
-                                         meta.get("worker_host", "auto"))
+                                         meta.get("worker_host", "auto"), meta.get("log_format", "text"))
         if lifetime is None:  # a non-detached actor dies with its last handle: keep them
             _OWNED_ACTORS.extend(actors)
         try:

@@ -29,7 +29,8 @@ def _free_port() -> int:
 def test_up_detach_status_generate_down_from_a_shell(tmp_path):
     port = _free_port()
     config = tmp_path / "cluster.yaml"
-    config.write_text((ROOT / "cluster.yaml").read_text().replace("grpc_port: 50051", f"grpc_port: {port}"))
+    config.write_text((ROOT / "cluster.yaml").read_text().replace("grpc_port: 50051", f"grpc_port: {port}")
+                      .replace("http_port: 8000", f"http_port: {_free_port()}"))
     up = _pdcluster("up", "--detach", "-c", str(config))
     try:
         assert up.returncode == 0, up.stderr[-3000:]

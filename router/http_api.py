@@ -1,0 +1,380 @@
+"""The OpenAI-compatible HTTP API: FastAPI on uvicorn, in front of the router's own gRPC service.
+
+Every generation is forwarded to `PDCluster.Generate` over a loopback grpc.aio channel, so the
+router (router/server.py) stays the one place for validation, API keys, cancellation and
+orchestration; this module only translates (router/openai_protocol.py holds the wire format).
+
+    POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events)
+    GET  /v1/models, /v1/models/{model}          the served model
+    GET  /health                                 200 {"status": "ok"} / 503 with the reason
+    GET  /metrics                                router.metrics.render() when that module exists, else 404
+
+A client that goes away (mid-stream, or while a non-streaming answer is being generated) cancels
+the gRPC call, which makes the router abort the request on its workers and free its KV blocks.
+`HttpApi.start()` serves from a background thread with its own event loop; `stop()` is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import json
+import logging
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import grpc
+import grpc.aio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from proto import generate_pb2 as gen
+from proto import generate_pb2_grpc as gen_grpc
+from router.openai_protocol import (
+    ApiError,
+    LogprobFormatter,
+    OpenAIRequest,
+    Output,
+    StreamShaper,
+    bad,
+    grpc_error,
+    parse_chat,
+    parse_completion,
+    response,
+)
+
+log = logging.getLogger("pdcluster.http")
+Readiness = Callable[[], "str | None"]  # None: ready; else why not
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected; its gRPC call has been cancelled."""
+
+
+def router_readiness(server: Any) -> Readiness:
+    """/health's check for an in-process RouterServer: a healthy worker of each role its mode needs."""
+
+    def check() -> str | None:
+        roles = ("colocated",) if server.mode == "colocated" else ("prefill", "decode")
+        missing = [r for r in roles if not any(w.healthy for w in server.pool.workers(r))]
+        return f"no healthy {' or '.join(missing)} worker registered" if missing else None
+
+    return check
+
+
+class HttpApi:
+    def __init__(self, router_grpc_address: str, model_name: str, tokenizer: Any = None,
+                 host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None,
+                 request_timeout_s: float = 600.0, readiness: Readiness | None = None) -> None:
+        """`tokenizer`: a Hugging Face tokenizer, or a checkpoint path / "builtin:NAME" to load one from
+        (used for chat templates and logprob token strings). `api_keys`: empty = no authentication
+        here (the router still checks its own keys: the caller's key is forwarded)."""
+        if isinstance(tokenizer, (str, Path)):
+            from engine.builtin_model import resolve_model_path
+            from engine.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(resolve_model_path(str(tokenizer)))
+        self.router_address, self.model_name, self.tokenizer = router_grpc_address, model_name, tokenizer
+        self.host, self.port = host, port
+        self.api_keys = set(api_keys or [])
+        self.request_timeout_s = request_timeout_s
+        self.readiness = readiness
+        self.created = int(time.time())
+        self._bos = _template_bos(tokenizer)
+        self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
+        self._stub: Any = None
+        self._channel: grpc.aio.Channel | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Serve in a background thread; `port=0` picks a free port (see `address`)."""
+        import uvicorn
+
+        family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"HTTP API cannot bind {self.host}:{self.port} ({e.strerror}; port in use?)"
+                               ) from None
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False,
+                                lifespan="on", loop="asyncio", http="h11", timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
+                                        name="http-api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"HTTP API did not start on {self.address}")
+            time.sleep(0.02)
+        log.info("OpenAI API at http://%s/v1", self.address)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving (bounded): open connections get 2 s to finish, then are cancelled, which cancels
+        their gRPC calls (the router aborts those requests)."""
+        if self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._server.force_exit = True
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("HTTP API thread did not stop within %.0fs", 2 * timeout_s)
+        self._thread = None
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self._channel = grpc.aio.insecure_channel(self.router_address)  # bound to this thread's loop
+        self._stub = gen_grpc.PDClusterStub(self._channel)
+        try:
+            yield
+        finally:
+            await self._channel.close(grace=None)
+
+    # ------------------------------------------------------------------ app
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="pdcluster OpenAI-compatible API", lifespan=self._lifespan, docs_url=None,
+                      redoc_url=None, openapi_url=None)
+        app.add_exception_handler(ApiError, _api_error)
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(HTTPException, _http_error)
+        app.add_exception_handler(Exception, _internal_error)
+
+        async def completions(request: Request) -> Response:
+            return await self._generate(request, chat=False)
+
+        async def chat_completions(request: Request) -> Response:
+            return await self._generate(request, chat=True)
+
+        app.post("/v1/completions")(completions)
+        app.post("/v1/chat/completions")(chat_completions)
+        app.get("/v1/models")(self._models)
+        app.get("/v1/models/{model:path}")(self._model)
+        app.get("/health")(self._health)
+        app.get("/metrics")(self._metrics)
+        return app
+
+    def _authorize(self, request: Request) -> str | None:
+        """The caller's API key (Authorization: Bearer KEY or x-api-key), checked when keys are set."""
+        auth = request.headers.get("authorization", "")
+        bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        key = request.headers.get("x-api-key") or bearer
+        if self.api_keys and key not in self.api_keys:
+            raise ApiError(401, "missing or invalid API key (send Authorization: Bearer KEY or "
+                                "x-api-key: KEY)", type="authentication_error", code="invalid_api_key")
+        return key
+
+    async def _models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def _model(self, request: Request, model: str) -> dict[str, Any]:
+        self._authorize(request)
+        if model != self.model_name:
+            raise ApiError(404, f"model {model!r} is not served here; this cluster serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdcluster"}
+
+    async def _health(self) -> Response:
+        reason = None
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout=2.0)
+        except (asyncio.TimeoutError, grpc.RpcError):
+            reason = f"router gRPC at {self.router_address} does not answer"
+        if reason is None and self.readiness is not None:
+            reason = self.readiness()
+        if reason:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def _metrics(self) -> Response:
+        try:
+            metrics = importlib.import_module("router.metrics")
+        except ModuleNotFoundError as e:
+            if e.name != "router.metrics":
+                raise
+            metrics = None
+        if metrics is None or not hasattr(metrics, "render"):
+            raise ApiError(404, "metrics are not available in this build", type="not_found_error")
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    # ------------------------------------------------------------------ generation
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        key = self._authorize(request)
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise bad(None, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if chat:
+            req = parse_chat(body, self.model_name, self._render)
+        else:
+            req = parse_completion(body, self.model_name)
+        metadata = (("authorization", f"Bearer {key}"),) if key else None
+        call = self._stub.Generate(req.grpc, timeout=self.request_timeout_s, metadata=metadata)
+        gone = asyncio.Event()
+        messages = _relay(call, req, gone)
+        fmt = LogprobFormatter(self._token_text)
+        try:
+            if not req.stream:
+                out = await _unless_disconnected(request, _collect(messages))
+                return JSONResponse(response(req, out, fmt))
+            first = await _unless_disconnected(request, anext(messages))
+        except _ClientGone:
+            call.cancel()
+            return Response(status_code=499)
+        except BaseException:
+            call.cancel()
+            raise
+        return StreamingResponse(self._sse(request, call, gone, req, fmt, first, messages),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _sse(self, request: Request, call: Any, gone: asyncio.Event, req: OpenAIRequest,
+                   fmt: LogprobFormatter, first: gen.GenerateResponse,
+                   messages: AsyncIterator[gen.GenerateResponse]) -> AsyncIterator[str]:
+        """The event stream. A watcher cancels the gRPC call as soon as the client disconnects, even
+        while no token is due (Starlette only notices a disconnect on its own schedule)."""
+        def on_disconnect(task: asyncio.Task) -> None:
+            if not task.cancelled():
+                gone.set()
+                call.cancel()
+
+        watch = asyncio.ensure_future(_disconnected(request))
+        watch.add_done_callback(on_disconnect)
+        shaper = StreamShaper(req, fmt)
+        try:
+            for c in shaper.chunks(first):
+                yield _event(c)
+            async for msg in messages:
+                for c in shaper.chunks(msg):
+                    yield _event(c)
+            yield "data: [DONE]\n\n"
+        except ApiError as e:
+            yield _event(e.body())
+            yield "data: [DONE]\n\n"
+        except _ClientGone:
+            return
+        finally:
+            watch.cancel()
+            call.cancel()
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ApiError(400, f"model {self.model_name!r} has no chat template; use /v1/completions "
+                                "with a prompt", param="messages", code="no_chat_template")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may refuse an order of roles (raise_exception)
+            raise bad("messages", f"the model's chat template refused these messages: {e}") from None
+        if self._bos and text.startswith(self._bos):  # the router's tokenizer adds it again
+            text = text[len(self._bos):]
+        return text
+
+    def _decode_token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+
+def _template_bos(tokenizer: Any) -> str | None:
+    """The bos text a chat template may render, when the tokenizer also adds bos itself."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if tokenizer is None or not bos or bos_id is None:
+        return None
+    return bos if tokenizer.encode("a")[:1] == [bos_id] else None
+
+
+async def _relay(call: Any, req: OpenAIRequest, gone: asyncio.Event) -> AsyncIterator[gen.GenerateResponse]:
+    """The router's messages; a gRPC error becomes the ApiError to answer with."""
+    try:
+        async for msg in call:
+            yield msg
+            if msg.finish_reason:
+                return
+    except grpc.aio.AioRpcError as e:
+        raise grpc_error(e.code().name, e.details() or "", req) from None
+    except asyncio.CancelledError:
+        if gone.is_set():
+            raise _ClientGone from None
+        raise
+    raise ApiError(502, "the router ended the stream without a final message", type="server_error")
+
+
+async def _collect(messages: AsyncIterator[gen.GenerateResponse]) -> Output:
+    out = Output()
+    async for msg in messages:
+        out.add(msg)
+    return out
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has disconnected (the request body must already be read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.01)
+
+
+async def _unless_disconnected(request: Request, aw: Awaitable[Any]) -> Any:
+    """`aw`'s result, unless the client disconnects first: then `aw` is cancelled and _ClientGone raised."""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        raise _ClientGone
+    return task.result()
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
+
+
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    return await _api_error(request, bad(None, f"invalid request: {e.errors()}"))
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status_code, "invalid_request_error")
+    return await _api_error(request, ApiError(e.status_code, str(e.detail), type=kind))
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    log.exception("internal error serving %s", request.url.path)
+    err = ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+    return await _api_error(request, err)

@@ -1,0 +1,428 @@
+"""OpenAI's wire format, both ways: a request body -> a `GenerateRequest` (or an `ApiError` naming
+the field), and the router's `GenerateResponse`s -> OpenAI's responses and stream chunks.
+
+Pure functions over plain JSON values, no I/O: `router/http_api.py` does the HTTP and the gRPC.
+Fields are checked by hand (not by a pydantic model) so that every refusal is a 400 in OpenAI's
+error shape with `param` set to the field, never a 422.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from proto import generate_pb2 as gen
+
+# Accepted and ignored: they do not change what is generated.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                            "safety_identifier", "parallel_tool_calls"})
+
+
+def _zero(v: Any) -> bool:
+    return v is None or (type(v) in (int, float) and v == 0)
+
+
+# Accepted only at their neutral value (anything else would be silently ignored, so it is refused).
+NEUTRAL_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "presence_penalty": (_zero, "0"),
+    "frequency_penalty": (_zero, "0"),
+    "repetition_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1), "1"),
+    "logit_bias": (lambda v: v is None or v == {}, "null or {}"),
+    "tools": (lambda v: v is None or v == [], "null or []"),
+    "functions": (lambda v: v is None or v == [], "null or []"),
+    "tool_choice": (lambda v: v is None or v == "none", "null or 'none'"),
+    "function_call": (lambda v: v is None or v == "none", "null or 'none'"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "null or {'type': 'text'}"),
+    "modalities": (lambda v: v is None or v == ["text"], "null or ['text']"),
+    "audio": (lambda v: v is None, "null"),
+    "prediction": (lambda v: v is None, "null"),
+    "web_search_options": (lambda v: v is None, "null"),
+    "reasoning_effort": (lambda v: v is None, "null"),
+    "echo": (lambda v: v is None or v is False, "false"),
+    "suffix": (lambda v: v is None or v == "", "null"),
+    "best_of": (lambda v: v is None or (type(v) is int and v == 1), "1"),
+    "n": (lambda v: v is None or (type(v) is int and v == 1), "1 (one choice per request)"),
+}
+
+COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
+                           "stop", "logprobs",
+                           "top_k", "ignore_eos", "stop_token_ids"})  # these three: vLLM-style extensions
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+_U32, _U64 = 2**32 - 1, 2**64 - 1
+
+
+@dataclass(eq=False)
+class ApiError(Exception):
+    """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    status: int
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, f"{param}: {message}" if param else message, param, code=code)
+
+
+@dataclass
+class OpenAIRequest:
+    """A parsed request: the gRPC request to send plus what shaping the answer needs."""
+
+    chat: bool
+    grpc: gen.GenerateRequest
+    model: str
+    id: str
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False  # return logprobs (completions: top-N dicts; chat: content entries)
+    created: int = field(default_factory=lambda: int(time.time()))
+    max_tokens_field: str = "max_tokens"  # which OpenAI name the user gave max_tokens under
+
+
+# ---------------------------------------------------------------------------------------------- requests
+def parse_completion(body: Any, served_model: str) -> OpenAIRequest:
+    """A /v1/completions body -> the request to send. Raises ApiError (400) naming the field."""
+    body = _check_fields(body, COMPLETION_FIELDS)
+    req = _common(body, served_model, chat=False)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("prompt", "required")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # one prompt in a batch of one
+    if isinstance(p, str):
+        req.grpc.text = p
+    elif isinstance(p, list) and p and all(type(t) is int and 0 <= t <= _U32 for t in p):
+        req.grpc.token_ids.ids.extend(p)
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise bad("prompt", f"a batch of {len(p)} prompts is not supported; send one prompt per request")
+    else:
+        raise bad("prompt", "expected a string, a list with one string, or a non-empty list of token ids "
+                            "(integers >= 0)")
+    lp = body.get("logprobs")
+    if lp is not None and lp is not False:  # false: some clients' way of saying "off"
+        req.grpc.sampling.logprobs = _int("logprobs", lp, 0, 20)
+        req.logprobs = True
+    return req
+
+
+def parse_chat(body: Any, served_model: str, render: Callable[[list[dict[str, str]]], str]) -> OpenAIRequest:
+    """A /v1/chat/completions body -> the request to send; `render` applies the chat template."""
+    body = _check_fields(body, CHAT_FIELDS)
+    req = _common(body, served_model, chat=True)
+    if body.get("max_completion_tokens") is not None:
+        req.grpc.sampling.max_tokens = _int("max_completion_tokens", body["max_completion_tokens"], 1, _U32)
+        req.max_tokens_field = "max_completion_tokens"
+    if "messages" not in body or body["messages"] is None:
+        raise bad("messages", "required")
+    req.grpc.text = render(_messages(body["messages"]))
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise bad("logprobs", f"expected true or false, got {lp!r}")
+    if top is not None:
+        if not lp:
+            raise bad("top_logprobs", "needs logprobs: true")
+        req.grpc.sampling.logprobs = _int("top_logprobs", top, 0, 20)
+    elif lp:
+        req.grpc.sampling.logprobs = 0
+    req.logprobs = bool(lp)
+    return req
+
+
+def _check_fields(body: Any, known: frozenset[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    for name, value in body.items():
+        if name in known or name in IGNORED_FIELDS:
+            continue
+        if name in NEUTRAL_FIELDS:
+            ok, allowed = NEUTRAL_FIELDS[name]
+            if not ok(value):
+                raise bad(name, f"{value!r} is not supported by this server; allowed: {allowed}")
+            continue
+        raise bad(name, "unrecognized request argument")
+    return body
+
+
+def _common(body: dict[str, Any], served_model: str, chat: bool) -> OpenAIRequest:
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad("model", f"expected a model name (string), got {model!r}")
+    grpc_req = gen.GenerateRequest(model=model or "")
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    grpc_req.request_id = rid
+    req = OpenAIRequest(chat=chat, grpc=grpc_req, model=model or served_model, id=rid)
+    s = grpc_req.sampling
+    if body.get("max_tokens") is not None:
+        s.max_tokens = _int("max_tokens", body["max_tokens"], 1, _U32)
+    for name in ("temperature", "top_p"):
+        if body.get(name) is not None:
+            setattr(s, name, _float(name, body[name]))
+    if body.get("top_k") is not None:
+        s.top_k = max(0, _int("top_k", body["top_k"], -1, 2**31 - 1))  # -1 (vLLM) and 0: disabled
+    if body.get("seed") is not None:
+        s.seed = _int("seed", body["seed"], 0, _U64)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+            raise bad("stop", "expected a non-empty string or a list of non-empty strings")
+        s.stop.extend(stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t <= _U32 for t in ids):
+            raise bad("stop_token_ids", "expected a list of token ids (integers >= 0)")
+        s.stop_token_ids.extend(ids)
+    if body.get("ignore_eos") is not None:
+        s.ignore_eos = _bool("ignore_eos", body["ignore_eos"])
+    req.stream = _bool("stream", body["stream"]) if body.get("stream") is not None else False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not req.stream:
+            raise bad("stream_options", "only allowed with stream: true")
+        if not isinstance(opts, dict) or any(k not in ("include_usage", "include_obfuscation") for k in opts):
+            raise bad("stream_options", "expected an object with include_usage (true or false)")
+        req.include_usage = _bool("stream_options.include_usage", opts.get("include_usage", False))
+    return req
+
+
+def _messages(v: Any) -> list[dict[str, str]]:
+    if not isinstance(v, list) or not v:
+        raise bad("messages", "expected a non-empty list of messages")
+    out = []
+    for i, m in enumerate(v):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(p, "expected an object with role and content")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{p}.role", f"{role!r} is not supported; allowed: {', '.join(CHAT_ROLES)}")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise bad(f"{p}.tool_calls", "tool calls are not supported by this server")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+                if not isinstance(text, str):
+                    raise bad(f"{p}.content[{j}]", "only text parts ({'type': 'text', 'text': ...}) are "
+                                                   "supported")
+                parts.append(text)
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise bad(f"{p}.content", "expected a string or a list of text parts")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _int(name: str, v: Any, lo: int, hi: int) -> int:
+    if type(v) is float and v.is_integer():
+        v = int(v)
+    if type(v) is not int or not lo <= v <= hi:
+        raise bad(name, f"expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _float(name: str, v: Any) -> float:
+    if type(v) not in (int, float) or not math.isfinite(v) or abs(v) > 3.4e38:
+        raise bad(name, f"expected a finite number, got {v!r}")
+    return float(v)
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise bad(name, f"expected true or false, got {v!r}")
+    return v
+
+
+# ---------------------------------------------------------------------------------------------- gRPC errors
+_GRPC_STATUS: dict[str, tuple[int, str, str | None]] = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error", None),
+    "OUT_OF_RANGE": (400, "invalid_request_error", None),
+    "UNAUTHENTICATED": (401, "authentication_error", "invalid_api_key"),
+    "PERMISSION_DENIED": (403, "permission_error", None),
+    "NOT_FOUND": (404, "invalid_request_error", "model_not_found"),
+    "ALREADY_EXISTS": (409, "invalid_request_error", None),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error", "resource_exhausted"),
+    "UNAVAILABLE": (503, "server_error", "unavailable"),
+    "DEADLINE_EXCEEDED": (504, "server_error", "timeout"),
+}
+_SAMPLING_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
+                   "logprobs")
+
+
+def grpc_error(code: str, details: str, req: OpenAIRequest | None = None) -> ApiError:
+    """The router's gRPC status (by name, e.g. "INVALID_ARGUMENT") -> the HTTP error, keeping its
+    message and naming the OpenAI field where the message names one."""
+    status, kind, err_code = _GRPC_STATUS.get(code, (500, "server_error", None))
+    err = ApiError(status, details or code, type=kind, code=err_code)
+    if code == "NOT_FOUND":
+        err.param = "model"
+    elif status == 400:
+        err.param = _param_of(details, req)
+        if "max_model_len" in details:
+            err.code = "context_length_exceeded"
+    elif status == 429:
+        err.headers["Retry-After"] = "1"
+    return err
+
+
+def _param_of(details: str, req: OpenAIRequest | None) -> str | None:
+    chat = req is not None and req.chat
+    if details.startswith("prompt"):
+        return "messages" if chat else "prompt"
+    if details.startswith("sampling.stop:"):
+        return "stop"
+    if details.startswith("sampling: "):
+        rest = details[len("sampling: "):]
+        name = next((n for n in _SAMPLING_NAMES if rest.startswith(n)), None)
+        if name == "max_tokens" and req is not None:
+            return req.max_tokens_field
+        if name == "logprobs" and chat:
+            return "top_logprobs"
+        return name
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- responses
+@dataclass
+class Output:
+    """What the router sent back, accumulated (non-streaming) or for one chunk (streaming)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[gen.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, msg: gen.GenerateResponse) -> None:
+        self.text += msg.text
+        self.token_ids.extend(msg.token_ids)
+        self.logprobs.extend(msg.logprobs)
+        if msg.finish_reason:
+            self.finish_reason = msg.finish_reason
+            self.prompt_tokens = msg.usage.prompt_tokens
+            self.completion_tokens = msg.usage.completion_tokens
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def _lp(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -inf
+
+
+class LogprobFormatter:
+    """Token logprobs in OpenAI's shapes; token strings come from `token_text(id)`."""
+
+    def __init__(self, token_text: Callable[[int], str]) -> None:
+        self.token_text = token_text
+        self.offset = 0  # completions' text_offset runs on across stream chunks
+
+    def completion(self, lps: list[gen.TokenLogprob]) -> dict[str, Any]:
+        tokens = [self.token_text(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
+                "top_logprobs": [{self.token_text(t.token_id): _lp(t.logprob) for t in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def chat(self, lps: list[gen.TokenLogprob]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            s = self.token_text(token_id)
+            return {"token": s, "logprob": _lp(logprob), "bytes": list(s.encode("utf-8"))}
+
+        content = [{**entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]} for lp in lps]
+        return {"content": content, "refusal": None}
+
+
+def response(req: OpenAIRequest, out: Output, fmt: LogprobFormatter) -> dict[str, Any]:
+    """The non-streaming response body."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
+    if req.chat:
+        choice["message"] = {"role": "assistant", "content": out.text, "refusal": None}
+        if req.logprobs:
+            choice["logprobs"] = fmt.chat(out.logprobs)
+    else:
+        choice["text"] = out.text
+        if req.logprobs:
+            choice["logprobs"] = fmt.completion(out.logprobs)
+    return {"id": req.id, "object": "chat.completion" if req.chat else "text_completion",
+            "created": req.created, "model": req.model, "choices": [choice], "usage": out.usage(),
+            "system_fingerprint": None}
+
+
+def chunk(req: OpenAIRequest, out: Output, fmt: LogprobFormatter, role: bool = False) -> dict[str, Any]:
+    """One stream chunk with `out`'s text (and logprobs, finish reason); `role`: the chat stream's first."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+    if req.chat:
+        choice["delta"] = {"role": "assistant", "content": out.text} if role else (
+            {"content": out.text} if out.text or not out.finish_reason else {})
+        if req.logprobs and out.logprobs:
+            choice["logprobs"] = fmt.chat(out.logprobs)
+    else:
+        choice["text"] = out.text
+        if req.logprobs and out.logprobs:
+            choice["logprobs"] = fmt.completion(out.logprobs)
+    return _chunk_envelope(req, [choice])
+
+
+def usage_chunk(req: OpenAIRequest, out: Output) -> dict[str, Any]:
+    """stream_options.include_usage: the last chunk, with no choices and the usage."""
+    body = _chunk_envelope(req, [])
+    body["usage"] = out.usage()
+    return body
+
+
+class StreamShaper:
+    """The router's messages -> the stream's chunks: the chat stream opens with the assistant role,
+    each message with text (or logprobs) becomes a chunk, the finish reason gets a chunk of its own,
+    then (stream_options.include_usage) the usage chunk."""
+
+    def __init__(self, req: OpenAIRequest, fmt: LogprobFormatter) -> None:
+        self.req, self.fmt = req, fmt
+        self.total = Output()
+        self._opened = False
+
+    def chunks(self, msg: gen.GenerateResponse) -> list[dict[str, Any]]:
+        req, out = self.req, []
+        if req.chat and not self._opened:
+            out.append(chunk(req, Output(), self.fmt, role=True))
+        self._opened = True
+        self.total.add(msg)
+        if msg.text or (req.logprobs and msg.logprobs):
+            out.append(chunk(req, Output(text=msg.text, logprobs=list(msg.logprobs)), self.fmt))
+        if msg.finish_reason:
+            out.append(chunk(req, Output(finish_reason=msg.finish_reason), self.fmt))
+            if req.include_usage:
+                out.append(usage_chunk(req, self.total))
+        return out
+
+
+def _chunk_envelope(req: OpenAIRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    body = {"id": req.id, "object": "chat.completion.chunk" if req.chat else "text_completion",
+            "created": req.created, "model": req.model, "choices": choices, "system_fingerprint": None}
+    if req.include_usage:
+        body["usage"] = None
+    return body
