@@ -1,0 +1,216 @@
+"""`pdcluster bench serve`: an open-loop load generator for any OpenAI-compatible endpoint.
+
+Sends streamed `POST /v1/completions` requests (temperature 0, max_tokens = the request's output
+length, `ignore_eos` only with --ignore-eos) at open-loop arrival times and measures on the client:
+TTFT, TPOT, inter-token latency, end-to-end latency, throughput, SLO attainment and goodput.
+
+Workloads: azure-conv, azure-code, mooncake-conv, mooncake-synthetic (files in shared/workloads next
+to the repository), any Azure .csv / Mooncake .jsonl file, or `synthetic` (--synthetic-input/-output).
+Lengths can be scaled to fit a small model (--max-context C or --scale-lengths F; the rule of
+scripts/bench_engine.py), and the scaling is always printed.
+
+Several `--endpoint URL --endpoint-label NAME` pairs compare systems: for each rate the systems run
+in turn, in alternating order from one rate to the next, on the same requests and arrival times.
+Every run is bounded (--time-limit-s, --request-timeout-s, --num-requests). Outputs in --out:
+result.json (config, scaling, per-request records, summaries), summary.md, and PNG plots.
+
+Example:
+    pdcluster bench serve --endpoint http://127.0.0.1:8000 --workload azure-conv --num-requests 50 \\
+        --rates 1,2,4 --max-context 1024 --max-output 64 --slo-ttft-ms 500 --slo-tpot-ms 50 --ignore-eos
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadgen.arrivals import KINDS, ArrivalConfig, arrival_offsets
+from loadgen.client import EndpointConfig, fetch_model
+from loadgen.metrics import SLO, summarize
+from loadgen.report import RunReport, failure_lines, run_notes, text_table, write_all
+from loadgen.runner import run
+from loadgen.workload import NAMED, Workload, WorkloadConfig, load_workload
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdcluster bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    e = p.add_argument_group("systems")
+    e.add_argument("--endpoint", action="append", required=True, metavar="URL",
+                   help="http://HOST:PORT of an OpenAI-compatible server (repeat to compare systems)")
+    e.add_argument("--endpoint-label", action="append", default=[], metavar="NAME",
+                   help="a name for the matching --endpoint (default: HOST:PORT)")
+    e.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    e.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    e.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos: true (a vLLM extension; pdcluster accepts it): full-length outputs")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="azure-conv",
+                   help=f"{', '.join(NAMED)}, synthetic, or a path to an Azure .csv / Mooncake .jsonl trace")
+    w.add_argument("--num-requests", type=int, default=100, help="requests per run (the request count limit)")
+    w.add_argument("--sample-seed", type=int, default=None,
+                   help="a seeded random sample of trace rows (in trace order) instead of the first rows")
+    w.add_argument("--synthetic-input", default="lognormal:512:0.5",
+                   help="synthetic prompt lengths: fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA")
+    w.add_argument("--synthetic-output", default="lognormal:128:0.5", help="synthetic output lengths (same)")
+    sc = w.add_mutually_exclusive_group()
+    sc.add_argument("--max-context", type=int, default=None,
+                    help="scale lengths by min(1, C / longest prompt+output): every request fits in C tokens")
+    sc.add_argument("--scale-lengths", type=float, default=None, help="scale prompt and output lengths by F")
+    w.add_argument("--max-output", type=int, default=None, help="cap output lengths after scaling")
+    w.add_argument("--tokenizer", default=None,
+                   help="builtin:NAME or a local checkpoint dir: prompts hit their token counts exactly")
+    w.add_argument("--seed", type=int, default=0, help="prompt text, synthetic lengths and arrival times")
+    a = p.add_argument_group("arrivals")
+    r = a.add_mutually_exclusive_group()
+    r.add_argument("--rate", type=float, default=None, help="requests/s (inf: all at once)")
+    r.add_argument("--rates", default=None, help="a sweep: R1,R2,... requests/s")
+    a.add_argument("--arrival", choices=KINDS, default="poisson",
+                   help="poisson, gamma (--burstiness), or trace (its timestamps; a rate rescales them)")
+    a.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape: 1 = Poisson, < 1 burstier, > 1 more regular")
+    a.add_argument("--time-scale", type=float, default=None,
+                   help="--arrival trace: multiply the trace's inter-arrival times by T (0.5: double rate)")
+    b = p.add_argument_group("SLO and bounds")
+    b.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO: time to first token <= X ms")
+    b.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO: time per output token <= Y ms")
+    b.add_argument("--time-limit-s", type=float, default=600.0,
+                   help="each run stops after T s: in-flight requests are cancelled (unfinished)")
+    b.add_argument("--request-timeout-s", type=float, default=300.0, help="per-request timeout")
+    p.add_argument("--out", default="bench_results/bench_serve", help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_rates(args: argparse.Namespace) -> list[float | None]:
+    if args.rates:
+        rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    elif args.rate is not None:
+        rates = [args.rate]
+    elif args.arrival == "trace":
+        return [None]
+    else:
+        raise ValueError(f"--arrival {args.arrival} needs --rate R or --rates R1,R2,...")
+    if any(r <= 0 or math.isnan(r) for r in rates):
+        raise ValueError(f"rates must be > 0, got {rates}")
+    return list(dict.fromkeys(rates))
+
+
+def endpoints(args: argparse.Namespace) -> list[EndpointConfig]:
+    if len(args.endpoint_label) > len(args.endpoint):
+        raise ValueError("more --endpoint-label than --endpoint options")
+    labels = args.endpoint_label + [""] * (len(args.endpoint) - len(args.endpoint_label))
+    eps = [EndpointConfig(u, lab, args.model, args.api_key, args.ignore_eos, args.request_timeout_s)
+           for u, lab in zip(args.endpoint, labels)]
+    if len({e.label for e in eps}) < len(eps):
+        raise ValueError(f"endpoint labels must differ: {[e.label for e in eps]} (use --endpoint-label)")
+    return eps
+
+
+def load_tokenizer(spec: str | None) -> Any:
+    if spec is None:
+        return None
+    from engine.builtin_model import resolve_model_path
+    from engine.tokenizer import load_tokenizer as load
+
+    tok = load(resolve_model_path(spec))
+    if tok is None:
+        raise ValueError(f"--tokenizer {spec}: the checkpoint has no tokenizer files")
+    return tok
+
+
+def redact(argv: list[str]) -> list[str]:
+    """The command line without the API key's value (it goes into result.json and summary.md)."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a.startswith("--api-key="):
+            out[i] = "--api-key=***"
+        elif a == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "***"
+    return out
+
+
+def schedule(rates: list[float | None],
+             eps: list[EndpointConfig]) -> list[tuple[float | None, EndpointConfig]]:
+    """For each rate every system in turn; the order alternates from one rate to the next."""
+    return [(rate, e) for i, rate in enumerate(rates) for e in (eps if i % 2 == 0 else eps[::-1])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args, argv if argv is not None else sys.argv[1:])
+    except (ValueError, RuntimeError) as e:  # bad input, an endpoint that does not answer /v1/models
+        print(f"pdcluster bench serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
+    from tqdm import tqdm
+
+    rates, eps = parse_rates(args), endpoints(args)
+    if args.time_scale is not None and args.arrival != "trace":
+        raise ValueError("--time-scale applies to --arrival trace")
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    wcfg = WorkloadConfig(args.workload, args.num_requests, args.sample_seed, args.scale_lengths,
+                          args.max_context, args.max_output, args.seed, args.synthetic_input,
+                          args.synthetic_output)
+    workload: Workload = load_workload(wcfg, load_tokenizer(args.tokenizer), args.tokenizer)
+    reqs = workload.requests
+    stamps = [r.arrival_s for r in reqs] if args.arrival == "trace" else None
+    arrivals = {rate: arrival_offsets(ArrivalConfig(args.arrival, rate, args.burstiness, args.time_scale,
+                                                    args.seed), len(reqs), stamps) for rate in rates}
+    for e in eps:
+        e.model = e.model or asyncio.run(fetch_model(e))
+    print("\n".join(workload.describe()))
+    for rate, arr in arrivals.items():
+        print(f"arrivals   {arr.description}: {len(reqs)} requests over {arr.offsets[-1]:.1f} s "
+              f"(mean {arr.mean_rate:.3g} req/s)")
+    for e in eps:
+        print(f"system     {e.label}: {e.url}/v1/completions, model {e.model!r}"
+              f"{', ignore_eos' if e.ignore_eos else ''}")
+    print(f"bounds     time limit {args.time_limit_s:g} s per run, "
+          f"request timeout {args.request_timeout_s:g} s, "
+          f"{len(reqs)} requests per run; SLO: {slo}", flush=True)
+
+    plan = schedule(rates, eps)
+    bar = tqdm(total=len(plan) * len(reqs), desc="bench serve", unit="req", disable=args.no_progress)
+    reports: list[RunReport] = []
+    try:
+        for rate, e in plan:
+            bar.set_postfix_str(f"{e.label} @ {'trace' if rate is None else f'{rate:g}/s'}")
+            result = run(reqs, arrivals[rate].offsets, e, e.model or "", args.time_limit_s,
+                         lambda _rec: bar.update(), rate, arrivals[rate].description)
+            left = len(reqs) - sum(1 for r in result.records if r.outcome in ("ok", "failed", "unfinished"))
+            bar.update(left)  # not sent: the bar still reaches its end
+            rep = RunReport(result, summarize(result.records, result.duration_s, slo))
+            reports.append(rep)
+            s = rep.summary
+            bar.write(f"{rep.name}: {s.completed}/{s.sent} ok in {s.duration_s:.1f} s ({result.stopped_by}), "
+                      f"TTFT p50 {s.ttft_ms.p50 or 0:.1f} ms, TPOT p50 {s.tpot_ms.p50 or 0:.1f} ms"
+                      + (f", SLO {s.slo_attainment:.0%}" if s.slo_attainment is not None else ""))
+    finally:
+        bar.close()
+    reports.sort(key=lambda r: ([x.label for x in eps].index(r.result.label), rates.index(r.result.rate)))
+    print(f"\nresults (client-side; {workload.name}, source: {workload.citation})")
+    print(text_table(reports))
+    for line in failure_lines(reports):
+        print("failures  ", line)
+    for note in run_notes(reports):
+        print("note:", note)
+    config = {**vars(args), "api_key": "(redacted)" if args.api_key else None,
+              "command": "pdcluster bench serve " + shlex.join(redact(argv)),
+              "arrival": "; ".join(a.description for a in arrivals.values()),
+              "models": {e.label: e.model for e in eps}}
+    files = write_all(Path(args.out), config, workload, reports)
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0 if any(r.summary.completed for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
