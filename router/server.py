@@ -184,6 +184,10 @@ class RouterServer(gen_grpc.PDClusterServicer):
                         del self._active[rid]
 
     def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
+        try:
+            self._check_auth(context)
+        except RequestError as e:
+            context.abort(e.code, str(e))
         active = self._active.get(request.request_id)
         if active is not None:
             self._abort(active)
