@@ -83,11 +83,12 @@ class RouterActor:
         self.server = RouterServer(**router_kwargs)
         self.http = None
         if http is not None:
-            from router.http_api import HttpApi, router_readiness
+            from router.http_api import HttpApi, router_metrics, router_readiness
 
             try:
                 self.http = HttpApi(self.server.address, self.server.model_name, router_kwargs["model"],
                                     api_keys=router_kwargs.get("api_keys"), readiness=router_readiness(self.server),
+                                    metrics=router_metrics(self.server),
                                     request_timeout_s=self.server.request_timeout_s + 10, **http)
                 self.http.start()
             except BaseException:

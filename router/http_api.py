@@ -7,7 +7,7 @@ orchestration; this module only translates (router/openai_protocol.py holds the 
     POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events)
     GET  /v1/models, /v1/models/{model}          the served model
     GET  /health                                 200 {"status": "ok"} / 503 with the reason
-    GET  /metrics                                router.metrics.render() when that module exists, else 404
+    GET  /metrics                                the router's metrics (`metrics=`, e.g. router_metrics(server))
 
 A client that goes away (mid-stream, or while a non-streaming answer is being generated) cancels
 the gRPC call, which makes the router abort the request on its workers and free its KV blocks.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import json
 import logging
 import socket
@@ -69,10 +68,18 @@ def router_readiness(server: Any) -> Readiness:
     return check
 
 
+def router_metrics(server: Any) -> Callable[[], tuple[bytes, str]]:
+    """/metrics for an in-process RouterServer: its own registry in Prometheus text format."""
+    from router.metrics import render
+
+    return lambda: render(server.metrics.registry)
+
+
 class HttpApi:
     def __init__(self, router_grpc_address: str, model_name: str, tokenizer: Any = None,
                  host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None,
-                 request_timeout_s: float = 600.0, readiness: Readiness | None = None) -> None:
+                 request_timeout_s: float = 600.0, readiness: Readiness | None = None,
+                 metrics: Callable[[], tuple[bytes, str]] | None = None) -> None:
         """`tokenizer`: a Hugging Face tokenizer, or a checkpoint path / "builtin:NAME" to load one from
         (used for chat templates and logprob token strings). `api_keys`: empty = no authentication
         here (the router still checks its own keys: the caller's key is forwarded)."""
@@ -86,6 +93,7 @@ class HttpApi:
         self.api_keys = set(api_keys or [])
         self.request_timeout_s = request_timeout_s
         self.readiness = readiness
+        self.metrics = metrics  # () -> (body, content type) for /metrics; None: 404
         self.created = int(time.time())
         self._bos = _template_bos(tokenizer)
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
@@ -211,15 +219,9 @@ class HttpApi:
         return JSONResponse({"status": "ok"})
 
     async def _metrics(self) -> Response:
-        try:
-            metrics = importlib.import_module("router.metrics")
-        except ModuleNotFoundError as e:
-            if e.name != "router.metrics":
-                raise
-            metrics = None
-        if metrics is None or not hasattr(metrics, "render"):
-            raise ApiError(404, "metrics are not available in this build", type="not_found_error")
-        body, content_type = metrics.render()
+        if self.metrics is None:
+            raise ApiError(404, "no metrics here: this API was built without a router's metrics", type="not_found_error")
+        body, content_type = self.metrics()
         return Response(body, media_type=content_type)
 
     # ------------------------------------------------------------------ generation

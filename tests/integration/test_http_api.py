@@ -6,8 +6,6 @@ One test brings a cluster up through the launcher (Ray) and asks its HTTP API fo
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import json
 import shutil
 import socket
@@ -18,6 +16,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
@@ -28,7 +27,7 @@ from proto import generate_pb2_grpc as gen_grpc
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.serving import bind_server
-from router.http_api import HttpApi, router_readiness
+from router.http_api import HttpApi, router_metrics, router_readiness
 from router.server import RouterServer
 
 pytestmark = pytest.mark.slow
@@ -56,7 +55,8 @@ class Stack:
 
 
 def _front(router: RouterServer, **kwargs) -> HttpApi:
-    api = HttpApi(router.address, MODEL, router.tokenizer, readiness=router_readiness(router), **kwargs)
+    api = HttpApi(router.address, MODEL, router.tokenizer, readiness=router_readiness(router),
+                  metrics=router_metrics(router), **kwargs)
     api.start()
     return api
 
@@ -193,11 +193,29 @@ def test_models_and_health(client, stack, spare):
     router.set_workers([])
     r = httpx.get(f"{url}/health")
     assert r.status_code == 503 and "no healthy prefill or decode worker" in r.json()["reason"]
-    r = httpx.get(f"{stack.url}/metrics")
-    if importlib.util.find_spec("router.metrics") is None:  # the route is there before the module
-        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    else:
-        assert r.status_code == 200 and r.headers["content-type"] == importlib.import_module("router.metrics").render()[1]
+
+
+def _samples(url: str) -> dict[tuple[str, tuple], float]:
+    r = httpx.get(f"{url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_parse_and_move_after_requests(client, stack):
+    before = _samples(stack.url)
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=-1)
+    after = _samples(stack.url)
+    moved = lambda name, **labels: after.get((name, tuple(sorted(labels.items()))), 0) - before.get(  # noqa: E731
+        (name, tuple(sorted(labels.items()))), 0)
+    assert moved("pdcluster_time_to_first_token_seconds_count") == 2
+    assert moved("pdcluster_requests_finished_total", finish_reason="length") == 2
+    assert moved("pdcluster_generation_tokens_total") == 7
+    assert moved("pdcluster_request_errors_total", code="INVALID_ARGUMENT") == 1
+    assert any(name == "pdcluster_worker_kv_blocks_free" for name, _ in after)
 
 
 # ------------------------------------------------------------------ errors
