@@ -19,6 +19,10 @@ Limits, same bytes
     socket   plain TCP on 127.0.0.1 between the two processes: the receiving one `recv_into`s a
              preallocated bytearray, this one `sendall`s each layer's bytes (no copy, no framing),
              then waits for a 1-byte ack.
+    grpc-raw the ceiling of any design on grpc-python: the same bytes as one client stream of `bytes`
+             messages (one per layer, at most 8 MiB each, as the grpc backend splits them) with
+             identity serializers, no checksum, no protobuf, into a generic handler in the
+             receiving process that only counts them.
     memcpy   `torch.Tensor.copy_` of each layer into a preallocated destination.
 
 Overlap (built-in model, `--overlap-tokens` prompt, grpc, TTFT = `PrefillEngine.step()` incl. commit)
@@ -47,7 +51,7 @@ import uuid
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -113,6 +117,44 @@ def socket_time(layer: torch.Tensor, layers: int, peer: _Peer) -> float:
     return elapsed
 
 
+def grpc_raw_time(layer: torch.Tensor, layers: int, port: int) -> float:
+    """Seconds to client-stream `layers` copies of `layer`'s bytes (in <= 8 MiB messages) to the
+    receiving process's counting handler: grpc-python's own ceiling, nothing of ours on the path."""
+    import grpc
+
+    data = layer.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    step = 8 << 20
+    parts = [data[i : i + step] for i in range(0, len(data), step)] * layers
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=_RAW_OPTIONS) as channel:
+        call = channel.stream_unary("/pdcluster.bench.Raw/Count")
+        start = time.perf_counter()
+        got = int.from_bytes(call(iter(parts), timeout=600), "little")
+        elapsed = time.perf_counter() - start
+    if got != len(data) * layers:
+        raise RuntimeError(f"grpc-raw: {got} bytes arrived of {len(data) * layers}")
+    return elapsed
+
+
+_RAW_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def _grpc_raw_sink() -> Any:
+    """Receiving process: a gRPC server whose one method counts the bytes of a client stream."""
+    from concurrent import futures
+
+    import grpc
+
+    def count(messages: Any, context: Any) -> bytes:
+        return sum(len(m) for m in messages).to_bytes(8, "little")
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=_RAW_OPTIONS)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "pdcluster.bench.Raw", {"Count": grpc.stream_unary_rpc_method_handler(count)})])
+    server.port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server
+
+
 def _socket_sink(total: int) -> tuple[socket.socket, threading.Thread]:
     """Receiving process: a listening socket and a thread that takes `total` bytes, then acks."""
     sink = bytearray(total)
@@ -170,7 +212,8 @@ def _receiving_process(conn: Connection, lay: dict, max_tokens: int, workdir: st
         torch.set_num_threads(threads)
     recv = _Receiver(Layout(**lay), max_tokens, Path(workdir))
     sockets: list[tuple[socket.socket, threading.Thread]] = []
-    reply: dict = {"hashes": {b: d.compat_hash for b, d in recv.decoders.items()}}
+    raw = _grpc_raw_sink()
+    reply: dict = {"hashes": {b: d.compat_hash for b, d in recv.decoders.items()}, "raw_port": raw.port}
     try:
         while True:
             conn.send_bytes(json.dumps(reply).encode())
@@ -192,6 +235,7 @@ def _receiving_process(conn: Connection, lay: dict, max_tokens: int, workdir: st
             elif op == "stop":
                 return
     finally:
+        raw.stop(None)
         recv.close()
 
 
@@ -205,7 +249,9 @@ class _Peer:
                                 args=(child, dataclasses.asdict(lay), max_tokens, str(workdir), threads))
         self.proc.start()
         child.close()
-        self.hashes: dict[str, str] = self._recv()["hashes"]
+        hello = self._recv()
+        self.hashes: dict[str, str] = hello["hashes"]
+        self.raw_port: int = hello["raw_port"]
 
     def _recv(self, timeout: float = 600.0) -> dict:
         if not self.conn.poll(timeout):
@@ -370,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
                     layer = torch.randn(lay.layer_shape(n)).to(getattr(torch, lay.dtype))
                     row = {"layout": lay.name, "tokens": n, "bytes": nbytes,
                            "socket_s": _median([socket_time(layer, lay.layers, peer) for _ in range(args.repeats)]),
-                           "memcpy_s": _median([memcpy_time(layer, lay.layers) for _ in range(args.repeats)])}
+                           "memcpy_s": _median([memcpy_time(layer, lay.layers) for _ in range(args.repeats)]),
+                           "grpc_raw_s": _median([grpc_raw_time(layer, lay.layers, peer.raw_port)
+                                                  for _ in range(args.repeats)])}
                     for b in backends:
                         sender = create_sender(b, peer.hashes[b], timeout_s=300.0)
                         try:
@@ -403,12 +451,15 @@ def main(argv: list[str] | None = None) -> int:
 
     gbs = lambda nb, s: nb / s / 1e9 if s else None  # noqa: E731
     print(f"\nKV transfer, median of {args.repeats} (GB/s = 1e9 bytes/s; torch threads {torch.get_num_threads()})")
-    hdr = f"{'layout':<10} {'tokens':>6} {'MiB':>7} | {'socket':>7} {'memcpy':>7} | " + " ".join(
+    hdr = f"{'layout':<10} {'tokens':>6} {'MiB':>7} | {'socket':>7} {'grpc-raw':>8} {'memcpy':>7} | " + " ".join(
         f"{b + ' s':>8} {b:>6}" for b in backends) + " | " + " ".join(f"{b + '/sock':>9}" for b in backends)
     print(hdr + "\n" + "-" * len(hdr))
     for r in rows:
         nb = r["bytes"]
         r["socket_gbs"], r["memcpy_gbs"] = gbs(nb, r["socket_s"]), gbs(nb, r["memcpy_s"])
+        r["grpc_raw_gbs"] = gbs(nb, r["grpc_raw_s"])
+        if r.get("grpc_s"):
+            r["grpc_over_grpc_raw"] = r["grpc_raw_s"] / r["grpc_s"]
         cells = []
         ratios = []
         for b in backends:
@@ -418,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{s:8.3f} {r[f'{b}_gbs']:6.2f}" if s else f"{'skipped':>8} {'-':>6}")
             ratios.append(f"{r[f'{b}_over_socket']:9.2f}" if s else f"{'-':>9}")
         print(f"{r['layout']:<10} {r['tokens']:>6} {nb / 2**20:7.1f} | {r['socket_gbs']:7.2f} "
-              f"{r['memcpy_gbs']:7.2f} | " + " ".join(cells) + " | " + " ".join(ratios))
-    print("(socket / memcpy / backend columns: GB/s; '<backend> s': seconds; <backend>/sock: bytes/s ratio)")
+              f"{r['grpc_raw_gbs']:8.2f} {r['memcpy_gbs']:7.2f} | " + " ".join(cells) + " | " + " ".join(ratios))
+    print("(socket / grpc-raw / memcpy / backend columns: GB/s; '<backend> s': seconds; <backend>/sock: bytes/s "
+          "ratio)")
     for note in notes:
         print("note:", note)
     if ov:
