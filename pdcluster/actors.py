@@ -24,13 +24,29 @@ def _setup_logging(level: str, fmt: str) -> None:
     setup_logging(level, fmt)
 
 
+def pin_process(cpus: list[int]) -> None:
+    """Pin every thread of this process (and those it starts later) to `cpus` (Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise RuntimeError("pools[].cpus needs Linux (os.sched_setaffinity)")
+    usable = os.sched_getaffinity(0)
+    if not set(cpus) <= usable:
+        raise RuntimeError(f"pools[].cpus {sorted(cpus)} are not all usable on this node (usable: {sorted(usable)})")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
 @ray.remote(num_cpus=0)
 class WorkerActor:
     """Hosts a prefill, decode or colocated worker server."""
 
     def __init__(self, role: str, worker_id: str, engine_kwargs: dict, options: dict, log_level: str = "info",
-                 pool: str = "", log_format: str = "text") -> None:
+                 pool: str = "", log_format: str = "text", cpus: list[int] | None = None) -> None:
         _setup_logging(log_level, log_format)
+        if cpus:
+            pin_process(cpus)
         from engine.config import EngineConfig
 
         cfg = EngineConfig(**engine_kwargs)
@@ -55,6 +71,7 @@ class WorkerActor:
             "address": self.server.address,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         }
 
     def connect_kv(self, endpoints: list[str], timeout_s: float) -> dict[str, str]:

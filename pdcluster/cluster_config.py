@@ -88,6 +88,7 @@ class PoolConfig:
     replicas: int = 1
     hardware: str = "cpu"  # "cpu", or an accelerator type label (runs on CUDA, needs num_gpus > 0)
     resources: dict[str, float] = field(default_factory=lambda: {"num_cpus": 1.0})  # Ray, per replica
+    cpus: tuple[int, ...] | None = None  # pin each replica's process to these CPU ids (Linux); None: no pinning
 
     @property
     def device(self) -> str:
@@ -468,7 +469,19 @@ def _parse_pool(path: str, v: Any) -> PoolConfig:
         raise _err(_join(path, "resources.num_gpus"),
                    f"hardware {hardware!r} runs on an accelerator and needs num_gpus > 0 per replica; "
                    "allowed: num_gpus > 0, or hardware: cpu")
-    return PoolConfig(name=name, role=role, replicas=replicas, hardware=hardware, resources=resources)
+    cpus = _get(d, path, PoolConfig, "cpus", _cpus)
+    return PoolConfig(name=name, role=role, replicas=replicas, hardware=hardware, resources=resources, cpus=cpus)
+
+
+def _cpus(path: str, v: Any) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if not isinstance(v, (list, tuple)) or not v or any(isinstance(c, bool) or not isinstance(c, int) for c in v):
+        raise _err(path, f"expected a non-empty list of CPU ids, got {_show(v)}; allowed: ids among {usable}")
+    if len(set(v)) != len(v) or any(c < 0 for c in v):
+        raise _err(path, f"{_show(v)} is not allowed; allowed: distinct CPU ids >= 0")
+    return tuple(v)
 
 
 def _pool_name(path: str, v: Any) -> str:

@@ -246,8 +246,8 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
 
     cluster_resources = ray.cluster_resources()
     engine_kwargs = cfg.engine_kwargs(pool)
-    if engine_kwargs.get("num_threads") is None:
-        engine_kwargs["num_threads"] = max(1, int(pool.resources.get("num_cpus", 1)))
+    if engine_kwargs.get("num_threads") is None:  # one torch thread per pinned CPU, else per Ray CPU
+        engine_kwargs["num_threads"] = len(pool.cpus) if pool.cpus else max(1, int(pool.resources.get("num_cpus", 1)))
     options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s}
     if pool.role == "prefill":
         options["kv_timeout_s"] = cfg.kv_transfer.timeout_s
@@ -255,7 +255,8 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
     actors, pending = [], {}
     for wid in worker_ids:
         actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources)).remote(
-            pool.role, wid, engine_kwargs, options, log_level, pool.name, log_format)
+            pool.role, wid, engine_kwargs, options, log_level, pool.name, log_format,
+            list(pool.cpus) if pool.cpus else None)
         actors.append(actor)
         pending[actor.info.remote()] = f"{wid} (pool {pool.name}, role {pool.role})"
     return actors, pending

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import os
 
 import grpc
 import pytest
@@ -33,10 +34,12 @@ def _config(mode: str) -> ClusterConfig:
     router = dataclasses.replace(cfg.router, grpc_port=0, http_port=0)
     kv = dataclasses.replace(cfg.kv_cache, memory_mb=64)
     model = dataclasses.replace(cfg.model, max_model_len=1024)
+    usable = sorted(os.sched_getaffinity(0))
     if mode == "colocated":
-        pools = (dataclasses.replace(cfg.pools[0], name="workers", role="colocated"),)
+        pools = (dataclasses.replace(cfg.pools[0], name="workers", role="colocated", cpus=tuple(usable)),)
         return dataclasses.replace(cfg, mode=mode, router=router, pools=pools, kv_cache=kv, model=model).validate()
-    return dataclasses.replace(cfg, router=router, kv_cache=kv, model=model).validate()
+    pools = (dataclasses.replace(cfg.pools[0], cpus=(usable[0],)), dataclasses.replace(cfg.pools[1], cpus=(usable[-1],)))
+    return dataclasses.replace(cfg, router=router, kv_cache=kv, model=model, pools=pools).validate()
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,13 @@ def cluster(request, builtin_path):
     handle = up(_config(request.param), say=lambda _: None)
     yield request.param.partition("+")[0], handle
     handle.stop()
+
+
+def test_each_worker_runs_on_its_pool_cpus(cluster):
+    _, handle = cluster
+    cfg = {p.name: p for p in _config("colocated" if handle.workers[0]["role"] == "colocated" else "x").pools}
+    for w in handle.workers:
+        assert w["cpus"] == sorted(cfg[w["pool"]].cpus), w
 
 
 def _stats(handle) -> list[wk.WorkerStats]:
