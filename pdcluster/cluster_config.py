@@ -128,7 +128,7 @@ class TimeoutsConfig:
 @dataclass(frozen=True)
 class SLOConfig:
     ttft_ms: float = 1000.0
-    tpot_ms: float = 100.0
+    tpot_ms: float = 50.0
 
 
 def _default_pools() -> tuple[PoolConfig, ...]:

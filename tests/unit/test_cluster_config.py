@@ -53,7 +53,7 @@ def test_repo_file_is_the_default_deployment():
     assert cfg.kv_cache.num_blocks == "auto" and cfg.kv_cache.memory_mb == 512
     assert cfg.kv_transfer.backend == "auto" and cfg.kv_transfer.compression == "none"
     assert (cfg.timeouts.startup_s, cfg.timeouts.request_s) == (180, 600)
-    assert (cfg.slo.ttft_ms, cfg.slo.tpot_ms) == (1000, 100)
+    assert (cfg.slo.ttft_ms, cfg.slo.tpot_ms) == (1000, 50)
 
 
 @pytest.mark.parametrize("text", ["", "# only comments\n", "{}\n"])
