@@ -46,6 +46,10 @@ from pdcluster.cluster_config import PoolConfig, load_cluster_config  # noqa: E4
 ATTAINMENT = 0.9  # "meets the SLO": at least this fraction of requests within both bounds
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cluster_files(out: Path, max_model_len: int) -> dict[str, Path]:
     """The two deployments, derived from cluster.yaml (model, SLO, timeouts as there)."""
     base = load_cluster_config(REPO / "cluster.yaml")
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit-s", type=float, default=180.0, help="per run")
     p.add_argument("--out", default="bench_results/exp_disagg_vs_colocated")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the clusters on a kill too (see the finally below)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     slo = load_cluster_config(REPO / "cluster.yaml").slo

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from loadgen.cli import main as bench_serve  # noqa: E402
-from scripts.exp_disagg_vs_colocated import start, stop  # noqa: E402
+from scripts.exp_disagg_vs_colocated import _interrupt, start, stop  # noqa: E402
 
 
 def make_checkpoint(path: Path) -> Path:
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit-s", type=float, default=240.0)
     p.add_argument("--out", default="bench_results/exp_vs_transformers_serve")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the clusters on a kill too (see the finally below)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     ckpt = make_checkpoint(out / "qwen2-3m")
