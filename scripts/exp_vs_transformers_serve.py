@@ -95,8 +95,10 @@ def start_transformers(ckpt: Path, out: Path, timeout_s: float = 300.0) -> tuple
         except httpx.HTTPError:
             pass
         time.sleep(2)
+    why = f"exited with code {proc.returncode}" if proc.poll() is not None else f"did not answer within {timeout_s:.0f} s"
     stop(proc)
-    raise SystemExit(f"transformers serve did not answer within {timeout_s:.0f} s; see {out / 'transformers.log'}")
+    raise SystemExit(f"transformers serve {why}; see {out / 'transformers.log'} (it needs `pip install "
+                     "pdcluster[compare]`: fastapi, uvicorn and accelerate)")
 
 
 def warm(url: str, model: str) -> None:
