@@ -92,25 +92,31 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._expire_reservations()
-            # the only iteration over the engine's queues, on this thread (Stats would race it)
-            self._queued_tokens = sum(s.num_remaining for s in self.engine.scheduler.waiting)
-            if not self._has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
             try:
-                if self.decode:
-                    seqs = self.decode.step()
-                else:
-                    with self._lock:
-                        seqs = self.engine.step()
-            except Exception:  # a bug must not kill the worker silently: fail the running requests
+                self._iteration()
+            except Exception:  # a bug must not kill the engine thread silently: fail the running requests
                 log.exception("engine step failed")
-                self._fail_all("engine error")
-                continue
-            for seq in seqs:
-                self._emit(seq)
+                try:
+                    self._fail_all("engine error")
+                except Exception:
+                    log.exception("failing the running requests failed")
+
+    def _iteration(self) -> None:
+        self._expire_reservations()
+        # iterated here only (Stats would race it); colocated Reserve adds to the queue under the lock
+        with self._lock:
+            self._queued_tokens = sum(s.num_remaining for s in self.engine.scheduler.waiting)
+        if not self._has_work():
+            self._wake.wait(0.05)
+            self._wake.clear()
+            return
+        if self.decode:
+            seqs = self.decode.step()
+        else:
+            with self._lock:
+                seqs = self.engine.step()
+        for seq in seqs:
+            self._emit(seq)
 
     def _emit(self, seq: Sequence) -> None:
         stream = self._streams.get(seq.request_id)
