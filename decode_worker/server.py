@@ -181,7 +181,8 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             if self.decode:
                 try:
                     ticket = self.decode.reserve(rid, ids, params, on_commit=lambda: self._committed(rid),
-                                                 transfer_id=request.transfer_id or None)
+                                                 transfer_id=request.transfer_id or None,
+                                                 output_offset=request.resume_offset)
                 except ValueError:
                     self._streams.pop(rid, None)
                     raise
@@ -198,7 +199,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker")
                 self._streams[rid].committed_at = time.monotonic()
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, ids, params, request.resume_offset)
                 except ValueError:
                     self._streams.pop(rid, None)
                     raise

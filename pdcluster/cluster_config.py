@@ -79,6 +79,7 @@ class RouterConfig:
     grpc_port: int = 50051  # 0: pick a free port
     http_port: int = 8000  # 0: pick a free port
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no authentication
+    max_retries: int = 2  # per request, after a worker or KV transfer failure (0: none)
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,7 @@ def _parse_router(path: str, v: Any) -> RouterConfig:
         grpc_port=_get(d, path, RouterConfig, "grpc_port", _port),
         http_port=_get(d, path, RouterConfig, "http_port", _port),
         api_keys=_get(d, path, RouterConfig, "api_keys", _api_keys),
+        max_retries=_get(d, path, RouterConfig, "max_retries", lambda p, x: _int(p, x, lo=0, hi=10)),
     )
     if r.grpc_port and r.grpc_port == r.http_port:
         raise _err(_join(path, "http_port"), f"{r.http_port} is also router.grpc_port; "

@@ -40,6 +40,7 @@ class _Pending:
     token_ids: list[int]
     params: SamplingParams
     ticket: TransferTicket
+    output_offset: int = 0  # a resumed request's completion tokens generated before
     done: threading.Event = field(default_factory=threading.Event)
     result: PrefillResult | None = None
 
@@ -99,7 +100,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
                     self._finish(item, None)
             else:
                 try:
-                    self.prefill.add(item.request_id, item.token_ids, item.params, item.ticket)
+                    self.prefill.add(item.request_id, item.token_ids, item.params, item.ticket, item.output_offset)
                     self._pending[item.request_id] = item
                 except Exception as e:  # bad ticket / request: answer it at once
                     item.result = PrefillResult(item.request_id, 0, None, None, 0, error=str(e))
@@ -150,7 +151,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         except ValueError as e:
             log.warning("refused: %s", e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        pending = _Pending(rid, ids, params, ticket_from_proto(request.ticket))
+        pending = _Pending(rid, ids, params, ticket_from_proto(request.ticket), request.resume_offset)
         context.add_callback(lambda: None if pending.done.is_set() else self._inbox.put(rid))
         self._inbox.put(pending)
         log.debug("queued: %d prompt tokens, KV to %s", len(ids), pending.ticket.kv_endpoint)

@@ -163,6 +163,8 @@ class RouterMetrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter("pdcluster_request_errors", "Requests that ended with a gRPC error.",
                               ["code"], registry=r)
+        self.retries = Counter("pdcluster_request_retries", "Times a request went on from its tokens already sent "
+                               "on another pair of workers after a worker or KV transfer failure.", registry=r)
         self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=r)
         self.generation_tokens = Counter("pdcluster_generation_tokens", "Tokens generated for finished requests.",

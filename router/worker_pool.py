@@ -84,19 +84,29 @@ class WorkerPool:
             w.inflight -= 1
             w.inflight_tokens -= tokens
 
+    def check(self, w: WorkerHandle, timeout_s: float = 2.0) -> bool:
+        """Ask `w` for its Stats now (the poll does it every interval; a request that saw `w` fail
+        asks at once). A worker that does not answer is out of rotation until it answers again."""
+        try:
+            stats = w.stub.Stats(wk.StatsRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                log.debug("Stats of worker %s failed: %s %s", w.worker_id, e.code(), e.details())
+                return True  # it answered, with an error: still alive
+            if w.healthy:
+                log.warning("worker %s at %s is not answering (%s): out of rotation until it does",
+                            w.worker_id, w.address, e.code().name)
+            w.healthy = False
+            return False
+        if not w.healthy:
+            log.warning("worker %s at %s answers again: back in rotation", w.worker_id, w.address)
+        w.kv_blocks_free, w.healthy, w.stats = stats.kv_blocks_free, True, stats
+        return True
+
     def _poll(self) -> None:
         while not self._stop.wait(self._interval):
             for w in self.workers():
-                try:
-                    stats = w.stub.Stats(wk.StatsRequest(), timeout=2.0)
-                    w.kv_blocks_free, w.healthy, w.stats = stats.kv_blocks_free, True, stats
-                except grpc.RpcError as e:
-                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        log.debug("Stats of worker %s failed: %s %s", w.worker_id, e.code(), e.details())
-                        continue  # it answered, with an error: still alive
-                    if w.healthy:
-                        log.warning("worker %s at %s is not answering: %s", w.worker_id, w.address, e.code())
-                    w.healthy = False
+                self.check(w)
 
     def close(self) -> None:
         self._stop.set()
