@@ -118,6 +118,8 @@ class KVTransferConfig:
     layerwise: bool = True  # send each layer's KV as soon as it is computed
     compression: str = "none"
     timeout_s: float = 30.0
+    lease_s: float = 120.0  # a decode reservation whose KV has not committed by then is freed
+    faults: str | None = None  # fault injection spec (kv_transfer/faults.py); null: off
 
 
 @dataclass(frozen=True)
@@ -574,7 +576,22 @@ def _parse_kv_transfer(path: str, v: Any) -> KVTransferConfig:
         layerwise=_get(d, path, KVTransferConfig, "layerwise", _bool),
         compression=_get(d, path, KVTransferConfig, "compression", _choice(KV_COMPRESSIONS)),
         timeout_s=_get(d, path, KVTransferConfig, "timeout_s", _positive),
+        lease_s=_get(d, path, KVTransferConfig, "lease_s", _positive),
+        faults=_get(d, path, KVTransferConfig, "faults", _kv_faults),
     )
+
+
+def _kv_faults(path: str, v: Any) -> str | None:
+    from kv_transfer.faults import KVFaults
+
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _err(path, f"expected a fault spec string like 'drop=0.1,delay_ms=200,seed=1' or null, got {_show(v)}")
+    try:
+        return v if KVFaults.parse(v) is not None else None
+    except ValueError as e:
+        raise _err(path, str(e)) from None
 
 
 def _parse_timeouts(path: str, v: Any) -> TimeoutsConfig:

@@ -23,6 +23,8 @@ from typing import Any, Callable
 from engine.builtin_model import cache_root
 from pdcluster.cluster_config import ClusterConfig
 
+KV_FAULTS_ENV = "PDCLUSTER_KV_FAULTS"  # kv_transfer.faults.ENV (not imported here: it pulls in grpc)
+
 STATE_FILE = "cluster-state.json"
 _OWNED_ACTORS: list = []  # handles of non-detached workers started by `scale` in this process
 
@@ -252,6 +254,10 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
     if pool.role == "prefill":
         options["kv_timeout_s"] = cfg.kv_transfer.timeout_s
         options["kv_compression"] = cfg.kv_transfer.compression
+        # the driver's environment wins: Ray workers do not all inherit it
+        options["kv_faults"] = os.environ.get(KV_FAULTS_ENV) or cfg.kv_transfer.faults
+    else:
+        options["reservation_ttl_s"] = cfg.kv_transfer.lease_s
     actors, pending = [], {}
     for wid in worker_ids:
         actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources)).remote(

@@ -21,7 +21,7 @@ import grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from kv_transfer import KVTransferError, TransferTicket, create_sender
+from kv_transfer import KVFaults, KVTransferError, TransferTicket, create_sender
 from pdcluster.logs import request_context
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
 from proto import generate_pb2 as gen
@@ -56,12 +56,16 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         kv_timeout_s: float = 30.0,
         request_timeout_s: float = 600.0,
         kv_compression: str = "none",
+        kv_faults: str | None = None,
     ) -> None:
+        """`kv_faults`: a fault-injection spec for this worker's KV sender (kv_transfer/faults.py;
+        None: off, unless $PDCLUSTER_KV_FAULTS is set)."""
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
         self.request_timeout_s = request_timeout_s
         self.engine = Engine(engine_cfg, "prefill")
         extra = {"compression": kv_compression} if kv_compression != "none" else {}
-        sender = create_sender(kv_backend, self.engine.runner.compat_hash, timeout_s=kv_timeout_s, **extra)
+        sender = create_sender(kv_backend, self.engine.runner.compat_hash, timeout_s=kv_timeout_s,
+                               faults=KVFaults.parse(kv_faults), **extra)
         self.prefill = PrefillEngine(self.engine, sender)
         self._inbox: queue.Queue[_Pending | str] = queue.Queue()  # requests, or request ids to abort
         self._pending: dict[str, _Pending] = {}
