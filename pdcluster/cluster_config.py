@@ -80,6 +80,8 @@ class RouterConfig:
     http_port: int = 8000  # 0: pick a free port
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no authentication
     max_retries: int = 2  # per request, after a worker or KV transfer failure (0: none)
+    max_requests: int = 512  # admitted requests in flight; beyond: RESOURCE_EXHAUSTED / HTTP 429
+    max_queued_prompt_tokens: int = 262144  # prompt tokens of admitted requests waiting for prefill
 
 
 @dataclass(frozen=True)
@@ -419,6 +421,8 @@ def _parse_router(path: str, v: Any) -> RouterConfig:
         http_port=_get(d, path, RouterConfig, "http_port", _port),
         api_keys=_get(d, path, RouterConfig, "api_keys", _api_keys),
         max_retries=_get(d, path, RouterConfig, "max_retries", lambda p, x: _int(p, x, lo=0, hi=10)),
+        max_requests=_get(d, path, RouterConfig, "max_requests", lambda p, x: _int(p, x, lo=1)),
+        max_queued_prompt_tokens=_get(d, path, RouterConfig, "max_queued_prompt_tokens", lambda p, x: _int(p, x, lo=1)),
     )
     if r.grpc_port and r.grpc_port == r.http_port:
         raise _err(_join(path, "http_port"), f"{r.http_port} is also router.grpc_port; "

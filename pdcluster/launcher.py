@@ -312,7 +312,8 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
         router = RouterActor.options(name="router", lifetime=lifetime, scheduling_strategy=_here()).remote(dict(
             model=cfg.model.path, max_model_len=cfg.model.max_model_len, mode=cfg.mode, host=cfg.router.host,
             port=cfg.router.grpc_port, request_timeout_s=cfg.timeouts.request_s, api_keys=list(cfg.router.api_keys),
-            max_retries=cfg.router.max_retries,
+            max_retries=cfg.router.max_retries, max_requests=cfg.router.max_requests,
+            max_queued_prompt_tokens=cfg.router.max_queued_prompt_tokens,
         ), log_level, dict(host=cfg.router.host, port=cfg.router.http_port), log_format)
         actors.append(router)
         try:

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
+from router.admission import RETRY_AFTER_METADATA
 from router.openai_protocol import (
     ApiError,
     LogprobFormatter,
@@ -321,12 +322,23 @@ async def _relay(call: Any, req: OpenAIRequest, gone: asyncio.Event) -> AsyncIte
             if msg.finish_reason:
                 return
     except grpc.aio.AioRpcError as e:
-        raise grpc_error(e.code().name, e.details() or "", req) from None
+        raise grpc_error(e.code().name, e.details() or "", req, _retry_after(e)) from None
     except asyncio.CancelledError:
         if gone.is_set():
             raise _ClientGone from None
         raise
     raise ApiError(502, "the router ended the stream without a final message", type="server_error")
+
+
+def _retry_after(e: grpc.aio.AioRpcError) -> float | None:
+    """The router's retry hint of a refusal (trailing metadata retry-after-ms), in seconds."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_METADATA:
+            try:
+                return int(value) / 1e3
+            except ValueError:
+                return None
+    return None
 
 
 async def _collect(messages: AsyncIterator[gen.GenerateResponse]) -> Output:

@@ -176,6 +176,14 @@ class RouterMetrics:
         if workers is not None:
             r.register(WorkerStatsCollector(workers))
 
+    def watch_admission(self, admission: object) -> None:
+        """Gauges of admission control (router/admission.py), read at scrape time."""
+        Gauge("pdcluster_admitted_requests", "Requests admitted and not finished (limit: router.max_requests).",
+              registry=self.registry).set_function(lambda: admission.requests)
+        Gauge("pdcluster_admitted_queued_prompt_tokens", "Prompt tokens of admitted requests without their first "
+              "token yet (limit: router.max_queued_prompt_tokens).",
+              registry=self.registry).set_function(lambda: admission.queued_prompt_tokens)
+
     @property
     def phases(self) -> tuple[str, ...]:
         return PHASES if self.mode != "colocated" else ("router_queue", "prefill_compute", "decode_queue")

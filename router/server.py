@@ -50,6 +50,7 @@ from proto import worker_pb2 as wk
 from proto.serving import add_health_and_reflection, bind_server
 from proto.convert import sampling_from_proto, sampling_to_proto, unknown_fields
 from router import metrics as router_metrics
+from router.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits, Admitted, Refused
 from router.metrics import RequestMetrics, RouterMetrics
 from router.worker_pool import WorkerHandle, WorkerPool
 
@@ -58,9 +59,10 @@ SERVICE_NAME = gen.DESCRIPTOR.services_by_name["PDCluster"].full_name  # "pdclus
 
 
 class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s  # a refusal's hint, sent as trailing metadata retry-after-ms
 
 
 class _Retry(Exception):
@@ -76,6 +78,7 @@ class _Retry(Exception):
 class _Active:
     request_id: str
     metrics: RequestMetrics
+    admitted: Admitted | None = None  # its place in admission control
     # (worker, the request's id there) for every worker an attempt reached; a retry's id is
     # "<request id>.retry<n>", so a late abort of a failed attempt never hits the next one
     reached: list[tuple[WorkerHandle, str]] = field(default_factory=list)
@@ -116,6 +119,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
         api_keys: list[str] | None = None,
         model_name: str | None = None,
         max_retries: int = 2,
+        max_requests: int = AdmissionLimits.max_requests,
+        max_queued_prompt_tokens: int = AdmissionLimits.max_queued_prompt_tokens,
     ) -> None:
         path = resolve_model_path(model)
         self.model_name = model_name or model
@@ -126,8 +131,10 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.request_timeout_s = request_timeout_s
         self.api_keys = set(api_keys or [])
         self.max_retries = max_retries  # attempts after the first, per request, on a worker failure
+        self.admission = Admission(AdmissionLimits(max_requests, max_queued_prompt_tokens))
         self.pool = WorkerPool()
         self.metrics = RouterMetrics(self.pool.workers, mode)
+        self.metrics.watch_admission(self.admission)
         router_metrics.set_current(self.metrics.registry)  # what router.metrics.render() serves
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
@@ -197,11 +204,15 @@ class RouterServer(gen_grpc.PDClusterServicer):
             with self._lock:
                 if rid in self._active:
                     raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
+                try:
+                    active.admitted = self.admission.admit(len(ids))
+                except Refused as e:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s) from None
                 self._active[rid] = active
         except RequestError as e:
             metrics.error(e.code)
             log.warning("refused: %s: %s", e.code.name, e, extra={"request_id": request.request_id or None})
-            context.abort(e.code, str(e))
+            self._fail(context, e)
         context.add_callback(lambda: self._abort(active))  # client went away (or the call ended)
         deadline = arrival + self.request_timeout_s
         remaining = context.time_remaining()  # the client's own deadline, if it set one
@@ -215,13 +226,20 @@ class RouterServer(gen_grpc.PDClusterServicer):
                 metrics.error(e.code)
                 log.warning("failed: %s: %s", e.code.name, e)
                 self._abort(active)
-                context.abort(e.code, str(e))
+                self._fail(context, e)
             finally:
                 metrics.close()  # ended without a final message or an error: the client went away
                 active.done = True
+                active.admitted.release()
                 with self._lock:
                     if self._active.get(rid) is active:
                         del self._active[rid]
+
+    @staticmethod
+    def _fail(context: grpc.ServicerContext, e: RequestError) -> None:
+        if e.retry_after_s is not None:
+            context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(int(e.retry_after_s * 1e3))),))
+        context.abort(e.code, str(e))
 
     def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
         try:
@@ -419,6 +437,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
         """Tokens reached the router: they are the client's now (a retry starts after them)."""
         msg, stopped = self._chunk(active.request_id, tokens, logprobs, run.detok)
         now = time.monotonic()
+        if not run.tokens:
+            active.admitted.started()  # its prompt no longer waits for prefill
         run.tokens.extend(msg.token_ids)
         run.token_times.extend([now] * len(msg.token_ids))
         active.metrics.tokens(now)
