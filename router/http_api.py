@@ -51,6 +51,7 @@ from router.openai_protocol import (
 )
 
 log = logging.getLogger("pdcluster.http")
+MAX_BODY_BYTES = 8 << 20  # the router's gRPC API takes at most 8 MiB per request too
 Readiness = Callable[[], "str | None"]  # None: ready; else why not
 
 
@@ -228,11 +229,18 @@ class HttpApi:
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: Request, chat: bool) -> Response:
         key = self._authorize(request)
-        raw = await request.body()
+        raw = await _read_body(request, MAX_BODY_BYTES)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise bad(None, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        try:
+            where = _lone_surrogate(body)
+        except RecursionError:
+            raise bad(None, "the request body is nested too deeply", code="invalid_json") from None
+        if where is not None:  # valid JSON ("\ud800"), but no UTF-8 string can carry it on to the router
+            raise bad(where or None, "a string holds a lone UTF-16 surrogate escape, which is not a character",
+                      code="invalid_json")
         if chat:
             req = parse_chat(body, self.model_name, self._render)
         else:
@@ -328,6 +336,40 @@ async def _relay(call: Any, req: OpenAIRequest, gone: asyncio.Event) -> AsyncIte
             raise _ClientGone from None
         raise
     raise ApiError(502, "the router ended the stream without a final message", type="server_error")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (before reading it, when Content-Length says so)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body has {length} bytes; at most {limit} are accepted",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string (key or value) in a JSON value that cannot be UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        sub = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k)
+        if isinstance(k, str) and _lone_surrogate(k) is not None:
+            return sub
+        found = _lone_surrogate(v, sub)
+        if found is not None:
+            return found
+    return None
 
 
 def _retry_after(e: grpc.aio.AioRpcError) -> float | None:

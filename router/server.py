@@ -18,7 +18,7 @@ workers that failed are avoided, and asked for their health at once) with prompt
 sent as its prompt, max_tokens less those tokens and `resume_offset` = their number (so seeded
 sampling draws as the first attempt would have). The client's stream continues with no token
 repeated or missing. After `max_retries` retries the request fails with UNAVAILABLE naming the
-last failure. A retry's id on the workers is "<request id>.retry<n>".
+last failure. A retry's id on the workers is "<request id>#retry<n>" ("#" is refused in client ids).
 
 Observability: each request's latencies and outcome go to `self.metrics` (router/metrics.py; the
 per-request recorder rides on `_Active`), log lines about a request carry its id
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 import uuid
@@ -47,7 +48,7 @@ from pdcluster.logs import request_context
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
 from proto import worker_pb2 as wk
-from proto.serving import add_health_and_reflection, bind_server
+from proto.serving import Malformed, add_health_and_reflection, add_servicer, bind_server
 from proto.convert import sampling_from_proto, sampling_to_proto, unknown_fields
 from router import metrics as router_metrics
 from router.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits, Admitted, Refused
@@ -56,6 +57,10 @@ from router.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdcluster.router")
 SERVICE_NAME = gen.DESCRIPTOR.services_by_name["PDCluster"].full_name  # "pdcluster.v1.PDCluster"
+MAX_MESSAGE_BYTES = 8 << 20  # a public request is a prompt and its parameters: far below this
+MAX_REQUEST_ID = 256
+_REQUEST_ID = re.compile(r"[!-~]+")  # printable ASCII, no space; "#" is reserved (retries' ids on the workers)
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 1024, 1024
 
 
 class RequestError(Exception):
@@ -80,7 +85,7 @@ class _Active:
     metrics: RequestMetrics
     admitted: Admitted | None = None  # its place in admission control
     # (worker, the request's id there) for every worker an attempt reached; a retry's id is
-    # "<request id>.retry<n>", so a late abort of a failed attempt never hits the next one
+    # "<request id>#retry<n>", so a late abort of a failed attempt never hits the next one
     reached: list[tuple[WorkerHandle, str]] = field(default_factory=list)
     done: bool = False
     cancelled: bool = False  # aborted by the client: stop at the next step, abort what was reached
@@ -126,6 +131,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.model_name = model_name or model
         self.model_cfg = ModelConfig.from_pretrained(path)
         self.tokenizer = load_tokenizer(path)
+        # no token is longer than this many characters (a byte-level token string has a character per byte)
+        self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
         self.max_model_len = resolve_max_model_len(self.model_cfg, max_model_len)
         self.mode = mode
         self.request_timeout_s = request_timeout_s
@@ -138,8 +145,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
         router_metrics.set_current(self.metrics.registry)  # what router.metrics.render() serves
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
-        self.server, self.address = bind_server(host, port, 512, "router")
-        gen_grpc.add_PDClusterServicer_to_server(self, self.server)
+        self.server, self.address = bind_server(host, port, 512, "router", max_message_bytes=MAX_MESSAGE_BYTES)
+        add_servicer(self.server, self, gen.DESCRIPTOR.services_by_name["PDCluster"], gen)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self.server.start()
         self.health.serving()
@@ -162,6 +169,17 @@ class RouterServer(gen_grpc.PDClusterServicer):
         if key not in self.api_keys:
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
 
+    @staticmethod
+    def _request_id(request: gen.GenerateRequest) -> str:
+        if not request.HasField("request_id") or not request.request_id:
+            return uuid.uuid4().hex
+        rid = request.request_id
+        if len(rid) > MAX_REQUEST_ID or not _REQUEST_ID.fullmatch(rid) or "#" in rid:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request_id: {rid[:64]!r}{'...' if len(rid) > 64 else ''} is not allowed; allowed: "
+                               f"1 to {MAX_REQUEST_ID} printable ASCII characters, no space and no '#'")
+        return rid
+
     def _parse(self, request: gen.GenerateRequest) -> tuple[list[int], SamplingParams]:
         unknown = unknown_fields(request)
         if unknown:
@@ -177,6 +195,10 @@ class RouterServer(gen_grpc.PDClusterServicer):
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: text is empty")
             if self.tokenizer is None:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: this model has no tokenizer; send token_ids")
+            if len(request.text) > self.max_model_len * self._max_token_chars:  # too long whatever it tokenizes to
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"prompt: text of {len(request.text)} characters is longer than max_model_len "
+                                   f"{self.max_model_len} tokens can be")
             ids = self.tokenizer.encode(request.text)
         else:
             ids = list(request.token_ids.ids)
@@ -184,6 +206,13 @@ class RouterServer(gen_grpc.PDClusterServicer):
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}") from None
+        stop = request.sampling.stop
+        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stop):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.stop: at most {MAX_STOP_STRINGS} strings "
+                                                                f"of at most {MAX_STOP_CHARS} characters each")
+        if len(request.sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"sampling.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids")
         if params.stop and self.tokenizer is None:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop: needs a tokenizer; use stop_token_ids")
         try:
@@ -193,13 +222,16 @@ class RouterServer(gen_grpc.PDClusterServicer):
         return ids, params
 
     # ------------------------------------------------------------------ RPCs
-    def Generate(self, request: gen.GenerateRequest, context: grpc.ServicerContext):
+    def Generate(self, request: gen.GenerateRequest | Malformed, context: grpc.ServicerContext):
+        if isinstance(request, Malformed):
+            self.metrics.request().error(grpc.StatusCode.INVALID_ARGUMENT)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
         arrival = time.monotonic()
         metrics = self.metrics.request(arrival)
         try:
             self._check_auth(context)
             ids, params = self._parse(request)
-            rid = request.request_id if request.HasField("request_id") and request.request_id else uuid.uuid4().hex
+            rid = self._request_id(request)
             active = _Active(rid, metrics)
             with self._lock:
                 if rid in self._active:
@@ -241,11 +273,13 @@ class RouterServer(gen_grpc.PDClusterServicer):
             context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(int(e.retry_after_s * 1e3))),))
         context.abort(e.code, str(e))
 
-    def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
+    def Abort(self, request: gen.AbortRequest | Malformed, context: grpc.ServicerContext) -> gen.AbortResponse:
         try:
             self._check_auth(context)
         except RequestError as e:
             context.abort(e.code, str(e))
+        if isinstance(request, Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
         active = self._active.get(request.request_id)
         if active is not None:
             self._abort(active)
@@ -351,7 +385,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
 
     @staticmethod
     def _worker_rid(rid: str, attempt: int) -> str:
-        return rid if attempt == 0 else f"{rid}.retry{attempt}"
+        return rid if attempt == 0 else f"{rid}#retry{attempt}"
 
     def _attempt(self, active: _Active, run: _Progress, arrival: float, deadline: float, avoid: set[str]):
         """One pair of workers: reserve, prefill, relay. Yields the messages to send now; returns
