@@ -32,6 +32,7 @@ from proto import generate_pb2 as gen
 from proto import kv_transfer_pb2
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
+from proto.cluster_auth import server_interceptors
 from proto.serving import add_health_and_reflection, bind_server
 from proto.convert import logprob_to_proto, sampling_from_proto, ticket_to_proto
 
@@ -60,12 +61,17 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         kv_backend: str = "grpc",
         request_timeout_s: float = 600.0,
         reservation_ttl_s: float = 120.0,
+        cluster_secret: str | None = None,
     ) -> None:
+        """`cluster_secret`: required of every RPC to this worker, KV transfers included
+        (proto/cluster_auth.py; None: none). `reservation_ttl_s`: the lease of a reservation whose KV
+        has not committed."""
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:6]}"
         self.colocated = colocated
         self.request_timeout_s = request_timeout_s
         self.reservation_ttl_s = reservation_ttl_s
-        self.server, self.address = bind_server(host, port, 256, f"decode worker {self.worker_id}")
+        self.server, self.address = bind_server(host, port, 256, f"decode worker {self.worker_id}",
+                                                interceptors=server_interceptors(cluster_secret, self.worker_id))
         self.engine = Engine(engine_cfg, "colocated" if colocated else "decode")
         self.decode: DecodeEngine | None = None
         if not colocated:

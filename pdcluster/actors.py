@@ -103,10 +103,11 @@ class RouterActor:
             from router.http_api import HttpApi, router_metrics, router_readiness
 
             try:
-                self.http = HttpApi(self.server.address, self.server.model_name, router_kwargs["model"],
+                self.http = HttpApi(self.server.local_address, self.server.model_name, router_kwargs["model"],
                                     api_keys=router_kwargs.get("api_keys"), readiness=router_readiness(self.server),
                                     metrics=router_metrics(self.server),
-                                    request_timeout_s=self.server.request_timeout_s + 10, **http)
+                                    request_timeout_s=self.server.request_timeout_s + 10,
+                                    tls_cert=router_kwargs.get("tls_cert"), tls_key=router_kwargs.get("tls_key"), **http)
                 self.http.start()
             except BaseException:
                 self.server.stop()
@@ -131,7 +132,8 @@ class RouterActor:
 class Controller:
     """Membership: which actors exist, their pools, roles and addresses; live stats on request."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster_secret: str | None = None) -> None:
+        self._secret = cluster_secret  # what every worker RPC must carry (proto/cluster_auth.py)
         self.workers: dict[str, dict[str, Any]] = {}  # worker_id -> info (+ pool, actor name)
         self.router: dict[str, Any] | None = None
         self.meta: dict[str, Any] = {"started": time.time()}
@@ -141,6 +143,10 @@ class Controller:
 
     def deregister_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+
+    def cluster_secret(self) -> str | None:
+        """For `scale` (new workers get it) and for tests; never part of `membership()`."""
+        return self._secret
 
     def register_router(self, info: dict[str, Any]) -> None:
         self.router = info
@@ -157,11 +163,12 @@ class Controller:
 
         from proto import worker_pb2 as wk
         from proto import worker_pb2_grpc as wk_grpc
+        from proto.cluster_auth import with_secret
 
         rows = []
         for info in self.workers.values():
             row = dict(info)
-            channel = grpc.insecure_channel(info["address"])
+            channel = with_secret(grpc.insecure_channel(info["address"]), self._secret)
             stub = wk_grpc.PrefillWorkerStub(channel) if info["role"] == "prefill" else wk_grpc.DecodeWorkerStub(channel)
             try:
                 s = stub.Stats(wk.StatsRequest(), timeout=3.0)

@@ -82,6 +82,8 @@ class RouterConfig:
     max_retries: int = 2  # per request, after a worker or KV transfer failure (0: none)
     max_requests: int = 512  # admitted requests in flight; beyond: RESOURCE_EXHAUSTED / HTTP 429
     max_queued_prompt_tokens: int = 262144  # prompt tokens of admitted requests waiting for prefill
+    tls_cert: str | None = None  # PEM certificate chain: the gRPC and HTTP ports serve TLS only
+    tls_key: str | None = field(default=None, repr=False)  # its PEM private key (both or neither)
 
 
 @dataclass(frozen=True)
@@ -423,7 +425,13 @@ def _parse_router(path: str, v: Any) -> RouterConfig:
         max_retries=_get(d, path, RouterConfig, "max_retries", lambda p, x: _int(p, x, lo=0, hi=10)),
         max_requests=_get(d, path, RouterConfig, "max_requests", lambda p, x: _int(p, x, lo=1)),
         max_queued_prompt_tokens=_get(d, path, RouterConfig, "max_queued_prompt_tokens", lambda p, x: _int(p, x, lo=1)),
+        tls_cert=_get(d, path, RouterConfig, "tls_cert", lambda p, x: _str(p, x, none=True)),
+        tls_key=_get(d, path, RouterConfig, "tls_key", lambda p, x: _str(p, x, none=True)),
     )
+    if (r.tls_cert is None) != (r.tls_key is None):
+        missing = "tls_key" if r.tls_key is None else "tls_cert"
+        raise _err(_join(path, missing), "required when the other TLS file is given; allowed: both tls_cert "
+                                         "and tls_key (PEM files), or neither (no TLS)")
     if r.grpc_port and r.grpc_port == r.http_port:
         raise _err(_join(path, "http_port"), f"{r.http_port} is also router.grpc_port; "
                                              "allowed: a different port, or 0 (pick a free port)")

@@ -51,6 +51,7 @@ class ClusterHandle:
     started_ray: str | None  # "inprocess" | "head:PID" | None (joined an existing cluster)
     actors: list[Any] = field(default_factory=list, repr=False)
     http_address: str = ""  # the OpenAI-compatible HTTP API (host:port)
+    secret: str | None = field(default=None, repr=False)  # the cluster secret (proto/cluster_auth.py)
 
     def stop(self) -> None:
         _stop_actors(self.actors)
@@ -239,7 +240,8 @@ def _check_kv_pairs(workers: list[dict[str, Any]], timeout_s: float) -> None:
 
 
 def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime: str | None,
-                   log_level: str, host: str, log_format: str = "text") -> tuple[list[Any], dict[Any, str]]:
+                   log_level: str, host: str, log_format: str = "text",
+                   secret: str | None = None) -> tuple[list[Any], dict[Any, str]]:
     """Create the WorkerActors of `pool` named `worker_ids`; returns (actors, info ref -> label).
     `host`: where workers serve gRPC; "auto" = their node's IP (a Ray we started here: loopback)."""
     import ray
@@ -250,7 +252,8 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
     engine_kwargs = cfg.engine_kwargs(pool)
     if engine_kwargs.get("num_threads") is None:  # one torch thread per pinned CPU, else per Ray CPU
         engine_kwargs["num_threads"] = len(pool.cpus) if pool.cpus else max(1, int(pool.resources.get("num_cpus", 1)))
-    options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s}
+    options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s,
+                               "cluster_secret": secret}
     if pool.role == "prefill":
         options["kv_timeout_s"] = cfg.kv_transfer.timeout_s
         options["kv_compression"] = cfg.kv_transfer.compression
@@ -286,6 +289,7 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
     import ray
 
     from pdcluster.actors import CONTROLLER_NAME, Controller, RouterActor
+    from proto.cluster_auth import generate_secret
 
     lifetime = "detached" if detach else None
     worker_host = "127.0.0.1" if started else "auto"
@@ -296,12 +300,14 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
             raise LaunchError("a pdcluster is already running on this Ray cluster; run `pdcluster down` first")
         except ValueError:
             pass
-        controller = Controller.options(name=CONTROLLER_NAME, lifetime=lifetime, scheduling_strategy=_here()).remote()
+        secret = generate_secret()  # every worker RPC and KV transfer carries it; handed out by Ray only
+        controller = Controller.options(name=CONTROLLER_NAME, lifetime=lifetime,
+                                        scheduling_strategy=_here()).remote(secret)
         actors.append(controller)
         pending: dict[Any, str] = {}
         for pool in cfg.pools:
             new, refs = _start_workers(cfg, pool, [f"{pool.name}-{i}" for i in range(pool.replicas)], lifetime,
-                                       log_level, worker_host, log_format)
+                                       log_level, worker_host, log_format, secret)
             actors += new
             pending.update(refs)
         say(f"starting {len(pending)} workers (loading {cfg.model.path}) ...")
@@ -313,7 +319,8 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
             model=cfg.model.path, max_model_len=cfg.model.max_model_len, mode=cfg.mode, host=cfg.router.host,
             port=cfg.router.grpc_port, request_timeout_s=cfg.timeouts.request_s, api_keys=list(cfg.router.api_keys),
             max_retries=cfg.router.max_retries, max_requests=cfg.router.max_requests,
-            max_queued_prompt_tokens=cfg.router.max_queued_prompt_tokens,
+            max_queued_prompt_tokens=cfg.router.max_queued_prompt_tokens, cluster_secret=secret,
+            tls_cert=cfg.router.tls_cert, tls_key=cfg.router.tls_key,
         ), log_level, dict(host=cfg.router.host, port=cfg.router.http_port), log_format)
         actors.append(router)
         try:
@@ -332,7 +339,8 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
         _stop_actors(actors)
         _stop_ray(started)
         raise
-    handle = ClusterHandle(router_address, workers, ray_address, started, actors, http_address=http_address)
+    handle = ClusterHandle(router_address, workers, ray_address, started, actors, http_address=http_address,
+                           secret=secret)
     if detach:
         _state_path().parent.mkdir(parents=True, exist_ok=True)
         _state_path().write_text(json.dumps(
@@ -450,7 +458,8 @@ def scale(pool_name: str, replicas: int, address: str | None = None, drain_timeo
         # workers of a foreground cluster belong to the process that scales it
         lifetime = "detached" if meta.get("detached") else None
         actors, pending = _start_workers(cfg, pool, ids, lifetime, meta.get("log_level", "info"),
-                                         meta.get("worker_host", "auto"), meta.get("log_format", "text"))
+                                         meta.get("worker_host", "auto"), meta.get("log_format", "text"),
+                                         ray.get(controller.cluster_secret.remote(), timeout=30))
         if lifetime is None:  # a non-detached actor dies with its last handle: keep them
             _OWNED_ACTORS.extend(actors)
         try:

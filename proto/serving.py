@@ -20,18 +20,44 @@ MESSAGE_LIMIT_OPTIONS = [
 ]
 
 
-def bind_server(host: str, port: int, max_workers: int, what: str,
-                max_message_bytes: int | None = None) -> tuple[grpc.Server, str]:
+def bind_server(host: str, port: int, max_workers: int, what: str, max_message_bytes: int | None = None,
+                interceptors: list[grpc.ServerInterceptor] | None = None,
+                tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, str]:
     """A not-yet-started server bound to host:port (0: a free port) and its "host:port" address.
-    Message limits are raised for KV layers, unless `max_message_bytes` caps them (a public API).
-    Raises RuntimeError naming `what` if the port is taken."""
+    Message limits are raised for KV layers, unless `max_message_bytes` caps them (a public API);
+    `interceptors` run on every call (the cluster secret); `tls` = (certificate chain, private key),
+    PEM bytes, serves TLS instead of plaintext. Raises RuntimeError naming `what` if the port is taken."""
     options = MESSAGE_LIMIT_OPTIONS if max_message_bytes is None else [
         ("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                         interceptors=interceptors or None)
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(tls[1], tls[0])]))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"{what} cannot bind {host}:{port} (port in use?)")
     return server, f"{host}:{bound}"
+
+
+def read_tls(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
+    """(certificate chain, private key) PEM bytes from their files; None when neither is given.
+    Raises ValueError naming the file that is missing or unreadable, or when only one is given."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ValueError("TLS needs both a certificate (tls_cert) and its private key (tls_key)")
+    out = []
+    for what, path in (("tls_cert", cert), ("tls_key", key)):
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from None
+        if b"-----BEGIN" not in data:
+            raise ValueError(f"{what}: {path} is not a PEM file")
+        out.append(data)
+    return out[0], out[1]
 
 
 @dataclass

@@ -81,10 +81,12 @@ class HttpApi:
     def __init__(self, router_grpc_address: str, model_name: str, tokenizer: Any = None,
                  host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None,
                  request_timeout_s: float = 600.0, readiness: Readiness | None = None,
-                 metrics: Callable[[], tuple[bytes, str]] | None = None) -> None:
+                 metrics: Callable[[], tuple[bytes, str]] | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         """`tokenizer`: a Hugging Face tokenizer, or a checkpoint path / "builtin:NAME" to load one from
         (used for chat templates and logprob token strings). `api_keys`: empty = no authentication
-        here (the router still checks its own keys: the caller's key is forwarded)."""
+        here (the router still checks its own keys: the caller's key is forwarded). `tls_cert` /
+        `tls_key`: PEM files; with both, HTTPS only."""
         if isinstance(tokenizer, (str, Path)):
             from engine.builtin_model import resolve_model_path
             from engine.tokenizer import load_tokenizer
@@ -92,6 +94,7 @@ class HttpApi:
             tokenizer = load_tokenizer(resolve_model_path(str(tokenizer)))
         self.router_address, self.model_name, self.tokenizer = router_grpc_address, model_name, tokenizer
         self.host, self.port = host, port
+        self.tls_cert, self.tls_key = tls_cert, tls_key
         self.api_keys = set(api_keys or [])
         self.request_timeout_s = request_timeout_s
         self.readiness = readiness
@@ -125,7 +128,8 @@ class HttpApi:
                                ) from None
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False,
-                                lifespan="on", loop="asyncio", http="h11", timeout_graceful_shutdown=2)
+                                lifespan="on", loop="asyncio", http="h11", timeout_graceful_shutdown=2,
+                                ssl_certfile=self.tls_cert, ssl_keyfile=self.tls_key)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
                                         name="http-api", daemon=True)

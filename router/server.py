@@ -48,7 +48,7 @@ from pdcluster.logs import request_context
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
 from proto import worker_pb2 as wk
-from proto.serving import Malformed, add_health_and_reflection, add_servicer, bind_server
+from proto.serving import Malformed, add_health_and_reflection, add_servicer, bind_server, read_tls
 from proto.convert import sampling_from_proto, sampling_to_proto, unknown_fields
 from router import metrics as router_metrics
 from router.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits, Admitted, Refused
@@ -126,7 +126,12 @@ class RouterServer(gen_grpc.PDClusterServicer):
         max_retries: int = 2,
         max_requests: int = AdmissionLimits.max_requests,
         max_queued_prompt_tokens: int = AdmissionLimits.max_queued_prompt_tokens,
+        cluster_secret: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
+        """`tls_cert` / `tls_key`: PEM files; with both, the public port serves TLS only, and a second,
+        plaintext port on 127.0.0.1 (`local_address`) serves the HTTP API in this process."""
         path = resolve_model_path(model)
         self.model_name = model_name or model
         self.model_cfg = ModelConfig.from_pretrained(path)
@@ -139,13 +144,19 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.api_keys = set(api_keys or [])
         self.max_retries = max_retries  # attempts after the first, per request, on a worker failure
         self.admission = Admission(AdmissionLimits(max_requests, max_queued_prompt_tokens))
-        self.pool = WorkerPool()
+        self.pool = WorkerPool(cluster_secret=cluster_secret)
         self.metrics = RouterMetrics(self.pool.workers, mode)
         self.metrics.watch_admission(self.admission)
         router_metrics.set_current(self.metrics.registry)  # what router.metrics.render() serves
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
-        self.server, self.address = bind_server(host, port, 512, "router", max_message_bytes=MAX_MESSAGE_BYTES)
+        tls = read_tls(tls_cert, tls_key)
+        self.server, self.address = bind_server(host, port, 512, "router", max_message_bytes=MAX_MESSAGE_BYTES,
+                                                tls=tls)
+        self.tls = tls is not None
+        self.local_address = self.address  # where the HTTP API (same process) calls Generate
+        if tls is not None:
+            self.local_address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         add_servicer(self.server, self, gen.DESCRIPTOR.services_by_name["PDCluster"], gen)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self.server.start()
@@ -313,6 +324,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         delay = 0.01
         while True:
             tried: set[str] = set()
+            full, failed, last = False, [], ""
             while (w := self.pool.pick(role, tried | avoid) or self.pool.pick(role, tried)) is not None:
                 tried.add(w.worker_id)
                 try:
@@ -321,11 +333,16 @@ class RouterServer(gen_grpc.PDClusterServicer):
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise RequestError(e.code(), e.details()) from None
-                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        log.warning("reserve on %s failed: %s %s", w.worker_id, e.code(), e.details())
-                        self.pool.check(w)
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        full = True
+                        continue
+                    log.warning("reserve on %s failed: %s %s", w.worker_id, e.code(), e.details())
+                    failed.append(w)
+                    last = f"reserve on {role} worker {w.worker_id} failed: {e.code().name}: {e.details()}"
             if not tried:
                 raise _Retry(f"no healthy {role} worker", [])
+            if not full:  # none is merely full: every one failed
+                raise _Retry(last, failed)
             if active.cancelled:
                 raise RequestError(grpc.StatusCode.CANCELLED, f"request {active.request_id} was aborted")
             if time.monotonic() + delay > deadline:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from proto import worker_pb2 as wk
+from proto.cluster_auth import with_secret
 from proto import worker_pb2_grpc as wk_grpc
 
 log = logging.getLogger("pdcluster.router")
@@ -35,7 +36,8 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, stats_interval_s: float = 0.5) -> None:
+    def __init__(self, stats_interval_s: float = 0.5, cluster_secret: str | None = None) -> None:
+        self._secret = cluster_secret  # sent with every RPC to a worker (proto/cluster_auth.py)
         self._workers: dict[str, WorkerHandle] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -55,7 +57,7 @@ class WorkerPool:
             for wid, role, address in workers:
                 if wid in self._workers and self._workers[wid].address == address:
                     continue
-                channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                channel = with_secret(grpc.insecure_channel(address, options=GRPC_OPTIONS), self._secret)
                 stub = wk_grpc.PrefillWorkerStub(channel) if role == "prefill" else wk_grpc.DecodeWorkerStub(channel)
                 self._workers[wid] = WorkerHandle(wid, role, address, channel, stub)
 

@@ -25,6 +25,7 @@ from pdcluster.cluster_config import load_cluster_config
 from pdcluster.launcher import up
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
+from proto.cluster_auth import with_secret
 
 pytestmark = pytest.mark.slow
 
@@ -57,13 +58,13 @@ def reference(builtin_path):
     return ref
 
 
-def _stub(w: dict):
-    ch = grpc.insecure_channel(w["address"])
+def _stub(w: dict, secret: str | None):
+    ch = with_secret(grpc.insecure_channel(w["address"]), secret)
     return ch, (wk_grpc.PrefillWorkerStub(ch) if w["role"] == "prefill" else wk_grpc.DecodeWorkerStub(ch))
 
 
-def _alive(w: dict) -> bool:
-    ch, stub = _stub(w)
+def _alive(w: dict, secret: str | None) -> bool:
+    ch, stub = _stub(w, secret)
     try:
         stub.Stats(wk.StatsRequest(), timeout=2)
         return True
@@ -74,7 +75,7 @@ def _alive(w: dict) -> bool:
 
 
 def _kill(handle, role: str) -> dict:
-    victims = [w for w in handle.workers if w["role"] == role and _alive(w)]
+    victims = [w for w in handle.workers if w["role"] == role and _alive(w, handle.secret)]
     assert len(victims) >= 2, f"need two live {role} workers, have {len(victims)}"
     os.kill(victims[0]["pid"], signal.SIGKILL)
     return victims[0]
@@ -86,9 +87,9 @@ def wait_blocks_free(handle, timeout_s: float = 15.0) -> dict[str, int]:
     while True:
         used = {}
         for w in handle.workers:
-            if not _alive(w):
+            if not _alive(w, handle.secret):
                 continue
-            ch, stub = _stub(w)
+            ch, stub = _stub(w, handle.secret)
             with ch:
                 used[w["worker_id"]] = stub.Stats(wk.StatsRequest(), timeout=5).kv_blocks_used
         if not any(used.values()) or time.monotonic() > deadline:
