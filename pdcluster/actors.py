@@ -16,6 +16,7 @@ import ray
 
 NAMESPACE = "pdcluster"
 CONTROLLER_NAME = "controller"
+ROUTER_NAME = "router"
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -62,6 +63,25 @@ class WorkerActor:
             from decode_worker.server import DecodeWorkerServer
 
             self.server = DecodeWorkerServer(cfg, worker_id, colocated=role == "colocated", **options)
+        self._rejoin()
+
+    def _rejoin(self) -> None:
+        """After Ray restarted this actor (its process died): tell the controller and the router the
+        new address, so it is back in rotation. At first start the launcher registers it instead."""
+        try:
+            controller = ray.get_actor(CONTROLLER_NAME)
+        except ValueError:
+            return  # no cluster around (started by hand)
+        if ray.get(controller.worker.remote(self.worker_id), timeout=60) is None:
+            return  # first start
+        info = self.info()
+        ray.get(controller.register_worker.remote(info), timeout=60)
+        try:
+            ray.get(ray.get_actor(ROUTER_NAME).update_worker.remote(self.worker_id, self.role, info["address"]),
+                    timeout=60)
+        except ValueError:
+            pass  # the router is restarting too: it reads the membership when it is back
+        logging.getLogger("pdcluster.worker").warning("restarted by Ray; rejoined at %s", info["address"])
 
     def info(self) -> dict[str, Any]:
         return {
@@ -98,6 +118,7 @@ class RouterActor:
         from router.server import RouterServer
 
         self.server = RouterServer(**router_kwargs)
+        self._rejoin()
         self.http = None
         if http is not None:
             from router.http_api import HttpApi, router_metrics, router_readiness
@@ -113,14 +134,34 @@ class RouterActor:
                 self.server.stop()
                 raise
 
+    def _rejoin(self) -> None:
+        """After Ray restarted the router (its process died): take the workers from the controller."""
+        try:
+            controller = ray.get_actor(CONTROLLER_NAME)
+        except ValueError:
+            return
+        info = ray.get(controller.membership.remote(), timeout=60)
+        if info["router"] is None:
+            return  # first start: the launcher sets the workers
+        self.server.set_workers([(w["worker_id"], w["role"], w["address"]) for w in info["workers"]])
+        ray.get(controller.register_router.remote({"address": self.server.address}), timeout=60)
+        logging.getLogger("pdcluster.router").warning("restarted by Ray with %d workers", len(info["workers"]))
+
     def address(self) -> str:
         return self.server.address
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def http_address(self) -> str | None:
         return self.http.address if self.http else None
 
     def set_workers(self, workers: list[tuple[str, str, str]]) -> None:
         self.server.set_workers(workers)
+
+    def update_worker(self, worker_id: str, role: str, address: str) -> None:
+        """A worker restarted at a new address (or joined): replace its entry, keep the others."""
+        self.server.pool.update_worker(worker_id, role, address)
 
     def stop(self) -> None:
         if self.http:
@@ -140,6 +181,9 @@ class Controller:
 
     def register_worker(self, info: dict[str, Any]) -> None:
         self.workers[info["worker_id"]] = info
+
+    def worker(self, worker_id: str) -> dict[str, Any] | None:
+        return self.workers.get(worker_id)
 
     def deregister_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)

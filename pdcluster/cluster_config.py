@@ -64,6 +64,7 @@ class ConfigError(ValueError):
 class RayConfig:
     # None: start an embedded local Ray; or join one: "auto" / "ray://HOST[:PORT]" / "HOST:PORT"
     address: str | None = None
+    max_restarts: int = 5  # times Ray restarts a worker or the router whose process died (0: never)
 
 
 @dataclass(frozen=True)
@@ -388,7 +389,8 @@ def _positive(path: str, v: Any) -> float:
 
 def _parse_ray(path: str, v: Any) -> RayConfig:
     d = _section(path, v, _keys_of(RayConfig))
-    return RayConfig(address=_get(d, path, RayConfig, "address", _ray_address))
+    return RayConfig(address=_get(d, path, RayConfig, "address", _ray_address),
+                     max_restarts=_get(d, path, RayConfig, "max_restarts", lambda p, x: _int(p, x, lo=0, hi=1000)))
 
 
 def _ray_address(path: str, v: Any) -> str | None:

@@ -175,11 +175,13 @@ def pool_resource(pool_name: str) -> str:
     return f"pool:{pool_name}"
 
 
-def _actor_options(pool: Any, lifetime: str | None, cluster_resources: dict[str, float]) -> dict[str, Any]:
+def _actor_options(pool: Any, lifetime: str | None, cluster_resources: dict[str, float],
+                   max_restarts: int = 0) -> dict[str, Any]:
     """Ray placement of one worker of `pool`: its own resources, plus one unit of `pool:NAME`
     whenever the Ray cluster has that resource at all (then it lands only on that pool's nodes)."""
     res = dict(pool.resources)
-    opts: dict[str, Any] = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0)}
+    opts: dict[str, Any] = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0),
+                            "max_restarts": max_restarts}
     if "memory" in res:
         opts["memory"] = res.pop("memory")
     marker = pool_resource(pool.name)
@@ -263,7 +265,8 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
         options["reservation_ttl_s"] = cfg.kv_transfer.lease_s
     actors, pending = [], {}
     for wid in worker_ids:
-        actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources)).remote(
+        actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources,
+                                                               cfg.ray.max_restarts)).remote(
             pool.role, wid, engine_kwargs, options, log_level, pool.name, log_format,
             list(pool.cpus) if pool.cpus else None)
         actors.append(actor)
@@ -315,7 +318,8 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
         _check_backend_placement(_kv_backend(cfg), workers)
         _check_kv_pairs(workers, cfg.kv_transfer.timeout_s)
         ray.get([controller.register_worker.remote(w) for w in workers])
-        router = RouterActor.options(name="router", lifetime=lifetime, scheduling_strategy=_here()).remote(dict(
+        router = RouterActor.options(name="router", lifetime=lifetime, scheduling_strategy=_here(),
+                                     max_restarts=cfg.ray.max_restarts).remote(dict(
             model=cfg.model.path, max_model_len=cfg.model.max_model_len, mode=cfg.mode, host=cfg.router.host,
             port=cfg.router.grpc_port, request_timeout_s=cfg.timeouts.request_s, api_keys=list(cfg.router.api_keys),
             max_retries=cfg.router.max_retries, max_requests=cfg.router.max_requests,

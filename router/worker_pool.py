@@ -61,6 +61,12 @@ class WorkerPool:
                 stub = wk_grpc.PrefillWorkerStub(channel) if role == "prefill" else wk_grpc.DecodeWorkerStub(channel)
                 self._workers[wid] = WorkerHandle(wid, role, address, channel, stub)
 
+    def update_worker(self, worker_id: str, role: str, address: str) -> None:
+        """Add or replace one worker (a restarted one comes back at a new address), keep the rest."""
+        with self._lock:
+            current = [(w.worker_id, w.role, w.address) for w in self._workers.values() if w.worker_id != worker_id]
+        self.set_workers([*current, (worker_id, role, address)])
+
     def workers(self, role: str | None = None) -> list[WorkerHandle]:
         with self._lock:
             return [w for w in self._workers.values() if role is None or w.role == role]

@@ -1,9 +1,12 @@
-"""Workers killed under load (SIGKILL of their processes, on a real local Ray): every request they were
-serving goes on from the tokens already streamed on another worker, token-identical to transformers'
-greedy generation, and the surviving workers' KV blocks all return to zero.
+"""Processes killed under load (SIGKILL, on a real local Ray): every request a dead worker was serving
+goes on from the tokens already streamed on another worker, token-identical to transformers' greedy
+generation; Ray restarts the dead workers and they rejoin; a killed router answers UNAVAILABLE at once,
+the workers free its orphaned requests, and Ray brings it back on the same port. After each test every
+live worker's KV blocks return to zero.
 
 One cluster of 2 prefill + 2 decode workers; the first test kills a decode worker mid-generation, the
-second a prefill worker while prompts are being prefilled (each test needs two live workers of its role)."""
+second a prefill worker while prompts are being prefilled (each needs two live workers of its role),
+the third waits for both to be back, the fourth kills the router."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import concurrent.futures as cf
 import dataclasses
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -37,7 +41,8 @@ def cluster(builtin_path):
     cfg = load_cluster_config("cluster.yaml")
     pools = (dataclasses.replace(cfg.pools[0], replicas=2), dataclasses.replace(cfg.pools[1], replicas=2))
     cfg = dataclasses.replace(
-        cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=0, http_port=0, max_retries=2),
+        cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=_free_port(), http_port=_free_port(),
+                                                     max_retries=2),
         kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=64), model=dataclasses.replace(cfg.model, max_model_len=1024),
         engine=dataclasses.replace(cfg.engine, num_threads=1),
     ).validate()
@@ -56,6 +61,12 @@ def reference(builtin_path):
         return out[0, len(ids):].tolist()
 
     return ref
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _stub(w: dict, secret: str | None):
@@ -155,3 +166,76 @@ def test_a_prefill_worker_killed_while_prefilling_loses_no_request(cluster, refe
         assert tokens == reference(prompt, n)
     assert _retries(cluster) - before >= 1, f"no prompt was on {victim['worker_id']} when it died"
     assert not any(wait_blocks_free(cluster).values())
+
+
+def _membership(handle) -> dict:
+    import ray
+
+    from pdcluster.actors import CONTROLLER_NAME
+
+    return ray.get(ray.get_actor(CONTROLLER_NAME).membership.remote(), timeout=30)
+
+
+def test_killed_workers_are_restarted_by_ray_and_rejoin_the_rotation(cluster, reference):
+    old = {w["worker_id"]: w["pid"] for w in cluster.workers}
+    deadline = time.monotonic() + 120
+    while True:
+        now = {w["worker_id"]: w for w in _membership(cluster)["workers"]}
+        restarted = [w for wid, w in now.items() if w["pid"] != old[wid]]
+        if len(restarted) == 2 and all(_alive(w, cluster.secret) for w in restarted):
+            break
+        assert time.monotonic() < deadline, f"not back after 120 s: {now}"
+        time.sleep(1)
+    assert sorted(w["role"] for w in restarted) == ["decode", "prefill"]
+    cluster.workers = list(now.values())
+    prompts = _prompts(8, 30, seed=3)
+    with Client(cluster.router_address, timeout_s=120) as client, cf.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: client.complete(p, max_tokens=8, temperature=0.0, ignore_eos=True), prompts))
+    assert [o.token_ids for o in outs] == [reference(p, 8) for p in prompts]
+    for w in restarted:  # back in rotation: each took part
+        ch, stub = _stub(w, cluster.secret)
+        with ch:
+            stats = stub.Stats(wk.StatsRequest(), timeout=5)
+        assert stats.prompt_tokens > 0 if w["role"] == "prefill" else stats.kv_blocks_used == 0
+    assert not any(wait_blocks_free(cluster).values())
+
+
+def test_a_killed_router_fails_fast_frees_its_requests_and_comes_back(cluster):
+    import ray
+
+    router = ray.get_actor("router")
+    pid = ray.get(router.pid.remote(), timeout=30)
+    errors, started = [], threading.Event()
+
+    def stream() -> None:
+        with Client(cluster.router_address, timeout_s=120) as client:
+            try:
+                for i, _ in enumerate(client.stream([7] * 40, max_tokens=400, temperature=0.0, ignore_eos=True)):
+                    if i >= 2:
+                        started.set()
+            except grpc.RpcError as e:
+                errors.append((e.code(), time.monotonic()))
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads:
+        t.start()
+    assert started.wait(60)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    assert len(errors) == 4 and all(code == grpc.StatusCode.UNAVAILABLE for code, _ in errors)
+    assert max(t for _, t in errors) - killed_at < 5.0  # promptly, not at a deadline
+    assert not any(wait_blocks_free(cluster).values())  # the workers freed the orphaned requests
+    deadline = time.monotonic() + 120
+    while True:  # Ray restarts it on the same port, with the workers from the controller
+        try:
+            with Client(cluster.router_address, timeout_s=30) as client:
+                out = client.complete([7] * 10, max_tokens=4, temperature=0.0, ignore_eos=True)
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, "the router did not come back"
+            time.sleep(1)
+    assert len(out.token_ids) == 4 and ray.get(router.pid.remote(), timeout=30) != pid
+    r = httpx.get(f"http://{cluster.http_address}/health", timeout=10)
+    assert r.status_code == 200
