@@ -212,6 +212,10 @@ class Soak:
         except grpc.RpcError as e:
             code, details = e.code().name, e.details() or ""
             if code in CLEAR_CODES and details:
+                if "failed on a worker" in details:
+                    code += ": retries exhausted"
+                elif code == "UNAVAILABLE":  # the router itself is not there (killed, restarting)
+                    code += ": router unreachable"
                 self.tally.add("clear", f"grpc {code}")
             else:
                 self.tally.add("lost", f"grpc {code}: {details!r}")
