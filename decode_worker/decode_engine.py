@@ -53,11 +53,13 @@ class DecodeEngine:
         params: SamplingParams,
         on_commit: Callable[[], None] | None = None,
         transfer_id: str | None = None,
+        output_offset: int = 0,
     ) -> TransferTicket | None:
         """Hold blocks for the prompt's KV. None when the cache is too full right now.
         `transfer_id` is minted by the caller (the router) or here; it must be unused.
-        `on_commit` is called (from the transfer's thread) once the KV has all arrived."""
-        seq = self.engine.make_sequence(request_id, token_ids, params)
+        `on_commit` is called (from the transfer's thread) once the KV has all arrived.
+        `output_offset`: a resumed request's completion tokens generated before (see Sequence)."""
+        seq = self.engine.make_sequence(request_id, token_ids, params, output_offset)
         transfer_id = transfer_id or uuid.uuid4().hex
         with self._lock:
             if transfer_id in self._reserved:

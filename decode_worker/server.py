@@ -32,6 +32,7 @@ from proto import generate_pb2 as gen
 from proto import kv_transfer_pb2
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
+from proto.cluster_auth import server_interceptors
 from proto.serving import add_health_and_reflection, bind_server
 from proto.convert import logprob_to_proto, sampling_from_proto, ticket_to_proto
 
@@ -60,12 +61,17 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         kv_backend: str = "grpc",
         request_timeout_s: float = 600.0,
         reservation_ttl_s: float = 120.0,
+        cluster_secret: str | None = None,
     ) -> None:
+        """`cluster_secret`: required of every RPC to this worker, KV transfers included
+        (proto/cluster_auth.py; None: none). `reservation_ttl_s`: the lease of a reservation whose KV
+        has not committed."""
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:6]}"
         self.colocated = colocated
         self.request_timeout_s = request_timeout_s
         self.reservation_ttl_s = reservation_ttl_s
-        self.server, self.address = bind_server(host, port, 256, f"decode worker {self.worker_id}")
+        self.server, self.address = bind_server(host, port, 256, f"decode worker {self.worker_id}",
+                                                interceptors=server_interceptors(cluster_secret, self.worker_id))
         self.engine = Engine(engine_cfg, "colocated" if colocated else "decode")
         self.decode: DecodeEngine | None = None
         if not colocated:
@@ -187,7 +193,8 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             if self.decode:
                 try:
                     ticket = self.decode.reserve(rid, ids, params, on_commit=lambda: self._committed(rid),
-                                                 transfer_id=request.transfer_id or None)
+                                                 transfer_id=request.transfer_id or None,
+                                                 output_offset=request.resume_offset)
                 except ValueError:
                     self._streams.pop(rid, None)
                     raise
@@ -204,7 +211,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker")
                 self._streams[rid].committed_at = time.monotonic()
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, ids, params, request.resume_offset)
                 except ValueError:
                     self._streams.pop(rid, None)
                     raise

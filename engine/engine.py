@@ -66,8 +66,13 @@ class Engine:
         """Raise ValueError naming the problem with a request."""
         validate_request(token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
 
-    def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Sequence:
+    def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      output_offset: int = 0) -> Sequence:
+        """`output_offset`: completion tokens generated elsewhere before (a resumed request, whose
+        `token_ids` are its prompt plus those tokens); seeded sampling continues from there."""
         self.validate(token_ids, params)
+        if output_offset < 0:
+            raise ValueError(f"output_offset must be >= 0, got {output_offset}")
         return Sequence(
             request_id=request_id,
             token_ids=list(token_ids),
@@ -75,10 +80,12 @@ class Engine:
             params=params,
             eos_token_ids=self.model_cfg.eos_token_ids,
             max_model_len=self.max_model_len,
+            output_offset=output_offset,
         )
 
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Sequence:
-        seq = self.make_sequence(request_id, token_ids, params)
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                    output_offset: int = 0) -> Sequence:
+        seq = self.make_sequence(request_id, token_ids, params, output_offset)
         self.scheduler.add(seq)
         return seq
 
@@ -97,5 +104,5 @@ class Engine:
         hook = hook_factory(batch) if hook_factory is not None else None
         logits = self.runner.run(batch, hook)
         completing = [item.seq for item in batch if item.completes]
-        tokens, logprobs = self.sampler(logits, [s.params for s in completing], [s.num_output_tokens for s in completing])
+        tokens, logprobs = self.sampler(logits, [s.params for s in completing], [s.sample_index for s in completing])
         return self.scheduler.postprocess(batch, tokens, logprobs)

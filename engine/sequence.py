@@ -49,6 +49,10 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # when it first left `waiting` (its queueing ended)
+    # completion tokens generated before this sequence existed (a request resumed after a worker
+    # failure: its prompt is the original prompt + those tokens); the first token sampled here is
+    # completion token number `output_offset`, which is what a seeded draw depends on
+    output_offset: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -71,6 +75,11 @@ class Sequence:
     def num_remaining(self) -> int:
         """Tokens whose K/V still have to be computed before the next sample."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def sample_index(self) -> int:
+        """Index in the whole completion of the next token to sample (seeded sampling uses it)."""
+        return self.output_offset + self.num_output_tokens
 
     @property
     def is_finished(self) -> bool:

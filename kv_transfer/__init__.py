@@ -9,6 +9,7 @@ import importlib
 from typing import Any
 
 from kv_transfer.base import KVReceiver, KVSender, KVSink, KVTransferError, TransferTicket
+from kv_transfer.faults import FaultInjector, KVFaults
 
 # name -> (module, sender class, receiver class)
 BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -28,8 +29,15 @@ def _backend(name: str) -> Any:
     return getattr(mod, sender), getattr(mod, receiver)
 
 
-def create_sender(backend: str, compat_hash: str, **kwargs: Any) -> KVSender:
-    return _backend(backend)[0](compat_hash, **kwargs)
+def create_sender(backend: str, compat_hash: str, faults: KVFaults | None = None, **kwargs: Any) -> KVSender:
+    """A sender of `backend`; with `faults` (or $PDCLUSTER_KV_FAULTS, which wins) its messages are
+    dropped, delayed or corrupted as the spec says (kv_transfer/faults.py; off by default)."""
+    sender = _backend(backend)[0](compat_hash, **kwargs)
+    faults = KVFaults.from_env() or faults
+    if faults is not None:
+        sender.fault_injector = FaultInjector(faults)
+        sender.add_channel_interceptor(sender.fault_injector.interceptor())
+    return sender
 
 
 def create_receiver(backend: str, sink: KVSink, **kwargs: Any) -> KVReceiver:
@@ -38,6 +46,8 @@ def create_receiver(backend: str, sink: KVSink, **kwargs: Any) -> KVReceiver:
 
 __all__ = [
     "BACKENDS",
+    "FaultInjector",
+    "KVFaults",
     "KVReceiver",
     "KVSender",
     "KVSink",

@@ -33,6 +33,10 @@ class AutoSender(KVSender):
         self._choice: dict[str, KVSender] = {}
         self._lock = threading.Lock()
 
+    def add_channel_interceptor(self, interceptor: object) -> None:
+        self.shm.add_channel_interceptor(interceptor)
+        self.grpc.add_channel_interceptor(interceptor)
+
     def backend_for(self, endpoint: str) -> str:
         """"shm" or "grpc": which one carries transfers to `endpoint` (decided on first use)."""
         with self._lock:

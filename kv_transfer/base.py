@@ -161,6 +161,7 @@ class KVSender(ABC):
     def __init__(self, compat_hash: str) -> None:
         self.compat_hash = compat_hash
         self.bytes_sent: dict[str, int] = {}
+        self.fault_injector: object | None = None  # kv_transfer.faults.FaultInjector when faults are on
 
     def _count_sent(self, backend: str, nbytes: int) -> None:
         self.bytes_sent[backend] = self.bytes_sent.get(backend, 0) + nbytes
@@ -171,6 +172,11 @@ class KVSender(ABC):
                 f"incompatible KV layout for transfer {ticket.transfer_id!r}: this worker {self.compat_hash}, "
                 f"receiver {ticket.compat_hash} (model, dtype, block size and layout version must match)"
             )
+
+    def add_channel_interceptor(self, interceptor: object) -> None:
+        """Put a gRPC client interceptor on every channel this sender opens from now on (fault
+        injection, authentication). Backends without gRPC channels refuse."""
+        raise KVTransferError(f"{type(self).__name__} opens no gRPC channels to intercept")
 
     @abstractmethod
     def send_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None: ...

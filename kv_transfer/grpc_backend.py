@@ -371,9 +371,14 @@ class GrpcSender(KVSender):
         self._channels: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVReceiverStub]] = {}
         self._handshakes: dict[str, _Handshake] = {}
         self._transfers: dict[str, _Transfer] = {}
+        self._interceptors: list[Any] = []
         self._closed = False
 
     # ------------------------------------------------------------------ connections
+    def add_channel_interceptor(self, interceptor: object) -> None:
+        with self._lock:
+            self._interceptors.append(interceptor)
+
     def _stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KVReceiverStub:
         """Under self._lock."""
         if self._closed:
@@ -381,6 +386,8 @@ class GrpcSender(KVSender):
         entry = self._channels.get(endpoint)
         if entry is None:
             channel = grpc.insecure_channel(_target(endpoint), options=CHANNEL_OPTIONS)
+            if self._interceptors:
+                channel = grpc.intercept_channel(channel, *self._interceptors)
             entry = self._channels[endpoint] = (channel, kv_transfer_pb2_grpc.KVReceiverStub(channel))
         return entry[1]
 

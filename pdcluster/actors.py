@@ -16,6 +16,7 @@ import ray
 
 NAMESPACE = "pdcluster"
 CONTROLLER_NAME = "controller"
+ROUTER_NAME = "router"
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -62,6 +63,25 @@ class WorkerActor:
             from decode_worker.server import DecodeWorkerServer
 
             self.server = DecodeWorkerServer(cfg, worker_id, colocated=role == "colocated", **options)
+        self._rejoin()
+
+    def _rejoin(self) -> None:
+        """After Ray restarted this actor (its process died): tell the controller and the router the
+        new address, so it is back in rotation. At first start the launcher registers it instead."""
+        try:
+            controller = ray.get_actor(CONTROLLER_NAME)
+        except ValueError:
+            return  # no cluster around (started by hand)
+        if ray.get(controller.worker.remote(self.worker_id), timeout=60) is None:
+            return  # first start
+        info = self.info()
+        ray.get(controller.register_worker.remote(info), timeout=60)
+        try:
+            ray.get(ray.get_actor(ROUTER_NAME).update_worker.remote(self.worker_id, self.role, info["address"]),
+                    timeout=60)
+        except ValueError:
+            pass  # the router is restarting too: it reads the membership when it is back
+        logging.getLogger("pdcluster.worker").warning("restarted by Ray; rejoined at %s", info["address"])
 
     def info(self) -> dict[str, Any]:
         return {
@@ -98,28 +118,50 @@ class RouterActor:
         from router.server import RouterServer
 
         self.server = RouterServer(**router_kwargs)
+        self._rejoin()
         self.http = None
         if http is not None:
             from router.http_api import HttpApi, router_metrics, router_readiness
 
             try:
-                self.http = HttpApi(self.server.address, self.server.model_name, router_kwargs["model"],
+                self.http = HttpApi(self.server.local_address, self.server.model_name, router_kwargs["model"],
                                     api_keys=router_kwargs.get("api_keys"), readiness=router_readiness(self.server),
                                     metrics=router_metrics(self.server),
-                                    request_timeout_s=self.server.request_timeout_s + 10, **http)
+                                    request_timeout_s=self.server.request_timeout_s + 10,
+                                    tls_cert=router_kwargs.get("tls_cert"), tls_key=router_kwargs.get("tls_key"), **http)
                 self.http.start()
             except BaseException:
                 self.server.stop()
                 raise
 
+    def _rejoin(self) -> None:
+        """After Ray restarted the router (its process died): take the workers from the controller."""
+        try:
+            controller = ray.get_actor(CONTROLLER_NAME)
+        except ValueError:
+            return
+        info = ray.get(controller.membership.remote(), timeout=60)
+        if info["router"] is None:
+            return  # first start: the launcher sets the workers
+        self.server.set_workers([(w["worker_id"], w["role"], w["address"]) for w in info["workers"]])
+        ray.get(controller.register_router.remote({"address": self.server.address}), timeout=60)
+        logging.getLogger("pdcluster.router").warning("restarted by Ray with %d workers", len(info["workers"]))
+
     def address(self) -> str:
         return self.server.address
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def http_address(self) -> str | None:
         return self.http.address if self.http else None
 
     def set_workers(self, workers: list[tuple[str, str, str]]) -> None:
         self.server.set_workers(workers)
+
+    def update_worker(self, worker_id: str, role: str, address: str) -> None:
+        """A worker restarted at a new address (or joined): replace its entry, keep the others."""
+        self.server.pool.update_worker(worker_id, role, address)
 
     def stop(self) -> None:
         if self.http:
@@ -131,7 +173,8 @@ class RouterActor:
 class Controller:
     """Membership: which actors exist, their pools, roles and addresses; live stats on request."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster_secret: str | None = None) -> None:
+        self._secret = cluster_secret  # what every worker RPC must carry (proto/cluster_auth.py)
         self.workers: dict[str, dict[str, Any]] = {}  # worker_id -> info (+ pool, actor name)
         self.router: dict[str, Any] | None = None
         self.meta: dict[str, Any] = {"started": time.time()}
@@ -139,8 +182,15 @@ class Controller:
     def register_worker(self, info: dict[str, Any]) -> None:
         self.workers[info["worker_id"]] = info
 
+    def worker(self, worker_id: str) -> dict[str, Any] | None:
+        return self.workers.get(worker_id)
+
     def deregister_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+
+    def cluster_secret(self) -> str | None:
+        """For `scale` (new workers get it) and for tests; never part of `membership()`."""
+        return self._secret
 
     def register_router(self, info: dict[str, Any]) -> None:
         self.router = info
@@ -157,11 +207,12 @@ class Controller:
 
         from proto import worker_pb2 as wk
         from proto import worker_pb2_grpc as wk_grpc
+        from proto.cluster_auth import with_secret
 
         rows = []
         for info in self.workers.values():
             row = dict(info)
-            channel = grpc.insecure_channel(info["address"])
+            channel = with_secret(grpc.insecure_channel(info["address"]), self._secret)
             stub = wk_grpc.PrefillWorkerStub(channel) if info["role"] == "prefill" else wk_grpc.DecodeWorkerStub(channel)
             try:
                 s = stub.Stats(wk.StatsRequest(), timeout=3.0)

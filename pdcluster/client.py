@@ -29,11 +29,19 @@ class Completion:
 class Client:
     """`Client("127.0.0.1:50051").complete("Hello", max_tokens=16)`; `.stream(...)` yields chunks."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, api_key: str | None = None, timeout_s: float = 600.0,
+                 tls_ca: str | None = None) -> None:
+        """`tls_ca`: a PEM file of the certificate(s) to trust; given, the channel is TLS (the router's
+        `router.tls_cert`); else plaintext."""
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = [("x-api-key", api_key)] if api_key else None
-        self._channel = grpc.insecure_channel(address)
+        if tls_ca is not None:
+            with open(tls_ca, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self._channel = grpc.secure_channel(address, creds)
+        else:
+            self._channel = grpc.insecure_channel(address)
         self._stub = gen_grpc.PDClusterStub(self._channel)
 
     def close(self) -> None:

@@ -64,6 +64,7 @@ class ConfigError(ValueError):
 class RayConfig:
     # None: start an embedded local Ray; or join one: "auto" / "ray://HOST[:PORT]" / "HOST:PORT"
     address: str | None = None
+    max_restarts: int = 5  # times Ray restarts a worker or the router whose process died (0: never)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class RouterConfig:
     grpc_port: int = 50051  # 0: pick a free port
     http_port: int = 8000  # 0: pick a free port
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no authentication
+    max_retries: int = 2  # per request, after a worker or KV transfer failure (0: none)
+    max_requests: int = 512  # admitted requests in flight; beyond: RESOURCE_EXHAUSTED / HTTP 429
+    max_queued_prompt_tokens: int = 262144  # prompt tokens of admitted requests waiting for prefill
+    tls_cert: str | None = None  # PEM certificate chain: the gRPC and HTTP ports serve TLS only
+    tls_key: str | None = field(default=None, repr=False)  # its PEM private key (both or neither)
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,8 @@ class KVTransferConfig:
     layerwise: bool = True  # send each layer's KV as soon as it is computed
     compression: str = "none"
     timeout_s: float = 30.0
+    lease_s: float = 120.0  # a decode reservation whose KV has not committed by then is freed
+    faults: str | None = None  # fault injection spec (kv_transfer/faults.py); null: off
 
 
 @dataclass(frozen=True)
@@ -381,7 +389,8 @@ def _positive(path: str, v: Any) -> float:
 
 def _parse_ray(path: str, v: Any) -> RayConfig:
     d = _section(path, v, _keys_of(RayConfig))
-    return RayConfig(address=_get(d, path, RayConfig, "address", _ray_address))
+    return RayConfig(address=_get(d, path, RayConfig, "address", _ray_address),
+                     max_restarts=_get(d, path, RayConfig, "max_restarts", lambda p, x: _int(p, x, lo=0, hi=1000)))
 
 
 def _ray_address(path: str, v: Any) -> str | None:
@@ -415,7 +424,16 @@ def _parse_router(path: str, v: Any) -> RouterConfig:
         grpc_port=_get(d, path, RouterConfig, "grpc_port", _port),
         http_port=_get(d, path, RouterConfig, "http_port", _port),
         api_keys=_get(d, path, RouterConfig, "api_keys", _api_keys),
+        max_retries=_get(d, path, RouterConfig, "max_retries", lambda p, x: _int(p, x, lo=0, hi=10)),
+        max_requests=_get(d, path, RouterConfig, "max_requests", lambda p, x: _int(p, x, lo=1)),
+        max_queued_prompt_tokens=_get(d, path, RouterConfig, "max_queued_prompt_tokens", lambda p, x: _int(p, x, lo=1)),
+        tls_cert=_get(d, path, RouterConfig, "tls_cert", lambda p, x: _str(p, x, none=True)),
+        tls_key=_get(d, path, RouterConfig, "tls_key", lambda p, x: _str(p, x, none=True)),
     )
+    if (r.tls_cert is None) != (r.tls_key is None):
+        missing = "tls_key" if r.tls_key is None else "tls_cert"
+        raise _err(_join(path, missing), "required when the other TLS file is given; allowed: both tls_cert "
+                                         "and tls_key (PEM files), or neither (no TLS)")
     if r.grpc_port and r.grpc_port == r.http_port:
         raise _err(_join(path, "http_port"), f"{r.http_port} is also router.grpc_port; "
                                              "allowed: a different port, or 0 (pick a free port)")
@@ -572,7 +590,22 @@ def _parse_kv_transfer(path: str, v: Any) -> KVTransferConfig:
         layerwise=_get(d, path, KVTransferConfig, "layerwise", _bool),
         compression=_get(d, path, KVTransferConfig, "compression", _choice(KV_COMPRESSIONS)),
         timeout_s=_get(d, path, KVTransferConfig, "timeout_s", _positive),
+        lease_s=_get(d, path, KVTransferConfig, "lease_s", _positive),
+        faults=_get(d, path, KVTransferConfig, "faults", _kv_faults),
     )
+
+
+def _kv_faults(path: str, v: Any) -> str | None:
+    from kv_transfer.faults import KVFaults
+
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _err(path, f"expected a fault spec string like 'drop=0.1,delay_ms=200,seed=1' or null, got {_show(v)}")
+    try:
+        return v if KVFaults.parse(v) is not None else None
+    except ValueError as e:
+        raise _err(path, str(e)) from None
 
 
 def _parse_timeouts(path: str, v: Any) -> TimeoutsConfig:

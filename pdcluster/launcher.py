@@ -23,6 +23,8 @@ from typing import Any, Callable
 from engine.builtin_model import cache_root
 from pdcluster.cluster_config import ClusterConfig
 
+KV_FAULTS_ENV = "PDCLUSTER_KV_FAULTS"  # kv_transfer.faults.ENV (not imported here: it pulls in grpc)
+
 STATE_FILE = "cluster-state.json"
 _OWNED_ACTORS: list = []  # handles of non-detached workers started by `scale` in this process
 
@@ -49,6 +51,7 @@ class ClusterHandle:
     started_ray: str | None  # "inprocess" | "head:PID" | None (joined an existing cluster)
     actors: list[Any] = field(default_factory=list, repr=False)
     http_address: str = ""  # the OpenAI-compatible HTTP API (host:port)
+    secret: str | None = field(default=None, repr=False)  # the cluster secret (proto/cluster_auth.py)
 
     def stop(self) -> None:
         _stop_actors(self.actors)
@@ -172,11 +175,13 @@ def pool_resource(pool_name: str) -> str:
     return f"pool:{pool_name}"
 
 
-def _actor_options(pool: Any, lifetime: str | None, cluster_resources: dict[str, float]) -> dict[str, Any]:
+def _actor_options(pool: Any, lifetime: str | None, cluster_resources: dict[str, float],
+                   max_restarts: int = 0) -> dict[str, Any]:
     """Ray placement of one worker of `pool`: its own resources, plus one unit of `pool:NAME`
     whenever the Ray cluster has that resource at all (then it lands only on that pool's nodes)."""
     res = dict(pool.resources)
-    opts: dict[str, Any] = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0)}
+    opts: dict[str, Any] = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0),
+                            "max_restarts": max_restarts}
     if "memory" in res:
         opts["memory"] = res.pop("memory")
     marker = pool_resource(pool.name)
@@ -237,7 +242,8 @@ def _check_kv_pairs(workers: list[dict[str, Any]], timeout_s: float) -> None:
 
 
 def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime: str | None,
-                   log_level: str, host: str, log_format: str = "text") -> tuple[list[Any], dict[Any, str]]:
+                   log_level: str, host: str, log_format: str = "text",
+                   secret: str | None = None) -> tuple[list[Any], dict[Any, str]]:
     """Create the WorkerActors of `pool` named `worker_ids`; returns (actors, info ref -> label).
     `host`: where workers serve gRPC; "auto" = their node's IP (a Ray we started here: loopback)."""
     import ray
@@ -248,13 +254,19 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
     engine_kwargs = cfg.engine_kwargs(pool)
     if engine_kwargs.get("num_threads") is None:  # one torch thread per pinned CPU, else per Ray CPU
         engine_kwargs["num_threads"] = len(pool.cpus) if pool.cpus else max(1, int(pool.resources.get("num_cpus", 1)))
-    options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s}
+    options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s,
+                               "cluster_secret": secret}
     if pool.role == "prefill":
         options["kv_timeout_s"] = cfg.kv_transfer.timeout_s
         options["kv_compression"] = cfg.kv_transfer.compression
+        # the driver's environment wins: Ray workers do not all inherit it
+        options["kv_faults"] = os.environ.get(KV_FAULTS_ENV) or cfg.kv_transfer.faults
+    else:
+        options["reservation_ttl_s"] = cfg.kv_transfer.lease_s
     actors, pending = [], {}
     for wid in worker_ids:
-        actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources)).remote(
+        actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources,
+                                                               cfg.ray.max_restarts)).remote(
             pool.role, wid, engine_kwargs, options, log_level, pool.name, log_format,
             list(pool.cpus) if pool.cpus else None)
         actors.append(actor)
@@ -280,6 +292,7 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
     import ray
 
     from pdcluster.actors import CONTROLLER_NAME, Controller, RouterActor
+    from proto.cluster_auth import generate_secret
 
     lifetime = "detached" if detach else None
     worker_host = "127.0.0.1" if started else "auto"
@@ -290,12 +303,14 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
             raise LaunchError("a pdcluster is already running on this Ray cluster; run `pdcluster down` first")
         except ValueError:
             pass
-        controller = Controller.options(name=CONTROLLER_NAME, lifetime=lifetime, scheduling_strategy=_here()).remote()
+        secret = generate_secret()  # every worker RPC and KV transfer carries it; handed out by Ray only
+        controller = Controller.options(name=CONTROLLER_NAME, lifetime=lifetime,
+                                        scheduling_strategy=_here()).remote(secret)
         actors.append(controller)
         pending: dict[Any, str] = {}
         for pool in cfg.pools:
             new, refs = _start_workers(cfg, pool, [f"{pool.name}-{i}" for i in range(pool.replicas)], lifetime,
-                                       log_level, worker_host, log_format)
+                                       log_level, worker_host, log_format, secret)
             actors += new
             pending.update(refs)
         say(f"starting {len(pending)} workers (loading {cfg.model.path}) ...")
@@ -303,9 +318,13 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
         _check_backend_placement(_kv_backend(cfg), workers)
         _check_kv_pairs(workers, cfg.kv_transfer.timeout_s)
         ray.get([controller.register_worker.remote(w) for w in workers])
-        router = RouterActor.options(name="router", lifetime=lifetime, scheduling_strategy=_here()).remote(dict(
+        router = RouterActor.options(name="router", lifetime=lifetime, scheduling_strategy=_here(),
+                                     max_restarts=cfg.ray.max_restarts).remote(dict(
             model=cfg.model.path, max_model_len=cfg.model.max_model_len, mode=cfg.mode, host=cfg.router.host,
             port=cfg.router.grpc_port, request_timeout_s=cfg.timeouts.request_s, api_keys=list(cfg.router.api_keys),
+            max_retries=cfg.router.max_retries, max_requests=cfg.router.max_requests,
+            max_queued_prompt_tokens=cfg.router.max_queued_prompt_tokens, cluster_secret=secret,
+            tls_cert=cfg.router.tls_cert, tls_key=cfg.router.tls_key,
         ), log_level, dict(host=cfg.router.host, port=cfg.router.http_port), log_format)
         actors.append(router)
         try:
@@ -324,7 +343,8 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
         _stop_actors(actors)
         _stop_ray(started)
         raise
-    handle = ClusterHandle(router_address, workers, ray_address, started, actors, http_address=http_address)
+    handle = ClusterHandle(router_address, workers, ray_address, started, actors, http_address=http_address,
+                           secret=secret)
     if detach:
         _state_path().parent.mkdir(parents=True, exist_ok=True)
         _state_path().write_text(json.dumps(
@@ -442,7 +462,8 @@ def scale(pool_name: str, replicas: int, address: str | None = None, drain_timeo
         # workers of a foreground cluster belong to the process that scales it
         lifetime = "detached" if meta.get("detached") else None
         actors, pending = _start_workers(cfg, pool, ids, lifetime, meta.get("log_level", "info"),
-                                         meta.get("worker_host", "auto"), meta.get("log_format", "text"))
+                                         meta.get("worker_host", "auto"), meta.get("log_format", "text"),
+                                         ray.get(controller.cluster_secret.remote(), timeout=30))
         if lifetime is None:  # a non-detached actor dies with its last handle: keep them
             _OWNED_ACTORS.extend(actors)
         try:

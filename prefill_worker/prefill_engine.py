@@ -45,11 +45,13 @@ class PrefillEngine:
         self._tickets: dict[str, TransferTicket] = {}
         self._errors: dict[str, str] = {}
 
-    def add(self, request_id: str, token_ids: list[int], params: SamplingParams, ticket: TransferTicket) -> None:
+    def add(self, request_id: str, token_ids: list[int], params: SamplingParams, ticket: TransferTicket,
+            output_offset: int = 0) -> None:
+        """`output_offset`: a resumed request's completion tokens generated before (see Sequence)."""
         self.sender.check_ticket(ticket)
         if ticket.num_tokens != len(token_ids):
             raise ValueError(f"ticket covers {ticket.num_tokens} tokens, prompt has {len(token_ids)}")
-        self.engine.add_request(request_id, token_ids, params)
+        self.engine.add_request(request_id, token_ids, params, output_offset)
         self._tickets[request_id] = ticket
 
     def has_work(self) -> bool:

@@ -21,12 +21,13 @@ import grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from kv_transfer import KVTransferError, TransferTicket, create_sender
+from kv_transfer import KVFaults, KVTransferError, TransferTicket, create_sender
 from pdcluster.logs import request_context
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
+from proto.cluster_auth import CarrySecret, server_interceptors
 from proto.serving import add_health_and_reflection, bind_server
 from proto.convert import logprob_to_proto, sampling_from_proto, ticket_from_proto
 
@@ -40,6 +41,7 @@ class _Pending:
     token_ids: list[int]
     params: SamplingParams
     ticket: TransferTicket
+    output_offset: int = 0  # a resumed request's completion tokens generated before
     done: threading.Event = field(default_factory=threading.Event)
     result: PrefillResult | None = None
 
@@ -55,12 +57,20 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         kv_timeout_s: float = 30.0,
         request_timeout_s: float = 600.0,
         kv_compression: str = "none",
+        kv_faults: str | None = None,
+        cluster_secret: str | None = None,
     ) -> None:
+        """`kv_faults`: a fault-injection spec for this worker's KV sender (kv_transfer/faults.py;
+        None: off, unless $PDCLUSTER_KV_FAULTS is set). `cluster_secret`: required of every RPC to
+        this worker, and sent with every KV transfer (proto/cluster_auth.py; None: none)."""
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
         self.request_timeout_s = request_timeout_s
         self.engine = Engine(engine_cfg, "prefill")
         extra = {"compression": kv_compression} if kv_compression != "none" else {}
-        sender = create_sender(kv_backend, self.engine.runner.compat_hash, timeout_s=kv_timeout_s, **extra)
+        sender = create_sender(kv_backend, self.engine.runner.compat_hash, timeout_s=kv_timeout_s,
+                               faults=KVFaults.parse(kv_faults), **extra)
+        if cluster_secret:
+            sender.add_channel_interceptor(CarrySecret(cluster_secret))
         self.prefill = PrefillEngine(self.engine, sender)
         self._inbox: queue.Queue[_Pending | str] = queue.Queue()  # requests, or request ids to abort
         self._pending: dict[str, _Pending] = {}
@@ -68,7 +78,8 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self._prompt_tokens = 0  # cumulative, successful prefills (engine thread)
         self._cached_tokens = 0  # of which served from the prefix cache
         self._stop = threading.Event()
-        self.server, self.address = bind_server(host, port, 256, f"prefill worker {self.worker_id}")
+        self.server, self.address = bind_server(host, port, 256, f"prefill worker {self.worker_id}",
+                                                interceptors=server_interceptors(cluster_secret, self.worker_id))
         wk_grpc.add_PrefillWorkerServicer_to_server(self, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self.server.start()
@@ -99,7 +110,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
                     self._finish(item, None)
             else:
                 try:
-                    self.prefill.add(item.request_id, item.token_ids, item.params, item.ticket)
+                    self.prefill.add(item.request_id, item.token_ids, item.params, item.ticket, item.output_offset)
                     self._pending[item.request_id] = item
                 except Exception as e:  # bad ticket / request: answer it at once
                     item.result = PrefillResult(item.request_id, 0, None, None, 0, error=str(e))
@@ -150,7 +161,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         except ValueError as e:
             log.warning("refused: %s", e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        pending = _Pending(rid, ids, params, ticket_from_proto(request.ticket))
+        pending = _Pending(rid, ids, params, ticket_from_proto(request.ticket), request.resume_offset)
         context.add_callback(lambda: None if pending.done.is_set() else self._inbox.put(rid))
         self._inbox.put(pending)
         log.debug("queued: %d prompt tokens, KV to %s", len(ids), pending.ticket.kv_endpoint)

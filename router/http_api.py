@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
+from router.admission import RETRY_AFTER_METADATA
 from router.openai_protocol import (
     ApiError,
     LogprobFormatter,
@@ -50,6 +51,7 @@ from router.openai_protocol import (
 )
 
 log = logging.getLogger("pdcluster.http")
+MAX_BODY_BYTES = 8 << 20  # the router's gRPC API takes at most 8 MiB per request too
 Readiness = Callable[[], "str | None"]  # None: ready; else why not
 
 
@@ -79,10 +81,12 @@ class HttpApi:
     def __init__(self, router_grpc_address: str, model_name: str, tokenizer: Any = None,
                  host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None,
                  request_timeout_s: float = 600.0, readiness: Readiness | None = None,
-                 metrics: Callable[[], tuple[bytes, str]] | None = None) -> None:
+                 metrics: Callable[[], tuple[bytes, str]] | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         """`tokenizer`: a Hugging Face tokenizer, or a checkpoint path / "builtin:NAME" to load one from
         (used for chat templates and logprob token strings). `api_keys`: empty = no authentication
-        here (the router still checks its own keys: the caller's key is forwarded)."""
+        here (the router still checks its own keys: the caller's key is forwarded). `tls_cert` /
+        `tls_key`: PEM files; with both, HTTPS only."""
         if isinstance(tokenizer, (str, Path)):
             from engine.builtin_model import resolve_model_path
             from engine.tokenizer import load_tokenizer
@@ -90,6 +94,7 @@ class HttpApi:
             tokenizer = load_tokenizer(resolve_model_path(str(tokenizer)))
         self.router_address, self.model_name, self.tokenizer = router_grpc_address, model_name, tokenizer
         self.host, self.port = host, port
+        self.tls_cert, self.tls_key = tls_cert, tls_key
         self.api_keys = set(api_keys or [])
         self.request_timeout_s = request_timeout_s
         self.readiness = readiness
@@ -123,7 +128,8 @@ class HttpApi:
                                ) from None
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False,
-                                lifespan="on", loop="asyncio", http="h11", timeout_graceful_shutdown=2)
+                                lifespan="on", loop="asyncio", http="h11", timeout_graceful_shutdown=2,
+                                ssl_certfile=self.tls_cert, ssl_keyfile=self.tls_key)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
                                         name="http-api", daemon=True)
@@ -227,11 +233,18 @@ class HttpApi:
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: Request, chat: bool) -> Response:
         key = self._authorize(request)
-        raw = await request.body()
+        raw = await _read_body(request, MAX_BODY_BYTES)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise bad(None, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        try:
+            where = _lone_surrogate(body)
+        except RecursionError:
+            raise bad(None, "the request body is nested too deeply", code="invalid_json") from None
+        if where is not None:  # valid JSON ("\ud800"), but no UTF-8 string can carry it on to the router
+            raise bad(where or None, "a string holds a lone UTF-16 surrogate escape, which is not a character",
+                      code="invalid_json")
         if chat:
             req = parse_chat(body, self.model_name, self._render)
         else:
@@ -321,12 +334,57 @@ async def _relay(call: Any, req: OpenAIRequest, gone: asyncio.Event) -> AsyncIte
             if msg.finish_reason:
                 return
     except grpc.aio.AioRpcError as e:
-        raise grpc_error(e.code().name, e.details() or "", req) from None
+        raise grpc_error(e.code().name, e.details() or "", req, _retry_after(e)) from None
     except asyncio.CancelledError:
         if gone.is_set():
             raise _ClientGone from None
         raise
     raise ApiError(502, "the router ended the stream without a final message", type="server_error")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (before reading it, when Content-Length says so)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body has {length} bytes; at most {limit} are accepted",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string (key or value) in a JSON value that cannot be UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        sub = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k)
+        if isinstance(k, str) and _lone_surrogate(k) is not None:
+            return sub
+        found = _lone_surrogate(v, sub)
+        if found is not None:
+            return found
+    return None
+
+
+def _retry_after(e: grpc.aio.AioRpcError) -> float | None:
+    """The router's retry hint of a refusal (trailing metadata retry-after-ms), in seconds."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_METADATA:
+            try:
+                return int(value) / 1e3
+            except ValueError:
+                return None
+    return None
 
 
 async def _collect(messages: AsyncIterator[gen.GenerateResponse]) -> Output:

@@ -163,6 +163,8 @@ class RouterMetrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter("pdcluster_request_errors", "Requests that ended with a gRPC error.",
                               ["code"], registry=r)
+        self.retries = Counter("pdcluster_request_retries", "Times a request went on from its tokens already sent "
+                               "on another pair of workers after a worker or KV transfer failure.", registry=r)
         self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=r)
         self.generation_tokens = Counter("pdcluster_generation_tokens", "Tokens generated for finished requests.",
@@ -173,6 +175,14 @@ class RouterMetrics:
             self.phase.labels(phase)
         if workers is not None:
             r.register(WorkerStatsCollector(workers))
+
+    def watch_admission(self, admission: object) -> None:
+        """Gauges of admission control (router/admission.py), read at scrape time."""
+        Gauge("pdcluster_admitted_requests", "Requests admitted and not finished (limit: router.max_requests).",
+              registry=self.registry).set_function(lambda: admission.requests)
+        Gauge("pdcluster_admitted_queued_prompt_tokens", "Prompt tokens of admitted requests without their first "
+              "token yet (limit: router.max_queued_prompt_tokens).",
+              registry=self.registry).set_function(lambda: admission.queued_prompt_tokens)
 
     @property
     def phases(self) -> tuple[str, ...]:

@@ -267,9 +267,11 @@ _SAMPLING_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_
                    "logprobs")
 
 
-def grpc_error(code: str, details: str, req: OpenAIRequest | None = None) -> ApiError:
+def grpc_error(code: str, details: str, req: OpenAIRequest | None = None,
+               retry_after_s: float | None = None) -> ApiError:
     """The router's gRPC status (by name, e.g. "INVALID_ARGUMENT") -> the HTTP error, keeping its
-    message and naming the OpenAI field where the message names one."""
+    message and naming the OpenAI field where the message names one; a 429 carries Retry-After
+    (whole seconds, at least 1) from the router's hint."""
     status, kind, err_code = _GRPC_STATUS.get(code, (500, "server_error", None))
     err = ApiError(status, details or code, type=kind, code=err_code)
     if code == "NOT_FOUND":
@@ -279,7 +281,7 @@ def grpc_error(code: str, details: str, req: OpenAIRequest | None = None) -> Api
         if "max_model_len" in details:
             err.code = "context_length_exceeded"
     elif status == 429:
-        err.headers["Retry-After"] = "1"
+        err.headers["Retry-After"] = str(max(1, math.ceil(retry_after_s or 1.0)))
     return err
 
 

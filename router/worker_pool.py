@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from proto import worker_pb2 as wk
+from proto.cluster_auth import with_secret
 from proto import worker_pb2_grpc as wk_grpc
 
 log = logging.getLogger("pdcluster.router")
@@ -35,7 +36,8 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, stats_interval_s: float = 0.5) -> None:
+    def __init__(self, stats_interval_s: float = 0.5, cluster_secret: str | None = None) -> None:
+        self._secret = cluster_secret  # sent with every RPC to a worker (proto/cluster_auth.py)
         self._workers: dict[str, WorkerHandle] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -55,9 +57,15 @@ class WorkerPool:
             for wid, role, address in workers:
                 if wid in self._workers and self._workers[wid].address == address:
                     continue
-                channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                channel = with_secret(grpc.insecure_channel(address, options=GRPC_OPTIONS), self._secret)
                 stub = wk_grpc.PrefillWorkerStub(channel) if role == "prefill" else wk_grpc.DecodeWorkerStub(channel)
                 self._workers[wid] = WorkerHandle(wid, role, address, channel, stub)
+
+    def update_worker(self, worker_id: str, role: str, address: str) -> None:
+        """Add or replace one worker (a restarted one comes back at a new address), keep the rest."""
+        with self._lock:
+            current = [(w.worker_id, w.role, w.address) for w in self._workers.values() if w.worker_id != worker_id]
+        self.set_workers([*current, (worker_id, role, address)])
 
     def workers(self, role: str | None = None) -> list[WorkerHandle]:
         with self._lock:
@@ -84,19 +92,29 @@ class WorkerPool:
             w.inflight -= 1
             w.inflight_tokens -= tokens
 
+    def check(self, w: WorkerHandle, timeout_s: float = 2.0) -> bool:
+        """Ask `w` for its Stats now (the poll does it every interval; a request that saw `w` fail
+        asks at once). A worker that does not answer is out of rotation until it answers again."""
+        try:
+            stats = w.stub.Stats(wk.StatsRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                log.debug("Stats of worker %s failed: %s %s", w.worker_id, e.code(), e.details())
+                return True  # it answered, with an error: still alive
+            if w.healthy:
+                log.warning("worker %s at %s is not answering (%s): out of rotation until it does",
+                            w.worker_id, w.address, e.code().name)
+            w.healthy = False
+            return False
+        if not w.healthy:
+            log.warning("worker %s at %s answers again: back in rotation", w.worker_id, w.address)
+        w.kv_blocks_free, w.healthy, w.stats = stats.kv_blocks_free, True, stats
+        return True
+
     def _poll(self) -> None:
         while not self._stop.wait(self._interval):
             for w in self.workers():
-                try:
-                    stats = w.stub.Stats(wk.StatsRequest(), timeout=2.0)
-                    w.kv_blocks_free, w.healthy, w.stats = stats.kv_blocks_free, True, stats
-                except grpc.RpcError as e:
-                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        log.debug("Stats of worker %s failed: %s %s", w.worker_id, e.code(), e.details())
-                        continue  # it answered, with an error: still alive
-                    if w.healthy:
-                        log.warning("worker %s at %s is not answering: %s", w.worker_id, w.address, e.code())
-                    w.healthy = False
+                self.check(w)
 
     def close(self) -> None:
         self._stop.set()

@@ -17,6 +17,7 @@ from pdcluster.launcher import up
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
+from proto.cluster_auth import with_secret
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +74,7 @@ def test_each_worker_runs_on_its_pool_cpus(cluster):
 def _stats(handle) -> list[wk.WorkerStats]:
     out = []
     for w in handle.workers:
-        with grpc.insecure_channel(w["address"]) as ch:
+        with with_secret(grpc.insecure_channel(w["address"]), handle.secret) as ch:
             stub = wk_grpc.PrefillWorkerStub(ch) if w["role"] == "prefill" else wk_grpc.DecodeWorkerStub(ch)
             out.append(stub.Stats(wk.StatsRequest(), timeout=5))
     return out

@@ -140,3 +140,59 @@ def test_a_layer_with_a_missing_run_of_blocks_is_not_complete(decode, stub):
     overflow = _message(ticket, 0, kv[:, :2].contiguous(), first_block=2)  # blocks [2, 4) of 3
     with pytest.raises(grpc.RpcError, match="outside the transfer"):
         stub.SendLayers(iter([overflow]), timeout=5)
+
+
+def test_hostile_messages_never_touch_another_requests_blocks(decode, stub):
+    """Fuzzed KVLayer messages (hypothesis): forged ids and tokens, replays of a committed transfer, wrong
+    layers, shapes, sizes, dtypes, offsets, checksums and compression. Each is refused, or, when it is a
+    well-formed layer of the one transfer it names with that transfer's token, it writes only that
+    transfer's blocks: the blocks of every other request are untouched, bit for bit."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    victim = decode.reserve("victim", list(range(3, 40)), PARAMS)
+    target = decode.reserve("target", list(range(50, 70)), PARAMS)
+    done = decode.reserve("done", list(range(80, 100)), PARAMS)
+    for t in (victim, done):
+        assert stub.SendLayers(iter([_message(t, i, _layer(decode, t, seed=i)) for i in range(2)]), timeout=5).ok
+    replays = [_message(done, i, _layer(decode, done, seed=i)) for i in range(2)]
+    assert stub.Commit(kv_transfer_pb2.KVCommit(transfer_id=done.transfer_id, auth_token=done.auth_token,
+                                                first_token=9, num_layers=2), timeout=5).ok
+    caches = decode.engine.runner.kv_caches
+    others = [b for b in range(caches[0].shape[1]) if b not in target.block_ids]
+    before = [c[:, others].clone() for c in caches]
+    good = _message(target, 0, _layer(decode, target))
+    ids = st.sampled_from([victim.transfer_id, target.transfer_id, done.transfer_id, "", "x" * 300])
+    tokens = st.sampled_from([victim.auth_token, target.auth_token, done.auth_token, "", "forged"])
+
+    def build(tid, tok, layer, dtype, shape, first, payload, fix_sum, compression, scales):
+        fields = dict(transfer_id=tid, auth_token=tok, layer=layer, dtype=dtype, shape=shape, first_block=first,
+                      payload=payload, checksum=checksum(payload) if fix_sum else 12345)
+        if compression is not None:
+            fields.update(compression=compression, scales=scales)
+        return kv_transfer_pb2.KVLayer(**fields)
+
+    payloads = st.sampled_from([good.payload, good.payload[:-4], good.payload + b"\0" * 4, b""]) | st.binary(max_size=64)
+    forged = st.builds(build, ids, tokens, st.integers(0, 3) | st.integers(0, 2**32 - 1),
+                       st.sampled_from(["float32", "float16", "bfloat16", "int8", "", "complex128"]),
+                       st.sampled_from([list(good.shape)]) | st.lists(st.integers(0, 40) | st.integers(-1, 2**40), max_size=6),
+                       st.integers(0, 4) | st.integers(0, 2**32 - 1), payloads, st.booleans(),
+                       st.none() | st.sampled_from(["int8", "zstd", ""]), st.binary(max_size=32))
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(forged | st.sampled_from(replays))
+    def check(msg):
+        try:
+            stub.SendLayers(iter([msg]), timeout=5)
+            accepted = True
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND), (e.code(), e.details())
+            accepted = False
+        if accepted:
+            assert (msg.transfer_id, msg.auth_token) == (target.transfer_id, target.auth_token)
+        for c, b in zip(caches, before):
+            assert torch.equal(c[:, others], b)
+
+    check()
+    assert decode.num_reserved == 2  # victim and target: nothing was committed or freed by the noise

@@ -1,0 +1,243 @@
+"""Fault injection for KV transfers: drop, delay or corrupt the sender's messages (off by default).
+
+Turned on per prefill worker by a spec string, from `kv_transfer.faults` in cluster.yaml or the
+environment variable PDCLUSTER_KV_FAULTS (which wins), e.g.
+
+    PDCLUSTER_KV_FAULTS="drop=0.1,delay_ms=200,corrupt=0.05,seed=1"
+
+    drop=P        a message is lost: a layer never reaches the receiver (its commit is then refused),
+                  a commit or abort is not sent and the sender sees DEADLINE_EXCEEDED after its timeout
+    corrupt=P     a message is damaged in transit, after its checksum was computed: a layer's payload
+                  has a byte flipped (or its checksum, when the bytes travel out of band: shm,
+                  torch_distributed); a commit carries an impossible first token; an abort a wrong
+                  auth token. The receiver must refuse each
+    delay_ms=MS   a message waits MS milliseconds before it goes (a stalled transfer: more than the
+                  transfer timeout), with probability delay=P (1 when delay_ms is given alone)
+    on=K1+K2      which messages: layer, commit, abort, handshake (default layer+commit+abort)
+    count=N       at most N faults in all, then none (deterministic tests: "the first one fails")
+    seed=N        seed of the random draws (default: unseeded)
+
+The faults are injected by a gRPC client interceptor on the sender's channels, so they apply to
+every backend's control plane (grpc, shm, torch_distributed, auto); what a receiver sees is exactly
+what a bad network or a hostile peer could send. `FaultInjector.injected` counts what was done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import grpc
+
+from proto import kv_transfer_pb2
+
+log = logging.getLogger("pdcluster.kv_faults")
+ENV = "PDCLUSTER_KV_FAULTS"
+KINDS = ("layer", "commit", "abort", "handshake")
+_METHOD_KIND = {"SendLayers": "layer", "Commit": "commit", "Abort": "abort", "Handshake": "handshake"}
+
+
+@dataclass(frozen=True)
+class KVFaults:
+    drop: float = 0.0
+    corrupt: float = 0.0
+    delay: float = 0.0
+    delay_ms: float = 0.0
+    on: tuple[str, ...] = ("layer", "commit", "abort")
+    count: int | None = None
+    seed: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "KVFaults | None":
+        """A spec string ("drop=0.1,delay_ms=200,seed=1") -> KVFaults; None for "", "off", "none" or None.
+        Raises ValueError naming the key for anything else."""
+        if spec is None or spec.strip().lower() in ("", "off", "none"):
+            return None
+        values: dict[str, Any] = {}
+        allowed = [f.name for f in fields(cls)]
+        for item in spec.split(","):
+            key, sep, raw = item.strip().partition("=")
+            if not sep or key not in allowed:
+                raise ValueError(f"KV faults {spec!r}: {item.strip()!r} is not KEY=VALUE with KEY one of "
+                                 f"{', '.join(allowed)}")
+            values[key] = _value(key, raw.strip(), spec)
+        if "delay_ms" in values and "delay" not in values:
+            values["delay"] = 1.0
+        faults = cls(**values)
+        if not (faults.drop or faults.corrupt or faults.delay * faults.delay_ms):
+            raise ValueError(f"KV faults {spec!r}: no fault (set drop, corrupt or delay_ms)")
+        return faults
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "KVFaults | None":
+        return cls.parse((os.environ if env is None else env).get(ENV))
+
+
+def _value(key: str, raw: str, spec: str) -> Any:
+    try:
+        if key == "on":
+            kinds = tuple(k for k in raw.split("+") if k)
+            if not kinds or any(k not in KINDS for k in kinds):
+                raise ValueError
+            return kinds
+        if key in ("count", "seed"):
+            n = int(raw)
+            if n < 0:
+                raise ValueError
+            return n
+        x = float(raw)
+        if key == "delay_ms":
+            if not 0 <= x < float("inf"):
+                raise ValueError
+        elif not 0.0 <= x <= 1.0:
+            raise ValueError
+        return x
+    except ValueError:
+        want = {"on": f"kinds joined by '+' among {', '.join(KINDS)}", "count": "an integer >= 0",
+                "seed": "an integer >= 0", "delay_ms": "milliseconds >= 0"}.get(key, "a probability in [0, 1]")
+        raise ValueError(f"KV faults {spec!r}: {key}={raw!r}; allowed: {want}") from None
+
+
+class FaultInjector:
+    """Draws the faults of one sender (thread-safe) and provides the channel interceptor doing them."""
+
+    def __init__(self, faults: KVFaults) -> None:
+        self.faults = faults
+        self._rng = random.Random(faults.seed)
+        self._lock = threading.Lock()
+        self.injected: Counter[tuple[str, str]] = Counter()  # (message kind, fault) -> times
+
+    def draw(self, kind: str) -> str | None:
+        """"drop", "corrupt", "delay" or None for one message of `kind`."""
+        f = self.faults
+        if kind not in f.on:
+            return None
+        with self._lock:
+            if f.count is not None and sum(self.injected.values()) >= f.count:
+                return None
+            x = self._rng.random()
+            fault = None
+            if x < f.drop:
+                fault = "drop"
+            elif x < f.drop + f.corrupt:
+                fault = "corrupt"
+            elif f.delay_ms and self._rng.random() < f.delay:
+                fault = "delay"
+            if fault is not None:
+                self.injected[(kind, fault)] += 1
+        if fault is not None:
+            log.warning("KV fault injected: %s of a %s message", fault, kind)
+        return fault
+
+    def interceptor(self) -> "_Interceptor":
+        return _Interceptor(self)
+
+
+def corrupt(msg: Any) -> Any:
+    """A damaged copy of a KV message, as a bit flip in transit would leave it."""
+    bad = type(msg)()
+    bad.CopyFrom(msg)
+    if isinstance(bad, kv_transfer_pb2.KVLayer):
+        if bad.payload:
+            b = bytearray(bad.payload)
+            b[len(b) // 2] ^= 0x01
+            bad.payload = bytes(b)
+        else:  # the bytes travel out of band (shm, torch_distributed): the checksum is what crossed
+            bad.checksum ^= 0x01
+    elif isinstance(bad, kv_transfer_pb2.KVCommit):
+        bad.first_token = 0xFFFFFFFF
+    elif isinstance(bad, kv_transfer_pb2.KVAbort):
+        bad.auth_token = "x" + bad.auth_token[1:]
+    elif isinstance(bad, kv_transfer_pb2.HandshakeRequest):
+        bad.compat_hash = "corrupted"
+    return bad
+
+
+class _Lost(grpc.RpcError, grpc.Future, grpc.Call):
+    """The outcome of a unary call whose request was dropped: DEADLINE_EXCEEDED, as on a real network."""
+
+    def __init__(self, method: str) -> None:
+        self._details = f"{method}: the request was lost in transit (KV fault injection: drop)"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self
+
+    def exception(self, timeout: float | None = None) -> BaseException:
+        return self
+
+    def traceback(self, timeout: float | None = None) -> None:
+        return None
+
+    def add_done_callback(self, fn: Any) -> None:
+        fn(self)
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def add_callback(self, callback: Any) -> bool:
+        return False
+
+    def initial_metadata(self) -> None:
+        return None
+
+    def trailing_metadata(self) -> None:
+        return None
+
+
+class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor):
+    def __init__(self, injector: FaultInjector) -> None:
+        self.injector = injector
+        self.delay_s = injector.faults.delay_ms / 1e3
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method.rsplit("/", 1)[-1]
+        fault = self.injector.draw(_METHOD_KIND.get(method, ""))
+        if fault == "drop":
+            if method != "Handshake":  # nobody will answer (a handshake, started under the sender's
+                time.sleep(details.timeout if details.timeout is not None else 30.0)  # lock, fails at once)
+            return _Lost(method)
+        if fault == "delay":
+            time.sleep(self.delay_s)
+        elif fault == "corrupt":
+            request = corrupt(request)
+        return continuation(details, request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Iterator[Any]) -> Any:
+        return continuation(details, self._messages(request_iterator))
+
+    def _messages(self, messages: Iterator[Any]) -> Iterator[Any]:
+        for msg in messages:
+            fault = self.injector.draw("layer")
+            if fault == "drop":
+                continue
+            if fault == "delay":
+                time.sleep(self.delay_s)
+            yield corrupt(msg) if fault == "corrupt" else msg

@@ -1,0 +1,94 @@
+"""TLS on the router's public ports, with a self-signed certificate made in the test: the gRPC API and
+the HTTPS API serve clients that trust it, and refuse plaintext. Real servers in this process (no Ray)."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+
+import grpc
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from decode_worker.server import DecodeWorkerServer
+from engine.config import EngineConfig
+from pdcluster.client import Client
+from pdcluster.cluster_config import ClusterConfig, ConfigError
+from prefill_worker.server import PrefillWorkerServer
+from router.http_api import HttpApi
+from router.server import RouterServer
+
+pytestmark = pytest.mark.slow
+
+
+def self_signed(directory) -> tuple[str, str]:
+    """(certificate, key) PEM files for 127.0.0.1 and localhost, valid for a day."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdcluster test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+@pytest.fixture(scope="module")
+def tls_stack(builtin_path, tmp_path_factory):
+    cert, key = self_signed(tmp_path_factory.mktemp("tls"))
+    cfg = EngineConfig(model=str(builtin_path), num_blocks=64, max_model_len=256, num_threads=1)
+    decode, prefill = DecodeWorkerServer(cfg, "decode-0"), PrefillWorkerServer(cfg, "prefill-0")
+    router = RouterServer("builtin:tiny-llama", max_model_len=256, request_timeout_s=30, tls_cert=cert, tls_key=key,
+                          api_keys=["k"])
+    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
+    api = HttpApi(router.local_address, "builtin:tiny-llama", router.tokenizer, api_keys=["k"], tls_cert=cert,
+                  tls_key=key)
+    api.start()
+    yield router, api, cert
+    api.stop()
+    for s in (router, prefill, decode):
+        s.stop()
+
+
+def test_grpc_over_tls_serves_a_client_that_trusts_the_certificate_only(tls_stack):
+    router, _, cert = tls_stack
+    with Client(router.address, api_key="k", tls_ca=cert) as client:
+        assert len(client.complete("Hello", max_tokens=4, temperature=0.0, ignore_eos=True).token_ids) == 4
+    with Client(router.address, api_key="k", timeout_s=5) as plain, pytest.raises(grpc.RpcError) as err:
+        plain.complete("Hello", max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_https_serves_with_the_certificate_and_refuses_plaintext(tls_stack):
+    _, api, cert = tls_stack
+    url = f"https://{api.address}/v1/completions"
+    trust = ssl.create_default_context(cafile=cert)
+    r = httpx.post(url, verify=trust, headers={"authorization": "Bearer k"}, timeout=30,
+                   json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert httpx.post(url, verify=trust, json={"prompt": "Hello"}, timeout=30).status_code == 401  # keys still apply
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"https://{api.address}/health", timeout=5)  # a certificate nobody vouched for
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://{api.address}/health", timeout=5)
+
+
+def test_tls_config_needs_both_files(tmp_path):
+    cfg = ClusterConfig.from_dict({"router": {"tls_cert": "c.pem", "tls_key": "k.pem"}})
+    assert (cfg.router.tls_cert, cfg.router.tls_key) == ("c.pem", "k.pem")
+    with pytest.raises(ConfigError, match=r"router\.tls_key: required"):
+        ClusterConfig.from_dict({"router": {"tls_cert": "c.pem"}})
+    with pytest.raises(ValueError, match=r"tls_cert: cannot read"):
+        RouterServer("builtin:tiny-llama", tls_cert=str(tmp_path / "none.pem"), tls_key=str(tmp_path / "none.pem"))
