@@ -151,7 +151,7 @@ def _plan(argv: list[str]) -> int:
           flush=True)
 
     searcher = Searcher(ctx, workload, slo, min_requests=least, min_span_s=args.min_span_s)
-    n_units = sum(1 for _ in searcher._unit_jobs(space))
+    n_units = sum(1 for _ in searcher.unit_jobs(space))
     bar = tqdm(total=n_units + args.verify, desc="plan", unit="step", disable=args.no_progress)
     searcher.progress = lambda label: (bar.set_postfix_str(f"{label[:40]}, {searcher.simulations} sims"), bar.update())
     t0 = time.perf_counter()

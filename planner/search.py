@@ -217,18 +217,18 @@ class Searcher:
     def search(self, space: SearchSpace, target_rate: float | None = None, verify: int = 6) -> SearchResult:
         units: dict[tuple, float] = {}
         labels: dict[str, float] = {}
-        jobs = list(self._unit_jobs(space))
+        jobs = list(self.unit_jobs(space))
         for mode, phase, pool, mnbt, mns in jobs:
             g = self.unit_goodput(mode, pool, phase, mnbt, mns)
             units[(mode, phase, pool, mnbt, mns)] = g
             labels[f"{phase} {pool.hardware}" + (f" tp{pool.tp}" if pool.tp > 1 else "")
                    + f" mnbt {mnbt} mns {mns}"] = g
             self.progress(f"unit {phase} {pool.hardware} tp{pool.tp}")
-        composed = self._compose(units, space, target_rate)
+        composed = self.compose(units, space, target_rate)
         ranked = self._verify(composed, target_rate, verify)
         return SearchResult(ranked, composed, labels, self.simulations)
 
-    def _unit_jobs(self, space: SearchSpace) -> Iterable[tuple[str, str, Pool, int, int]]:
+    def unit_jobs(self, space: SearchSpace) -> Iterable[tuple[str, str, Pool, int, int]]:
         for mnbt in space.max_num_batched_tokens:
             for mns in space.max_num_seqs:
                 if mnbt < mns:
@@ -256,7 +256,7 @@ class Searcher:
         cat = self.ctx.catalog
         return Evaluation(plan, plan.cost_per_hour(cat), plan.power_w(cat), g)
 
-    def _compose(self, units: dict[tuple, float], space: SearchSpace, target: float | None) -> list[Evaluation]:
+    def compose(self, units: dict[tuple, float], space: SearchSpace, target: float | None) -> list[Evaluation]:
         out: list[Evaluation] = []
         m = space.max_workers
         keys = {k[:2] + k[3:]: [] for k in units}
@@ -299,11 +299,11 @@ class Searcher:
             if e.plan in seen:
                 continue
             seen.add(e.plan)
-            done.append(self._check_target(e, target) if target else self._check(e))
+            done.append(self.verify_target(e, target) if target else self.verify_goodput(e))
             self.progress(f"verify {e.plan.label()}")
         return rank(done, target)
 
-    def _check(self, e: Evaluation) -> Evaluation:
+    def verify_goodput(self, e: Evaluation) -> Evaluation:
         cluster = build_cluster(e.plan, self.ctx)
         g = self.max_rate(cluster, e.goodput)
         ev = self.estimate(e.plan, g)
@@ -313,7 +313,7 @@ class Searcher:
             ev.rate = g
         return ev
 
-    def _check_target(self, e: Evaluation, target: float) -> Evaluation:
+    def verify_target(self, e: Evaluation, target: float) -> Evaluation:
         plan = e.plan
         for _ in range(4):
             cluster = build_cluster(plan, self.ctx)

@@ -132,3 +132,17 @@ def test_early_stop_once_too_many_requests_miss_the_slo():
     n = 500
     res = Simulator(_cluster("colocated")).run([0.0] * n, [500] * n, [10] * n, slo_ttft_s=0.5, max_misses=10)
     assert res.stopped_early and res.finished < n
+
+
+def test_a_prompt_prefilled_before_is_served_from_the_prefix_cache():
+    c = _cost()
+    keys = [[("p", j) for j in range(300 // 16)]]  # 18 full blocks of a 300-token prompt
+    sim = Simulator(_cluster("colocated"), keep_caches=True)
+    cold = sim.run([0.0], [300], [2], block_keys=keys)
+    warm = sim.run([0.0], [300], [2], block_keys=keys)  # the same prompt again, same worker
+    assert cold.ttft[0] == pytest.approx(c.prefill_time(300, 300 * 300), rel=1e-9)
+    # 18 x 16 = 288 tokens cached: 12 computed, attending over 300
+    assert warm.ttft[0] == pytest.approx(c.prefill_time(12, 12 * 300, 288), rel=1e-9)
+    assert warm.stats["cached_tokens"] == [288]
+    fresh = Simulator(_cluster("colocated")).run([0.0], [300], [2], block_keys=keys)
+    assert fresh.ttft[0] == cold.ttft[0]  # without keep_caches every run starts cold
