@@ -31,9 +31,10 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -68,8 +69,10 @@ def fit(features: list[list[float]], seconds: list[float]) -> tuple[list[float],
 def _machine() -> dict[str, Any]:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "load_avg_1m_at_start": os.getloadavg()[0]}
 
@@ -195,7 +198,7 @@ def calibrate(model: str = "builtin:tiny-llama", cpu: int | None = None, repeats
         shape = from_checkpoint(model)
         vocab = engine.model_cfg.vocab_size
         rng = random.Random(0)
-        prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+        prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         prefill_shapes = PREFILL_SHAPES[::2] if quick else PREFILL_SHAPES
         decode_shapes = DECODE_SHAPES[::3] if quick else DECODE_SHAPES

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import time
@@ -27,6 +28,20 @@ def _ints(s: str) -> tuple[int, ...]:
 
 def _names(s: str | None) -> list[str]:
     return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+def _pools(s: str | None, caps: dict[str, int]) -> list[str]:
+    """'H100-SXM:16,A100-80GB' -> ['H100-SXM', 'A100-80GB'], caps['H100-SXM'] = 16 (devices available)."""
+    names = []
+    for item in _names(s):
+        name, _, cap = item.partition(":")
+        if cap:
+            try:
+                caps[name] = min(caps.get(name, 1 << 30), int(cap))
+            except ValueError:
+                raise ValueError(f"--pools {item!r}: expected HARDWARE or HARDWARE:DEVICES") from None
+        names.append(name)
+    return names
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -92,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate", type=float, default=None,
                    help="target request rate: the cheapest plan meeting the SLO at it (default: best goodput per $)")
     g = p.add_argument_group("search space")
-    g.add_argument("--pools", default=None, help="hardware types for both phases, comma separated (e.g. H100-SXM,A100-80GB)")
+    g.add_argument("--pools", default=None,
+                   help="node pools for both phases, comma separated: HARDWARE or HARDWARE:DEVICES (how many "
+                        "devices of that type there are), e.g. H100-SXM:16,A100-80GB")
     g.add_argument("--prefill-pools", default=None, help="hardware for prefill (default: --pools)")
     g.add_argument("--decode-pools", default=None, help="hardware for decode (default: --pools)")
     g.add_argument("--modes", default="disaggregated,colocated")
@@ -116,12 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan(argv: list[str]) -> int:
     from tqdm import tqdm
 
-    from planner.report import markdown_table, pareto_plot, plan_json, table_rows, text_table, write_cluster_yaml
+    from planner.report import (
+        markdown_table,
+        pareto_plot,
+        plan_json,
+        table_rows,
+        text_table,
+        write_cluster_yaml,
+    )
     from planner.search import Searcher, SearchSpace, SLOTarget
 
     args = build_parser().parse_args(argv)
-    pre = _names(args.prefill_pools or args.pools)
-    dec = _names(args.decode_pools or args.pools)
+    caps: dict[str, int] = {}
+    pre = _pools(args.prefill_pools or args.pools, caps)
+    dec = _pools(args.decode_pools or args.pools, caps)
     if not pre or not dec:
         raise ValueError("give --pools (or --prefill-pools and --decode-pools)")
     modes = tuple(_names(args.modes))
@@ -136,7 +161,8 @@ def _plan(argv: list[str]) -> int:
     args.num_requests = max(least, args.max_requests)
     workload = _workload(args)
     slo = SLOTarget(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)
-    space = SearchSpace(pre, dec, modes, args.tp, args.max_num_batched_tokens, args.max_num_seqs, args.max_workers)
+    space = SearchSpace(pre, dec, modes, args.tp, args.max_num_batched_tokens, args.max_num_seqs, args.max_workers,
+                        caps)
     command = "pdcluster plan " + shlex.join(argv)
     print("\n".join(workload.describe()))
     m = ctx.model
@@ -180,9 +206,9 @@ def _plan(argv: list[str]) -> int:
                                      else f"/path/to/{m.name}")
     longest = max(p + o for p, o in zip(workload.prompts, workload.outputs))
     yaml_path = Path(args.cluster_yaml) if args.cluster_yaml else out / "cluster.yaml"
-    header = [command, f"plan: {best.plan.label()}; ${best.cost_per_hour:.2f}/h; predicted goodput "
+    header = [command, (f"plan: {best.plan.label()}; ${best.cost_per_hour:.2f}/h; predicted goodput "
               f"{best.goodput:.3g} req/s (p{slo.percentile:g} TTFT {best.ttft_ms:.0f} ms, TPOT {best.tpot_ms:.1f} ms "
-              f"at {best.rate:.3g} req/s)"]
+              f"at {best.rate:.3g} req/s)")]
     if not args.model_path and not (args.model.startswith("builtin:") or Path(args.model).is_dir()):
         header.append(f"set model.path to a local checkpoint directory of {m.name}")
     write_cluster_yaml(yaml_path, best, ctx, slo, model_path, longest, header)
@@ -232,7 +258,8 @@ def _simulate(argv: list[str]) -> int:
     t0 = time.perf_counter()
     res = Simulator(build_cluster(plan, ctx)).run(arrivals, workload.prompts, workload.outputs)
     wall = time.perf_counter() - t0
-    ttft, tpot = Dist.of([x for x in res.ttft if x == x]), Dist.of([x for x in res.tpot if x == x])
+    ttft = Dist.of([x for x in res.ttft if not math.isnan(x)])
+    tpot = Dist.of([x for x in res.tpot if not math.isnan(x)])
     print(f"plan       {plan.label()}, {args.rate:g} req/s, ${plan.cost_per_hour(ctx.catalog):.2f}/h")
     print(f"TTFT ms    p50 {ttft.p50:.1f}  p90 {ttft.p90:.1f}  p99 {ttft.p99:.1f}  mean {ttft.mean:.1f}")
     if tpot.n:

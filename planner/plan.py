@@ -61,7 +61,7 @@ class Plan:
             return f"colocated {self.decode}"
         return f"P {self.prefill} | D {self.decode}"
 
-    def with_counts(self, n_prefill: int, n_decode: int) -> "Plan":
+    def with_counts(self, n_prefill: int, n_decode: int) -> Plan:
         pre = Pool(self.prefill.hardware, n_prefill, self.prefill.tp) if self.prefill else None
         return Plan(self.mode, pre, Pool(self.decode.hardware, n_decode, self.decode.tp),
                     self.max_num_batched_tokens, self.max_num_seqs)

@@ -62,6 +62,9 @@ def pareto_plot(path: Path, composed: list[Evaluation], ranked: list[Evaluation]
     if est:
         ax.scatter([e.cost_per_hour for e in est], [e.goodput for e in est], s=8, color="0.75",
                    label="composed estimates")
+        front_est = pareto(est)
+        ax.plot([e.cost_per_hour for e in front_est], [e.goodput for e in front_est], color="0.45", lw=1, ls="--",
+                drawstyle="steps-post", label="frontier of the estimates")
     for mode, color in (("disaggregated", "tab:blue"), ("colocated", "tab:orange")):
         pts = [e for e in ranked if e.plan.mode == mode and e.goodput > 0]
         if pts:
@@ -70,7 +73,7 @@ def pareto_plot(path: Path, composed: list[Evaluation], ranked: list[Evaluation]
     front = pareto([e for e in ranked if e.goodput > 0])
     if front:
         ax.plot([e.cost_per_hour for e in front], [e.goodput for e in front], color="black", lw=1,
-                drawstyle="steps-post", label="Pareto frontier")
+                drawstyle="steps-post", label="Pareto frontier (simulated whole)")
     if ranked and ranked[0].goodput > 0:
         b = ranked[0]
         ax.scatter([b.cost_per_hour], [b.goodput], marker="*", s=180, color="tab:red", zorder=5,

@@ -25,8 +25,8 @@ another (no cheaper and no more goodput, one of them strictly) can never come fi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
 
 from loadgen.metrics import SLO, percentile
 from planner.plan import Plan, PlanContext, Pool, build_cluster, fits
@@ -73,6 +73,13 @@ class SearchSpace:
     max_num_batched_tokens: tuple[int, ...] = (2048,)
     max_num_seqs: tuple[int, ...] = (256,)
     max_workers: int = 8
+    max_devices: dict[str, int] = field(default_factory=dict)  # hardware -> devices available (a node pool's size)
+
+    def allows(self, plan: Plan) -> bool:
+        used: dict[str, int] = {}
+        for p in plan.pools:
+            used[p.hardware] = used.get(p.hardware, 0) + p.count * p.tp
+        return all(n <= self.max_devices.get(h, n) for h, n in used.items())
 
 
 @dataclass
@@ -88,6 +95,7 @@ class _Ideal:
 
     tp = 1
     kv_capacity_tokens = 10**12
+    instant = True  # the simulator finishes a request on an ideal decode worker at its commit
 
     def __init__(self, kv_bytes_per_token: int) -> None:
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -106,27 +114,27 @@ def evaluate(result: SimResult, slo: SLOTarget, check_ttft: bool = True, check_t
     ttft_s, tpot_s, e2e_s = result.ttft[count_from:], result.tpot[count_from:], result.e2e[count_from:]
     n = len(ttft_s)
     inf = math.inf
-    ttft = [x * 1e3 if x == x else inf for x in ttft_s]
-    tpot = [x * 1e3 for x in tpot_s if x == x] + [inf] * sum(1 for x in e2e_s if x != x)
+    ttft = [inf if math.isnan(x) else x * 1e3 for x in ttft_s]
+    tpot = [x * 1e3 for x in tpot_s if not math.isnan(x)] + [inf] * sum(1 for x in e2e_s if math.isnan(x))
     t_p = percentile(ttft, slo.percentile)
     p_p = percentile(tpot, slo.percentile) if tpot else 0.0
     bound = SLO(slo.ttft_ms if check_ttft else None, slo.tpot_ms if check_tpot else None)
-    met = sum(bound.met(_Record(a, b)) for a, b in zip(ttft_s, tpot_s))
+    met = sum(bound.met(RequestTimes(a, b)) for a, b in zip(ttft_s, tpot_s))
     ok = (not result.stopped_early and result.finished == len(result.ttft)
           and (not check_ttft or t_p <= slo.ttft_ms) and (not check_tpot or p_p <= slo.tpot_ms))
     return ok, t_p, p_p, met / n if n else 0.0
 
 
 @dataclass
-class _Record:
+class RequestTimes:
     """What loadgen.metrics.SLO.met reads of a request record."""
 
     ttft: float | None
     tpot: float | None
 
     def __post_init__(self) -> None:
-        self.ok = self.ttft == self.ttft  # NaN: never got its first token
-        self.tpot = self.tpot if self.tpot == self.tpot else None
+        self.ok = self.ttft is not None and not math.isnan(self.ttft)  # NaN: never got its first token
+        self.tpot = None if self.tpot is None or math.isnan(self.tpot) else self.tpot
 
 
 class Searcher:
@@ -163,7 +171,7 @@ class Searcher:
     def max_rate(self, cluster: ClusterSpec, guess: float, check_ttft: bool = True, check_tpot: bool = True,
                  rel_tol: float = 0.04) -> float:
         """The highest rate meeting the SLO (0.0 if even guess / 256 does not)."""
-        feasible = lambda r: self.simulate(cluster, r, check_ttft, check_tpot)[0]  # noqa: E731
+        feasible = lambda r: self.simulate(cluster, r, check_ttft, check_tpot)[0]
         lo, hi = 0.0, guess
         if feasible(guess):
             lo = guess
@@ -271,7 +279,9 @@ class Searcher:
                     counts = [math.ceil(target / g)] if target else range(1, m + 1)
                     for n in counts:
                         if n <= m:
-                            out.append(self.estimate(Plan(mode, None, replace(k[2], count=n), mnbt, mns), n * g))
+                            plan = Plan(mode, None, replace(k[2], count=n), mnbt, mns)
+                            if space.allows(plan):
+                                out.append(self.estimate(plan, n * g))
             elif phase == "prefill":
                 for kp in ks:
                     for kd in keys.get((mode, "decode", mnbt, mns), []):
@@ -285,7 +295,8 @@ class Searcher:
                         for a, b in pairs:
                             if a <= m and b <= m:
                                 plan = Plan(mode, replace(kp[2], count=a), replace(kd[2], count=b), mnbt, mns)
-                                out.append(self.estimate(plan, min(a * gp, b * gd)))
+                                if space.allows(plan):
+                                    out.append(self.estimate(plan, min(a * gp, b * gd)))
         return out
 
     def _verify(self, composed: list[Evaluation], target: float | None, k: int) -> list[Evaluation]:

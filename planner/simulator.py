@@ -47,8 +47,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
 
 from planner.cost_model import CostModel
 
@@ -107,8 +107,24 @@ class SimResult:
 
 
 class _Seq:
-    __slots__ = ("i", "arrival", "prompt", "out", "tokens", "done", "computed", "blocks", "need", "join_k",
-                 "ctx_term", "ver", "p", "d", "first_t", "keys")
+    __slots__ = (
+        "arrival",
+        "blocks",
+        "computed",
+        "ctx_term",
+        "d",
+        "done",
+        "first_t",
+        "i",
+        "join_k",
+        "keys",
+        "need",
+        "out",
+        "p",
+        "prompt",
+        "tokens",
+        "ver",
+    )
 
     def __init__(self, i: int, arrival: float, prompt: int, out: int) -> None:
         self.i, self.arrival, self.prompt, self.out = i, arrival, prompt, out
@@ -150,10 +166,11 @@ class _Worker:
         self.step_dt = 0.0
         self.max_batch = 0
         self.busy_s = 0.0
+        self.instant = bool(getattr(spec.cost, "instant", False))  # decodes in no time (an ideal worker)
         self.cache: OrderedDict | None = None  # prefix cache: block key -> None, least recent first
         self.cached_tokens = 0
 
-    def cached_prefix(self, s: "_Seq") -> int:
+    def cached_prefix(self, s: _Seq) -> int:
         """Tokens of `s`'s prompt in this worker's cache (whole blocks, never the last token's)."""
         if self.cache is None or not s.keys:
             return 0
@@ -165,7 +182,7 @@ class _Worker:
             n += 1
         return n * self.bs
 
-    def remember(self, s: "_Seq") -> None:
+    def remember(self, s: _Seq) -> None:
         if self.cache is None:
             return
         for key in s.keys[:s.prompt // self.bs]:
@@ -471,6 +488,9 @@ class Simulator:
             p.inflight_tokens -= s.prompt
             first_token(s, now)
             d.reserved -= s.need
+            if d.instant:  # an ideal decode worker (the planner's phase-by-phase search): done at once
+                finish_seq(s, now)
+                return
             d.committed.append(s)
             wake(d, now)
 

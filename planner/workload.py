@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 
 from loadgen.arrivals import ArrivalConfig, arrival_offsets
-from loadgen.scaling import Scaling, LengthStats, choose_factor, scale_lengths
+from loadgen.scaling import LengthStats, Scaling, choose_factor, scale_lengths
 from loadgen.workload import LengthDist, read_trace, resolve_source
 
 
@@ -43,7 +43,7 @@ class PlanWorkload:
                 f"arrivals   {self.arrival}" + (f" (burstiness {self.burstiness:g})" if self.arrival == "gamma" else "")
                 + f", seed {self.seed}"]
 
-    def head(self, n: int) -> "PlanWorkload":
+    def head(self, n: int) -> PlanWorkload:
         stamps = self.timestamps[:n] if self.timestamps is not None else None
         return PlanWorkload(self.name, self.citation, self.prompts[:n], self.outputs[:n], stamps, self.scaling,
                             self.arrival, self.burstiness, self.seed)

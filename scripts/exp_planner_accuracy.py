@@ -28,19 +28,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadgen.metrics import SLO, percentile  # noqa: E402
-from planner.catalog import load_catalog  # noqa: E402
-from planner.cost_model import CPU_COEFFICIENTS, load_coefficients  # noqa: E402
-from planner.models import from_checkpoint  # noqa: E402
-from planner.plan import Plan, PlanContext, Pool, build_cluster  # noqa: E402
-from planner.search import _Record  # noqa: E402
-from planner.simulator import Simulator  # noqa: E402
+from loadgen.metrics import SLO, percentile
+from planner.catalog import load_catalog
+from planner.cost_model import CPU_COEFFICIENTS, load_coefficients
+from planner.models import from_checkpoint
+from planner.plan import Plan, PlanContext, Pool, build_cluster
+from planner.search import RequestTimes
+from planner.simulator import Simulator
 
 METRICS = (("TTFT", "ttft", 50), ("TTFT", "ttft", 90), ("TPOT", "tpot", 50), ("TPOT", "tpot", 90))
 ATTAINMENT = 0.9
@@ -72,8 +73,8 @@ def simulate_run(run: dict, sim: Simulator, block_size: int) -> dict:
     simulated = {"ttft": [res.ttft[i] for i in ok], "tpot": [res.tpot[i] for i in ok]}
     out = {"label": run["label"], "rate": run["rate"], "mode": mode, "sent": len(recs), "completed": len(ok)}
     for name, key, q in METRICS:
-        m = [x for x in measured[key] if x is not None and x == x]
-        s = [x for x in simulated[key] if x is not None and x == x]
+        m = [x for x in measured[key] if x is not None and not math.isnan(x)]
+        s = [x for x in simulated[key] if x is not None and not math.isnan(x)]
         mv, sv = percentile(m, q), percentile(s, q)
         out[f"{key}_p{q}"] = {"measured_ms": mv * 1e3 if mv is not None else None,
                               "simulated_ms": sv * 1e3 if sv is not None else None,
@@ -83,7 +84,7 @@ def simulate_run(run: dict, sim: Simulator, block_size: int) -> dict:
     if bound.set:
         out["slo"] = str(bound)
         out["attainment_measured"] = run["summary"].get("slo_attainment")
-        sim_met = sum(bound.met(_Record(res.ttft[i], res.tpot[i])) for i in range(len(recs)))
+        sim_met = sum(bound.met(RequestTimes(res.ttft[i], res.tpot[i])) for i in range(len(recs)))
         out["attainment_simulated"] = sim_met / len(recs) if recs else None
     return out
 
@@ -107,9 +108,15 @@ def error_table(rows: list[dict]) -> list[str]:
             if r[f"{k}_p{q}"]["error_pct"] is not None]
     if errs:
         within = sum(e <= 10 for e in errs)
-        lines += ["", f"{within} of {len(errs)} percentiles within 10%; mean absolute error "
-                      f"{sum(errs) / len(errs):.1f}%, largest {max(errs):.1f}%"]
+        lines += ["", (f"{within} of {len(errs)} percentiles within 10%; mean absolute error "
+                      f"{sum(errs) / len(errs):.1f}%, largest {max(errs):.1f}%")]
     return lines
+
+
+def _better(disagg: float, coloc: float, lower_is_better: bool) -> str:
+    if disagg == coloc:
+        return "tie"
+    return "disaggregated" if (disagg < coloc) == lower_is_better else "colocated"
 
 
 def ranking(rows: list[dict]) -> tuple[list[str], dict]:
@@ -135,9 +142,7 @@ def ranking(rows: list[dict]) -> tuple[list[str], dict]:
         for label, dm, cm, ds, cs, lower in checks:
             if None in (dm, cm, ds, cs):
                 continue
-            pick = lambda a, b: "tie" if a == b else (("disaggregated" if a < b else "colocated") if lower  # noqa: E731
-                                                     else ("disaggregated" if a > b else "colocated"))
-            m, s = pick(dm, cm), pick(ds, cs)
+            m, s = _better(dm, cm, lower), _better(ds, cs, lower)
             total += 1
             agree += m == s
             lines.append(f"| {rate:g} | {label} | {m} | {s} | {'yes' if m == s else 'NO'} |")
@@ -187,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: (r["mode"], r["rate"] or 0))
     sv = coeffs.get("serving") or {}
     head = [f"Measured: {', '.join(str(p) for p in args.results)}",
-            f"Simulated with {args.coefficients.name} (calibrated {coeffs.get('date')}, {coeffs['model']}; "
+            (f"Simulated with {args.coefficients.name} (calibrated {coeffs.get('date')}, {coeffs['model']}; "
             f"prefill {coeffs['prefill']['a'] * 1e3:.2f} ms + {coeffs['prefill']['b'] * 1e6:.1f} us/token + "
             f"{coeffs['prefill']['c'] * 1e9:.1f} ns/pair; decode {coeffs['decode']['a'] * 1e3:.2f} ms + "
             f"{coeffs['decode']['b'] * 1e6:.2f} us/context token + "
             f"{coeffs['decode']['c'] * 1e3:.2f} ms/sequence; serving path "
             f"{(sv.get('router_in_s', 0) + sv.get('first_token_out_s', 0)) * 1e3:.1f} ms/request, "
-            f"{sv.get('cpu_per_token_s', 0) * 1e3:.2f} ms CPU/token on {sv.get('host_cores')} cores)", ""]
+            f"{sv.get('cpu_per_token_s', 0) * 1e3:.2f} ms CPU/token on {sv.get('host_cores')} cores)"), ""]
     table = error_table(rows)
     rank_lines, summary = ranking(rows)
     text = "\n".join([*head, *table, "", *rank_lines]) + "\n"

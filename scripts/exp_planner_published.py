@@ -36,11 +36,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from planner.catalog import load_catalog  # noqa: E402
-from planner.models import PRESETS  # noqa: E402
-from planner.plan import PlanContext  # noqa: E402
-from planner.search import Evaluation, Searcher, SearchSpace, SLOTarget  # noqa: E402
-from planner.workload import load_plan_workload  # noqa: E402
+from planner.catalog import load_catalog
+from planner.models import PRESETS
+from planner.plan import PlanContext
+from planner.search import Evaluation, Searcher, SearchSpace, SLOTarget
+from planner.workload import load_plan_workload
 
 SPLITWISE_PRICES = {"A100-80GB": 17.6 / 8, "H100-SXM": 38.0 / 8}  # DGX machine prices / 8 GPUs
 DESIGNS = {  # name: (modes, prefill hardware, decode hardware)
@@ -63,16 +63,16 @@ def splitwise(args: argparse.Namespace) -> list[str]:
     catalog = load_catalog(prices=SPLITWISE_PRICES)
     ctx = PlanContext(PRESETS["Llama-2-70B"], catalog)
     slo = SLOTarget(2000, 50, 90)
-    lines = ["## Splitwise: H100 prompt machines + A100 token machines, Llama-2-70B, TP 8, "
-             f"prices A100 ${SPLITWISE_PRICES['A100-80GB']:.2f}/GPU-h, H100 ${SPLITWISE_PRICES['H100-SXM']:.2f}/GPU-h",
+    lines = [("## Splitwise: H100 prompt machines + A100 token machines, Llama-2-70B, TP 8, "
+             f"prices A100 ${SPLITWISE_PRICES['A100-80GB']:.2f}/GPU-h, H100 ${SPLITWISE_PRICES['H100-SXM']:.2f}/GPU-h"),
              f"SLO p90 TTFT <= {slo.ttft_ms:g} ms, p90 TPOT <= {slo.tpot_ms:g} ms; budget ${args.budget:g}/h", ""]
     for trace in ("azure-conv", "azure-code"):
         w = load_plan_workload(trace, args.requests, seed=0)
         searcher = Searcher(ctx, w, slo, min_requests=args.min_requests, min_span_s=args.min_span_s)
-        lines += [f"### {trace} ({w.citation}); prompt median {w.scaling.prompt_after.median:g}, "
-                  f"output median {w.scaling.output_after.median:g} tokens", "",
-                  "| design | best goodput per $: plan | $/h | goodput req/s | req per $ | "
-                  f"within ${args.budget:g}/h: plan | $/h | goodput req/s |", "|---|---|---|---|---|---|---|---|"]
+        lines += [(f"### {trace} ({w.citation}); prompt median {w.scaling.prompt_after.median:g}, "
+                  f"output median {w.scaling.output_after.median:g} tokens"), "",
+                  ("| design | best goodput per $: plan | $/h | goodput req/s | req per $ | "
+                  f"within ${args.budget:g}/h: plan | $/h | goodput req/s |"), "|---|---|---|---|---|---|---|---|"]
         per_dollar: dict[str, float] = {}
         budget_goodput: dict[str, float] = {}
         for name, (modes, pre, dec) in DESIGNS.items():
@@ -101,8 +101,8 @@ def distserve(args: argparse.Namespace) -> list[str]:
     ctx = PlanContext(PRESETS["Llama-2-13B"], load_catalog())
     w = load_plan_workload("azure-conv", args.requests, seed=0)
     lines = ["## DistServe: disaggregation under a tight TPOT SLO, Llama-2-13B on A100-80GB", "",
-             "| p90 TTFT SLO | p90 TPOT SLO | best colocated plan | goodput per GPU | best disaggregated plan | "
-             "goodput per GPU | disaggregated / colocated |", "|---|---|---|---|---|---|---|"]
+             ("| p90 TTFT SLO | p90 TPOT SLO | best colocated plan | goodput per GPU | best disaggregated plan | "
+             "goodput per GPU | disaggregated / colocated |"), "|---|---|---|---|---|---|---|"]
     for ttft, tpot in [(1000, 100), (1000, 40), (1000, 25), (1000, 18), (250, 100), (250, 25)]:
         slo = SLOTarget(ttft, tpot, 90)
         searcher = Searcher(ctx, w, slo, min_requests=args.min_requests, min_span_s=args.min_span_s)

@@ -111,3 +111,12 @@ def test_a_cpu_plan_pins_one_core_per_worker():
     assert all(p.hardware == "cpu" and p.resources == {"num_cpus": 1.0} for p in cfg.pools)
     cpus = [p.cpus for p in cfg.pools]
     assert all(c is None for c in cpus) or len({c for c in cpus}) == 2
+
+
+def test_a_node_pool_of_limited_size_caps_the_plans(searcher):
+    space = SearchSpace(["H100-SXM", "A100-80GB"], ["A100-80GB"], ("disaggregated",), tps=(1,), max_workers=4,
+                        max_devices={"H100-SXM": 2})
+    result = searcher.search(space, verify=2)
+    assert result.composed and result.ranked
+    for e in result.composed + result.ranked:
+        assert e.plan.prefill.hardware != "H100-SXM" or e.plan.prefill.count <= 2
