@@ -280,7 +280,7 @@ def _calibrate(argv: list[str]) -> int:
                                 description="time the engine on one CPU core and fit the cpu cost model")
     p.add_argument("--model", default="builtin:tiny-llama")
     p.add_argument("--cpu", type=int, default=None, help="the CPU id to pin to (default: the first usable)")
-    p.add_argument("--repeats", type=int, default=2, help="timings per prefill shape (median)")
+    p.add_argument("--repeats", type=int, default=3, help="timings per prefill shape (the fastest is kept)")
     p.add_argument("--steps", type=int, default=4, help="decode steps timed per batch shape")
     p.add_argument("--quick", action="store_true", help="a third of the shapes (a smoke test)")
     p.add_argument("--out", default=str(CPU_COEFFICIENTS))
