@@ -157,7 +157,7 @@ def cost_model_for(hw: Hardware, model: ModelShape, tp: int = 1, dtype_bytes: in
         fitted_model = coefficients.get("model_shape", {})
         if fitted_model and fitted_model.get("name") != model.name:
             raise ValueError(f"the cpu coefficients were fitted on {fitted_model.get('name')!r}, not {model.name!r}; "
-                             f"run `pdcluster plan calibrate --model {model.name}`")
+                             f"calibrate on it: `pdcluster plan calibrate --model CHECKPOINT_DIR` (a {model.name} checkpoint)")
         if tp != 1:
             raise ValueError("cpu workers have tp 1")
         return fitted_from(coefficients)

@@ -129,8 +129,4 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
 
 def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:
     """The pool's workers hold the weights and at least one longest request."""
-    try:
-        cost = ctx.cost(pool)
-    except ValueError:
-        return False
-    return cost.kv_capacity_tokens >= longest_tokens + ctx.block_size
+    return ctx.cost(pool).kv_capacity_tokens >= longest_tokens + ctx.block_size

@@ -94,7 +94,7 @@ def test_fitted_model_is_the_calibrated_formula():
               "kv_capacity_tokens": 1000, "kv_bytes_per_token": 9216, "serving": {"decode_token_s": 1e-3},
               "model_shape": {"name": "builtin:tiny-llama"}}
     assert fitted_from(coeffs).decode == (0.004, 1e-6, 5e-3)
-    with pytest.raises(ValueError, match="calibrate --model Llama-3-8B"):
+    with pytest.raises(ValueError, match="a Llama-3-8B checkpoint"):
         cost_model_for(load_catalog()["cpu"], LLAMA3_8B, coefficients=coeffs)
 
 
