@@ -142,10 +142,12 @@ def load_coefficients(path: str | Path = CPU_COEFFICIENTS) -> dict[str, Any]:
 
 
 def fitted_from(coeffs: dict[str, Any]) -> FittedCostModel:
-    """The calibrated engine. (The serving path's CPU per token is not part of a step: the simulator
-    shares the host's cores between it and the workers, ClusterSpec.host_cores.)"""
+    """The calibrated engine, plus what the serving probe measured per streamed token on top of a
+    decode step (the worker's own gRPC stream of each token, on the worker's core) added to c.
+    (The rest of the serving path's CPU is the host's: ClusterSpec.host_cores.)"""
     p, d = coeffs["prefill"], coeffs["decode"]
-    return FittedCostModel((p["a"], p["b"], p["c"]), (d["a"], d["b"], d["c"]),
+    per_token = (coeffs.get("serving") or {}).get("decode_token_s", 0.0)
+    return FittedCostModel((p["a"], p["b"], p["c"]), (d["a"], d["b"], d["c"] + per_token),
                            int(coeffs["kv_capacity_tokens"]), int(coeffs["kv_bytes_per_token"]))
 
 

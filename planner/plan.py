@@ -122,9 +122,13 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
     decode = [worker_spec(plan, plan.decode, ctx)] * plan.decode.count
     # one CPU core has nothing to overlap a transfer with: it is sent after the step
     serving = ((ctx.coefficients or {}).get("serving") or {}) if cpu else {}
+    # the serving path's CPU per token, less the part the decode worker spends on its own core
+    # (decode_token_s, in its steps: cost_model.fitted_from); the rest (router, HTTP API, client)
+    # floats over the host's cores
+    host_cpu = max(0.0, serving.get("cpu_per_token_s", 0.0) - serving.get("decode_token_s", 0.0))
     return ClusterSpec(plan.mode, prefill, decode, o.kv_latency_s, layerwise=not cpu, num_layers=ctx.model.num_layers,
                        router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,
-                       host_cores=serving.get("host_cores"), host_cpu_per_token_s=serving.get("cpu_per_token_s", 0.0))
+                       host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu)
 
 
 def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:

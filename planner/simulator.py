@@ -16,6 +16,10 @@ real code, with step times from a cost model (cost_model.py) instead of forward 
         commits each finished prompt's transfer before its next step (PrefillEngine.step does).
         Commit = the first token (TTFT ends first_token_out_s later) and the sequence joins the
         decode worker's batch at its next step.
+    engine lock: a decode (or colocated) worker holds its engine's lock for a whole step, and a
+        Reserve and a KV commit need it: they complete when the step in progress ends. The router
+        counts a request on a worker only once its Reserve returned, so requests that arrive
+        meanwhile see the old counts (as WorkerPool.acquire after Reserve).
     decode worker: a decode step runs every running sequence, one token each (cost.decode_time);
         preempted sequences (out of blocks: the newest goes) are recomputed by a prefill step on
         that worker (prefill first: no mixed steps), which samples their next token.
@@ -161,6 +165,9 @@ class _Worker:
         self.inflight = 0
         self.inflight_tokens = 0
         self.link_free = 0.0
+        self.pending_commits = 0  # prefill: finished prompts whose KV commit has not returned
+        self.lock_waiters: list = []  # Reserves and commits waiting for the step in progress
+        self.locked = False  # a step is running (it holds the engine lock)
         self.batch: list[tuple[_Seq, int]] | None = None  # the prefill step in progress
         self.step_start = 0.0
         self.step_dt = 0.0
@@ -240,7 +247,7 @@ class Simulator:
         ttft, tpot, e2e = [NAN] * n, [NAN] * n, [NAN] * n
         heap: list[tuple[float, int, int, object]] = []  # (time, tie, kind, obj)
         tie = 0
-        STEP, COMMIT = 0, 1
+        STEP, COMMIT, RESERVED = 0, 1, 2  # events; RESERVED only waits on a worker's lock
         waiting_reserve: deque[_Seq] = deque()
         st = {"finished": 0, "ttft_miss": 0, "tpot_miss": 0, "preempt": 0, "psteps": 0, "dsteps": 0,
               "last": 0.0, "in_system": 0, "area": 0.0}  # area: integral of requests in the system over time
@@ -287,22 +294,33 @@ class Simulator:
                 need = -(-s.prompt // w.bs)
                 if need + len(w.running) > w.free_blocks():
                     continue
-                w.inflight += 1
                 s.d = w
-                if colocated:
-                    w.waiting.append(s)
-                    wake(w, now)
-                    return True
-                s.need = need
-                w.reserved += need
-                p = min(prefill, key=lambda x: (x.inflight_tokens, x.inflight)) if len(prefill) > 1 else prefill[0]
-                s.p = p
-                p.inflight += 1
-                p.inflight_tokens += s.prompt
-                p.waiting.append(s)
-                wake(p, now)
+                if not colocated:
+                    s.need = need
+                    w.reserved += need
+                # the Reserve RPC returns once it has the worker's engine lock, which a step holds
+                # (DecodeEngine.step, the colocated server's loop); only then does the router count
+                # the request on that worker (WorkerPool.acquire after Reserve)
+                if w.locked:
+                    w.lock_waiters.append((RESERVED, s))
+                else:
+                    reserved(s, now)
                 return True
             return False
+
+        def reserved(s: _Seq, now: float) -> None:
+            w = s.d
+            w.inflight += 1
+            if colocated:
+                w.waiting.append(s)
+                wake(w, now)
+                return
+            p = min(prefill, key=lambda x: (x.inflight_tokens, x.inflight)) if len(prefill) > 1 else prefill[0]
+            s.p = p
+            p.inflight += 1
+            p.inflight_tokens += s.prompt
+            p.waiting.append(s)
+            wake(p, now)
 
         def retry_reservations(now: float) -> None:
             while waiting_reserve and try_reserve(waiting_reserve[0], now):
@@ -325,7 +343,7 @@ class Simulator:
                 return
             if c.host_cores:
                 dt *= host_slowdown(w)
-            w.busy = True
+            w.busy = w.locked = True
             w.step_start = now
             w.step_dt = dt
             w.busy_s += dt
@@ -421,10 +439,10 @@ class Simulator:
                     freed = True
                 if freed and waiting_reserve:
                     retry_reservations(now)
+                release_lock(w, now)
                 start_step(w, now)
                 return
             batch, w.batch = w.batch, None
-            free_at = now
             for s, m in batch:
                 s.computed += m
                 if s.computed < s.tokens:
@@ -437,7 +455,7 @@ class Simulator:
                 s.done += 1
                 s.tokens += 1
                 if w.role == "prefill":
-                    free_at = handoff(w, s, now, free_at)
+                    handoff(w, s, now)
                     continue
                 if s.done == 1:
                     first_token(s, now)
@@ -447,15 +465,22 @@ class Simulator:
                         retry_reservations(now)
                 else:
                     join(w, s)
-            if free_at > now:
-                w.busy = True
-                w.busy_s += free_at - now
-                w.batch = []  # a step end with nothing in it: the worker waited for its commits
-                push(free_at, STEP, w)
+            if w.pending_commits:
+                w.busy = True  # the engine thread waits in KVSender.commit until they are done
             else:
+                release_lock(w, now)
                 start_step(w, now)
 
-        def handoff(w: _Worker, s: _Seq, now: float, free_at: float) -> float:
+        def release_lock(w: _Worker, now: float) -> None:
+            """Between two steps the waiting Reserves and commits get the lock, in arrival order
+            (the worker is still marked busy, so none of them starts a step itself)."""
+            w.locked = False
+            waiters, w.lock_waiters = w.lock_waiters, []
+            for kind, s in waiters:
+                (reserved if kind == RESERVED else commit)(s, now)
+            w.busy = False
+
+        def handoff(w: _Worker, s: _Seq, now: float) -> None:
             """Prefill worker: KV transfer of a finished prompt, committed before the next step."""
             d = s.d
             if s.out <= 1:  # the first token ends it: the reservation is dropped
@@ -466,7 +491,7 @@ class Simulator:
                 w.inflight_tokens -= s.prompt
                 if waiting_reserve:
                     retry_reservations(now)
-                return free_at
+                return
             nbytes = s.prompt * w.cost.kv_bytes_per_token
             gbps = min(w.spec.link_gbps, d.spec.link_gbps)
             dur = nbytes / (gbps * 1e9)
@@ -475,24 +500,29 @@ class Simulator:
                 start = max(ready, w.link_free, d.link_free)
                 end = max(start + dur, now + dur / c.num_layers)
             else:
-                start = max(free_at, w.link_free, d.link_free)
+                start = max(now, w.link_free, d.link_free)
                 end = start + dur
             w.link_free = d.link_free = end
-            commit = end + c.kv_latency_s
-            push(commit, COMMIT, s)
-            return max(free_at, commit)
+            w.pending_commits += 1
+            push(end + c.kv_latency_s, COMMIT, s)
 
         def commit(s: _Seq, now: float) -> None:
             p, d = s.p, s.d
+            if d.locked:  # the decode worker is in a step: the commit waits for its engine lock
+                d.lock_waiters.append((COMMIT, s))
+                return
             p.inflight -= 1
             p.inflight_tokens -= s.prompt
             first_token(s, now)
             d.reserved -= s.need
             if d.instant:  # an ideal decode worker (the planner's phase-by-phase search): done at once
                 finish_seq(s, now)
-                return
-            d.committed.append(s)
-            wake(d, now)
+            else:
+                d.committed.append(s)
+                wake(d, now)
+            p.pending_commits -= 1
+            if not p.pending_commits:  # the prefill engine thread goes on
+                start_step(p, now)
 
         # ------------------------------------------------------------------ main loop
         seqs = [_Seq(i, arrivals[i], prompts[i], outputs[i]) for i in range(n)]

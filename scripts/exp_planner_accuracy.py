@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the cluster of a run label: disaggregated or colocated")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as the clusters ran (cluster.yaml)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--no-worker-streaming", action="store_true",
+                    help="a sensitivity check: no streaming cost per token in decode steps (serving.decode_token_s "
+                         "= 0); all of the serving path's CPU then competes for the host's cores")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="do not carry prefix caches from one run to the next (each run starts cold)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     overrides = dict(s.split("=", 1) for s in args.system)
     coeffs = load_coefficients(args.coefficients)
+    if args.no_worker_streaming and coeffs.get("serving"):  # a sensitivity check: all serving CPU on the host
+        coeffs["serving"]["decode_token_s"] = 0.0
     ctx = PlanContext(from_checkpoint(coeffs["model"]), load_catalog(), coefficients=coeffs)
     rows = []
     for path in args.results:
@@ -196,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             f"prefill {coeffs['prefill']['a'] * 1e3:.2f} ms + {coeffs['prefill']['b'] * 1e6:.1f} us/token + "
             f"{coeffs['prefill']['c'] * 1e9:.1f} ns/pair; decode {coeffs['decode']['a'] * 1e3:.2f} ms + "
             f"{coeffs['decode']['b'] * 1e6:.2f} us/context token + "
-            f"{coeffs['decode']['c'] * 1e3:.2f} ms/sequence; serving path "
+            f"{(coeffs['decode']['c'] + sv.get('decode_token_s', 0)) * 1e3:.2f} ms/sequence incl. streaming; serving path "
             f"{(sv.get('router_in_s', 0) + sv.get('first_token_out_s', 0)) * 1e3:.1f} ms/request, "
-            f"{sv.get('cpu_per_token_s', 0) * 1e3:.2f} ms CPU/token on {sv.get('host_cores')} cores)"), ""]
+            f"{max(0.0, sv.get('cpu_per_token_s', 0) - sv.get('decode_token_s', 0)) * 1e3:.2f} ms CPU/token "
+            f"on {sv.get('host_cores')} shared cores)"), ""]
     table = error_table(rows)
     rank_lines, summary = ranking(rows)
     text = "\n".join([*head, *table, "", *rank_lines]) + "\n"
