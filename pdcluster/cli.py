@@ -201,11 +201,27 @@ def build_parser() -> argparse.ArgumentParser:
                             "serve: load generator for any OpenAI-compatible endpoint")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)
+
+    plan = sub.add_parser("plan", add_help=False,
+                          help="capacity planner: hardware and prefill:decode ratio for a workload and SLO "
+                               "(`pdcluster plan --help`, `plan simulate --help`, `plan calibrate --help`)")
+    plan.add_argument("rest", nargs=argparse.REMAINDER, help="the planner's own options")
+    plan.set_defaults(func=_plan)
     return parser
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from planner.cli import main as plan_main
+
+    return plan_main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # its options go to the planner as they are (argparse would claim --options)
+        args = argparse.Namespace(func=_plan, rest=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, RuntimeError) as e:  # bad input or a launch failure: a clear message, no traceback

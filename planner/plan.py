@@ -1,0 +1,136 @@
+"""A plan (pools of hardware, counts, tensor parallelism, batch limits) and the cluster it simulates as.
+
+    plan = Plan("disaggregated", Pool("H100-SXM", 2, tp=1), Pool("A100-80GB", 3, tp=2))
+    ctx = PlanContext(model_shape("Llama-3-8B"), load_catalog())
+    cluster = build_cluster(plan, ctx)     # a simulator.ClusterSpec
+    plan.cost_per_hour(ctx.catalog)
+
+Links: workers of different pools are on different nodes and a transfer goes over the NICs of the
+tp devices of each side (inter_node_gbps x tp, the smaller side); `cpu` pools are this one machine
+(intra_node_gbps, or the rate calibration measured). A worker that cannot hold its weights plus one longest request does not fit.
+
+Serving overheads (router, HTTP, gRPC): for `cpu` those measured by calibration, if any
+(coefficients["serving"]), and `cpu` workers share this machine's cores with the serving path
+(ClusterSpec.host_cores); for GPUs `gpu_overheads` (defaults: 1 ms in, 1 ms out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.catalog import Hardware
+from planner.cost_model import CostModel, RooflineParams, cost_model_for
+from planner.models import DTYPE_BYTES, ModelShape
+from planner.simulator import ClusterSpec, WorkerSpec
+
+
+@dataclass(frozen=True)
+class Pool:
+    hardware: str
+    count: int
+    tp: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.count}x {self.hardware}" + (f" tp{self.tp}" if self.tp > 1 else "")
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str  # disaggregated | colocated
+    prefill: Pool | None  # None in colocated mode
+    decode: Pool  # the decode pool, or the colocated pool
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+
+    @property
+    def pools(self) -> list[Pool]:
+        return [p for p in (self.prefill, self.decode) if p is not None]
+
+    def cost_per_hour(self, catalog: dict[str, Hardware]) -> float:
+        return sum(p.count * p.tp * catalog[p.hardware].price_per_hour for p in self.pools)
+
+    def power_w(self, catalog: dict[str, Hardware]) -> float:
+        return sum(p.count * p.tp * catalog[p.hardware].power_w for p in self.pools)
+
+    def devices(self) -> int:
+        return sum(p.count * p.tp for p in self.pools)
+
+    def label(self) -> str:
+        if self.mode == "colocated":
+            return f"colocated {self.decode}"
+        return f"P {self.prefill} | D {self.decode}"
+
+    def with_counts(self, n_prefill: int, n_decode: int) -> Plan:
+        pre = Pool(self.prefill.hardware, n_prefill, self.prefill.tp) if self.prefill else None
+        return Plan(self.mode, pre, Pool(self.decode.hardware, n_decode, self.decode.tp),
+                    self.max_num_batched_tokens, self.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    router_in_s: float = 1e-3
+    first_token_out_s: float = 1e-3
+    token_out_s: float = 0.0
+    kv_latency_s: float = 2e-4
+
+
+@dataclass
+class PlanContext:
+    model: ModelShape
+    catalog: dict[str, Hardware]
+    dtype: str = "bfloat16"
+    coefficients: dict[str, Any] | None = None  # fitted cpu coefficients
+    roofline: RooflineParams = field(default_factory=RooflineParams)
+    block_size: int = 16
+    gpu_overheads: Overheads = field(default_factory=Overheads)
+
+    def hardware(self, name: str) -> Hardware:
+        if name not in self.catalog:
+            raise ValueError(f"unknown hardware {name!r}; known: {', '.join(self.catalog)}")
+        return self.catalog[name]
+
+    def cost(self, pool: Pool) -> CostModel:
+        hw = self.hardware(pool.hardware)
+        dtype_bytes = DTYPE_BYTES["float32"] if hw.is_cpu and self.coefficients else DTYPE_BYTES[self.dtype]
+        return cost_model_for(hw, self.model, pool.tp, dtype_bytes, self.coefficients, self.roofline)
+
+    def overheads(self, plan: Plan) -> Overheads:
+        if all(self.hardware(p.hardware).is_cpu for p in plan.pools) and self.coefficients:
+            s = self.coefficients.get("serving") or {}
+            return Overheads(s.get("router_in_s", 0.0), s.get("first_token_out_s", 0.0), s.get("token_out_s", 0.0),
+                             s.get("kv_latency_s", 1e-3))
+        return self.gpu_overheads
+
+    def link_gbps(self, pool: Pool) -> float:
+        hw = self.hardware(pool.hardware)
+        if hw.is_cpu:
+            measured = ((self.coefficients or {}).get("serving") or {}).get("kv_gbps")
+            return measured or hw.intra_node_gbps
+        return hw.inter_node_gbps * pool.tp
+
+
+def worker_spec(plan: Plan, pool: Pool, ctx: PlanContext) -> WorkerSpec:
+    return WorkerSpec(ctx.cost(pool), plan.max_num_batched_tokens, plan.max_num_seqs, ctx.block_size,
+                      ctx.link_gbps(pool), pool.hardware)
+
+
+def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
+    o = ctx.overheads(plan)
+    cpu = any(ctx.hardware(p.hardware).is_cpu for p in plan.pools)
+    prefill = [worker_spec(plan, plan.prefill, ctx)] * plan.prefill.count if plan.prefill else []
+    decode = [worker_spec(plan, plan.decode, ctx)] * plan.decode.count
+    # one CPU core has nothing to overlap a transfer with: it is sent after the step
+    serving = ((ctx.coefficients or {}).get("serving") or {}) if cpu else {}
+    # the serving path's CPU per token, less the part the decode worker spends on its own core
+    # (decode_token_s, in its steps: cost_model.fitted_from); the rest (router, HTTP API, client)
+    # floats over the host's cores
+    host_cpu = max(0.0, serving.get("cpu_per_token_s", 0.0) - serving.get("decode_token_s", 0.0))
+    return ClusterSpec(plan.mode, prefill, decode, o.kv_latency_s, layerwise=not cpu, num_layers=ctx.model.num_layers,
+                       router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,
+                       host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu)
+
+
+def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:
+    """The pool's workers hold the weights and at least one longest request."""
+    return ctx.cost(pool).kv_capacity_tokens >= longest_tokens + ctx.block_size

@@ -1,0 +1,220 @@
+#!/usr/bin/env python
+"""The planner's accuracy: simulate the clusters a `pdcluster bench serve` run measured, compare.
+
+    python scripts/exp_planner_accuracy.py bench_results/exp_disagg_vs_colocated/result.json
+    python scripts/exp_planner_accuracy.py RESULT.json [RESULT2.json ...] --markdown out.md
+
+Input: result.json files as `pdcluster bench serve` writes them (loadgen/report.py): per run the
+system label, the rate, and per request its send time, prompt and output tokens and the measured
+times. Each run's label names its cluster (`--system LABEL=MODE` overrides the guess from the
+label: "coloc" in it -> colocated, else disaggregated):
+
+    disaggregated  1 prefill worker + 1 decode worker, one CPU core each
+    colocated      2 colocated workers, one CPU core each
+
+The simulator (planner/simulator.py) replays exactly the requests the run sent -- same prompt and
+output lengths, arrivals at the times the client actually sent them -- through that cluster, the
+runs of one system in the order they ran with the workers' prefix caches carried from one run to
+the next (bench serve sends the same prompts at every rate, so a later run finds most prompt blocks
+cached where the same worker prefilled them before), with
+the calibrated cpu coefficients (planner/cpu_coefficients.json, `pdcluster plan calibrate`), and
+the script prints, per run, TTFT and TPOT p50 and p90 measured and simulated, over the requests
+that completed in the measurement, and the error (simulated - measured) / measured. Then the
+ranking of the two systems per rate by each metric, by SLO attainment (the run's SLO), and by the
+highest rate meeting the SLO (>= 90% attainment), measured against simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from loadgen.metrics import SLO, percentile
+from planner.catalog import load_catalog
+from planner.cost_model import CPU_COEFFICIENTS, load_coefficients
+from planner.models import from_checkpoint
+from planner.plan import Plan, PlanContext, Pool, build_cluster
+from planner.search import RequestTimes
+from planner.simulator import Simulator
+
+METRICS = (("TTFT", "ttft", 50), ("TTFT", "ttft", 90), ("TPOT", "tpot", 50), ("TPOT", "tpot", 90))
+ATTAINMENT = 0.9
+
+
+def system_of(label: str, overrides: dict[str, str]) -> str:
+    return overrides.get(label) or ("colocated" if "coloc" in label.lower() else "disaggregated")
+
+
+def plan_for(mode: str, mnbt: int, mns: int) -> Plan:
+    if mode == "colocated":
+        return Plan("colocated", None, Pool("cpu", 2), mnbt, mns)
+    return Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), mnbt, mns)
+
+
+def simulate_run(run: dict, sim: Simulator, block_size: int) -> dict:
+    """One measured run through `sim` (its caches carry over from the system's earlier runs)."""
+    recs = [r for r in run["records"] if r["outcome"] != "not_sent" and r.get("start_s") is not None]
+    recs.sort(key=lambda r: r["start_s"])
+    arrivals = [r["start_s"] for r in recs]
+    prompts = [r["prompt_tokens"] or r["expected_prompt_tokens"] for r in recs]
+    outputs = [r["expected_output_tokens"] for r in recs]
+    # request i's prompt is the same text in every run (bench serve replays one workload per rate)
+    keys = [[(r["index"], j) for j in range(p // block_size)] for r, p in zip(recs, prompts)]
+    res = sim.run(arrivals, prompts, outputs, block_keys=keys)
+    mode = sim.c.mode
+    ok = [i for i, r in enumerate(recs) if r["outcome"] == "ok"]
+    measured = {"ttft": [recs[i]["ttft_s"] for i in ok], "tpot": [recs[i]["tpot_s"] for i in ok]}
+    simulated = {"ttft": [res.ttft[i] for i in ok], "tpot": [res.tpot[i] for i in ok]}
+    out = {"label": run["label"], "rate": run["rate"], "mode": mode, "sent": len(recs), "completed": len(ok)}
+    for name, key, q in METRICS:
+        m = [x for x in measured[key] if x is not None and not math.isnan(x)]
+        s = [x for x in simulated[key] if x is not None and not math.isnan(x)]
+        mv, sv = percentile(m, q), percentile(s, q)
+        out[f"{key}_p{q}"] = {"measured_ms": mv * 1e3 if mv is not None else None,
+                              "simulated_ms": sv * 1e3 if sv is not None else None,
+                              "error_pct": (sv - mv) / mv * 100 if mv and sv is not None else None}
+    slo = run["summary"].get("slo") or {}
+    bound = SLO(slo.get("ttft_ms"), slo.get("tpot_ms"))
+    if bound.set:
+        out["slo"] = str(bound)
+        out["attainment_measured"] = run["summary"].get("slo_attainment")
+        sim_met = sum(bound.met(RequestTimes(res.ttft[i], res.tpot[i])) for i in range(len(recs)))
+        out["attainment_simulated"] = sim_met / len(recs) if recs else None
+    return out
+
+
+def _fmt(x: float | None, f: str = ".1f") -> str:
+    return "-" if x is None else format(x, f)
+
+
+def error_table(rows: list[dict]) -> list[str]:
+    head = "| system | rate (req/s) | completed | " + " | ".join(
+        f"{n} p{q} ms measured / simulated (error)" for n, _, q in METRICS) + " |"
+    lines = [head, "|" + "---|" * (3 + len(METRICS))]
+    for r in rows:
+        cells = []
+        for _, key, q in METRICS:
+            c = r[f"{key}_p{q}"]
+            err = "-" if c["error_pct"] is None else f"{c['error_pct']:+.1f}%"
+            cells.append(f"{_fmt(c['measured_ms'])} / {_fmt(c['simulated_ms'])} ({err})")
+        lines.append(f"| {r['label']} | {r['rate']:g} | {r['completed']}/{r['sent']} | " + " | ".join(cells) + " |")
+    errs = [abs(r[f"{k}_p{q}"]["error_pct"]) for r in rows for _, k, q in METRICS
+            if r[f"{k}_p{q}"]["error_pct"] is not None]
+    if errs:
+        within = sum(e <= 10 for e in errs)
+        lines += ["", (f"{within} of {len(errs)} percentiles within 10%; mean absolute error "
+                      f"{sum(errs) / len(errs):.1f}%, largest {max(errs):.1f}%")]
+    return lines
+
+
+def _better(disagg: float, coloc: float, lower_is_better: bool) -> str:
+    if disagg == coloc:
+        return "tie"
+    return "disaggregated" if (disagg < coloc) == lower_is_better else "colocated"
+
+
+def ranking(rows: list[dict]) -> tuple[list[str], dict]:
+    """Per rate with both systems: which one is better by each metric, measured and simulated."""
+    by_rate: dict[float, dict[str, dict]] = {}
+    for r in rows:
+        by_rate.setdefault(r["rate"], {})[r["mode"]] = r
+    lines = ["| rate (req/s) | criterion | measured: better | simulated: better | same? |", "|---|---|---|---|---|"]
+    agree = total = 0
+    for rate in sorted(by_rate):
+        pair = by_rate[rate]
+        if set(pair) != {"disaggregated", "colocated"}:
+            continue
+        d, c = pair["disaggregated"], pair["colocated"]
+        checks = []
+        for n, k, q in METRICS:
+            checks.append((f"{n} p{q} (lower is better)",
+                           d[f"{k}_p{q}"]["measured_ms"], c[f"{k}_p{q}"]["measured_ms"],
+                           d[f"{k}_p{q}"]["simulated_ms"], c[f"{k}_p{q}"]["simulated_ms"], True))
+        if "attainment_measured" in d:
+            checks.append(("SLO attainment (higher is better)", d["attainment_measured"], c["attainment_measured"],
+                           d["attainment_simulated"], c["attainment_simulated"], False))
+        for label, dm, cm, ds, cs, lower in checks:
+            if None in (dm, cm, ds, cs):
+                continue
+            m, s = _better(dm, cm, lower), _better(ds, cs, lower)
+            total += 1
+            agree += m == s
+            lines.append(f"| {rate:g} | {label} | {m} | {s} | {'yes' if m == s else 'NO'} |")
+    sustained = {}
+    for src in ("measured", "simulated"):
+        for mode in ("disaggregated", "colocated"):
+            ok = [rate for rate, pair in by_rate.items() if mode in pair
+                  and (pair[mode].get(f"attainment_{src}") or 0) >= ATTAINMENT]
+            sustained[(src, mode)] = max(ok, default=None)
+    lines += ["", f"{agree} of {total} comparisons rank the two systems the same way."]
+    if any(v is not None for v in sustained.values()):
+        lines.append(
+            f"Highest rate with >= {ATTAINMENT:.0%} SLO attainment: measured disaggregated "
+            f"{sustained[('measured', 'disaggregated')]}, colocated {sustained[('measured', 'colocated')]}; "
+            f"simulated disaggregated {sustained[('simulated', 'disaggregated')]}, "
+            f"colocated {sustained[('simulated', 'colocated')]}.")
+    return lines, {"agree": agree, "total": total, "sustained": {f"{a}/{b}": v for (a, b), v in sustained.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", type=Path, help="bench serve result.json file(s)")
+    ap.add_argument("--coefficients", type=Path, default=CPU_COEFFICIENTS)
+    ap.add_argument("--system", action="append", default=[], metavar="LABEL=MODE",
+                    help="the cluster of a run label: disaggregated or colocated")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as the clusters ran (cluster.yaml)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--no-worker-streaming", action="store_true",
+                    help="a sensitivity check: no streaming cost per token in decode steps (serving.decode_token_s "
+                         "= 0); all of the serving path's CPU then competes for the host's cores")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="do not carry prefix caches from one run to the next (each run starts cold)")
+    ap.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    overrides = dict(s.split("=", 1) for s in args.system)
+    coeffs = load_coefficients(args.coefficients)
+    if args.no_worker_streaming and coeffs.get("serving"):  # a sensitivity check: all serving CPU on the host
+        coeffs["serving"]["decode_token_s"] = 0.0
+    ctx = PlanContext(from_checkpoint(coeffs["model"]), load_catalog(), coefficients=coeffs)
+    rows = []
+    for path in args.results:
+        result = json.loads(path.read_text())
+        runs = [r for r in result["runs"] if isinstance(r["rate"], (int, float))]
+        sims: dict[str, Simulator] = {}  # one cluster per label, prefix caches kept from run to run
+        for run in sorted(runs, key=lambda r: r.get("started_at") or ""):  # the order they ran in
+            mode = system_of(run["label"], overrides)
+            if run["label"] not in sims:
+                cluster = build_cluster(plan_for(mode, args.max_num_batched_tokens, args.max_num_seqs), ctx)
+                sims[run["label"]] = Simulator(cluster, keep_caches=not args.no_prefix_cache)
+            rows.append(simulate_run(run, sims[run["label"]], ctx.block_size))
+    rows.sort(key=lambda r: (r["mode"], r["rate"] or 0))
+    sv = coeffs.get("serving") or {}
+    head = [f"Measured: {', '.join(str(p) for p in args.results)}",
+            (f"Simulated with {args.coefficients.name} (calibrated {coeffs.get('date')}, {coeffs['model']}; "
+            f"prefill {coeffs['prefill']['a'] * 1e3:.2f} ms + {coeffs['prefill']['b'] * 1e6:.1f} us/token + "
+            f"{coeffs['prefill']['c'] * 1e9:.1f} ns/pair; decode {coeffs['decode']['a'] * 1e3:.2f} ms + "
+            f"{coeffs['decode']['b'] * 1e6:.2f} us/context token + "
+            f"{(coeffs['decode']['c'] + sv.get('decode_token_s', 0)) * 1e3:.2f} ms/sequence incl. streaming; serving path "
+            f"{(sv.get('router_in_s', 0) + sv.get('first_token_out_s', 0)) * 1e3:.1f} ms/request, "
+            f"{max(0.0, sv.get('cpu_per_token_s', 0) - sv.get('decode_token_s', 0)) * 1e3:.2f} ms CPU/token "
+            f"on {sv.get('host_cores')} shared cores)"), ""]
+    table = error_table(rows)
+    rank_lines, summary = ranking(rows)
+    text = "\n".join([*head, *table, "", *rank_lines]) + "\n"
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "ranking": summary}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

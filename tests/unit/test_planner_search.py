@@ -1,0 +1,122 @@
+"""Planner search: ranking, the Pareto frontier, goodput by simulation, plans as cluster.yaml."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdcluster.cluster_config import ClusterConfig
+from planner.catalog import load_catalog
+from planner.models import PRESETS
+from planner.plan import Plan, PlanContext, Pool, build_cluster
+from planner.report import cluster_dict
+from planner.search import Evaluation, Searcher, SearchSpace, SLOTarget, pareto, rank
+from planner.workload import load_plan_workload
+
+SLO = SLOTarget(ttft_ms=1000, tpot_ms=60, percentile=90)
+
+
+def _ev(cost: float, goodput: float, label: str = "x", meets: bool | None = None) -> Evaluation:
+    plan = Plan("colocated", None, Pool(label, 1))
+    return Evaluation(plan, cost, 0.0, goodput, meets_target=meets)
+
+
+def _dominates(a: Evaluation, b: Evaluation) -> bool:
+    return (a.cost_per_hour <= b.cost_per_hour and a.goodput >= b.goodput
+            and (a.cost_per_hour < b.cost_per_hour or a.goodput > b.goodput))
+
+
+def test_a_dominated_plan_is_never_ranked_first():
+    cheap_good, dominated = _ev(10.0, 10.0, "a"), _ev(12.0, 9.0, "b")
+    assert rank([dominated, cheap_good])[0] is cheap_good
+    same_cost_less_goodput = _ev(10.0, 8.0, "c")
+    assert rank([same_cost_less_goodput, cheap_good])[0] is cheap_good
+    rng = random.Random(0)
+    for _ in range(500):
+        evals = [_ev(rng.choice([1.0, 2.0, 3.0, 4.5]), rng.choice([0.0, 1.0, 2.0, 3.0, 5.0]), str(i))
+                 for i in range(rng.randint(1, 8))]
+        first = rank(evals)[0]
+        assert not any(_dominates(e, first) for e in evals), (first, evals)
+        meets = [_ev(e.cost_per_hour, e.goodput, e.plan.decode.hardware, rng.random() < 0.6) for e in evals]
+        first = rank(meets, target=1.0)[0]
+        assert not any(e.meets_target and _dominates(e, first) for e in meets)
+
+
+def test_pareto_frontier_keeps_only_undominated_plans():
+    evals = [_ev(1, 1), _ev(2, 3), _ev(2, 2), _ev(3, 3), _ev(4, 5), _ev(5, 0)]
+    front = pareto(evals)
+    assert [(e.cost_per_hour, e.goodput) for e in front] == [(1, 1), (2, 3), (4, 5)]
+    assert all(not any(_dominates(o, f) for o in evals) for f in front)
+
+
+@pytest.fixture(scope="module")
+def searcher() -> Searcher:
+    ctx = PlanContext(PRESETS["Llama-3-8B"], load_catalog())
+    w = load_plan_workload("synthetic", 3000, synthetic_input="lognormal:1000:0.5",
+                           synthetic_output="lognormal:150:0.5", seed=1)
+    return Searcher(ctx, w, SLO, min_requests=300, min_span_s=10.0)
+
+
+def test_goodput_is_the_rate_where_the_slo_breaks(searcher):
+    cluster = build_cluster(Plan("colocated", None, Pool("A100-80GB", 1)), searcher.ctx)
+    g = searcher.max_rate(cluster, 1.0)
+    assert g > 0
+    assert searcher.simulate(cluster, g)[0]  # meets the SLO at its goodput ...
+    assert not searcher.simulate(cluster, g * 1.25)[0]  # ... and not far above it
+
+
+def test_search_ranks_by_goodput_per_dollar_and_first_is_undominated(searcher):
+    space = SearchSpace(["H100-SXM", "A100-80GB"], ["H100-SXM", "A100-80GB"], tps=(1,), max_workers=2)
+    result = searcher.search(space, verify=4)
+    assert result.ranked and all(e.verified for e in result.ranked)
+    best = result.ranked[0]
+    assert best.goodput > 0
+    assert [e.goodput_per_dollar for e in result.ranked] == sorted((e.goodput_per_dollar for e in result.ranked),
+                                                                    reverse=True)
+    assert not any(_dominates(e, best) for e in result.ranked)
+    assert best in pareto(result.ranked)
+
+
+def test_target_rate_gives_the_cheapest_plan_that_meets_it(searcher):
+    space = SearchSpace(["A100-80GB"], ["A100-80GB"], tps=(1,), max_workers=6)
+    result = searcher.search(space, target_rate=8.0, verify=3)
+    best = result.ranked[0]
+    assert best.meets_target and best.ttft_ms <= SLO.ttft_ms and best.tpot_ms <= SLO.tpot_ms
+    meeting = [e for e in result.ranked if e.meets_target]
+    assert best.cost_per_hour == min(e.cost_per_hour for e in meeting)
+
+
+@pytest.mark.parametrize("plan", [
+    Plan("disaggregated", Pool("H100-SXM", 2, tp=2), Pool("A100-80GB", 3), 8192, 128),
+    Plan("colocated", None, Pool("L40S", 4)),
+])
+def test_a_plan_becomes_a_cluster_yaml_that_the_schema_accepts(plan):
+    ctx = PlanContext(PRESETS["Llama-3-8B"], load_catalog())
+    d = cluster_dict(plan, ctx, SLO, "/models/llama-3-8b", longest=3000)
+    cfg = ClusterConfig.from_dict(d)
+    assert cfg.mode == plan.mode and cfg.engine.max_num_batched_tokens == plan.max_num_batched_tokens
+    assert [p.replicas for p in cfg.pools] == [p.count for p in plan.pools]
+    assert [p.resources["num_gpus"] for p in cfg.pools] == [p.tp for p in plan.pools]
+    assert cfg.model.max_model_len == 4096 and cfg.slo.tpot_ms == 60
+
+
+def test_a_cpu_plan_pins_one_core_per_worker():
+    coeffs = {"prefill": {"a": 0.01, "b": 2e-4, "c": 1e-7}, "decode": {"a": 0.007, "b": 4e-6, "c": 4e-4},
+              "kv_capacity_tokens": 58240, "kv_bytes_per_token": 9216, "model_shape": {"name": "tiny"}}
+    ctx = PlanContext(PRESETS["Llama-3-8B"], load_catalog(), coefficients=coeffs)
+    d = cluster_dict(Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1)), ctx, SLO, "builtin:tiny-llama", 1000)
+    cfg = ClusterConfig.from_dict(d)
+    assert cfg.model.dtype == "float32" and cfg.engine.num_threads == 1
+    assert all(p.hardware == "cpu" and p.resources == {"num_cpus": 1.0} for p in cfg.pools)
+    cpus = [p.cpus for p in cfg.pools]
+    assert all(c is None for c in cpus) or len({c for c in cpus}) == 2
+
+
+def test_a_node_pool_of_limited_size_caps_the_plans(searcher):
+    space = SearchSpace(["H100-SXM", "A100-80GB"], ["A100-80GB"], ("disaggregated",), tps=(1,), max_workers=4,
+                        max_devices={"H100-SXM": 2})
+    result = searcher.search(space, verify=2)
+    assert result.composed and result.ranked
+    for e in result.composed + result.ranked:
+        assert e.plan.prefill.hardware != "H100-SXM" or e.plan.prefill.count <= 2

@@ -1,0 +1,149 @@
+"""Planner simulator: one request costs the cost model's sum; Little's law; KV capacity; policies."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from planner.cost_model import FittedCostModel
+from planner.simulator import ClusterSpec, Simulator, WorkerSpec
+
+KVB = 9216  # bytes per token (the tiny model in float32)
+
+
+def _cost(capacity: int = 1_000_000) -> FittedCostModel:
+    return FittedCostModel(prefill=(0.01, 1e-4, 1e-8), decode=(0.005, 1e-6, 1e-3),
+                           kv_capacity_tokens=capacity, kv_bytes_per_token=KVB)
+
+
+def _cluster(mode: str, n_prefill: int = 1, n_decode: int = 1, capacity: int = 1_000_000, **kw) -> ClusterSpec:
+    worker = WorkerSpec(_cost(capacity), max_num_batched_tokens=2048, max_num_seqs=256, block_size=16, link_gbps=2.0)
+    return ClusterSpec(mode, [worker] * n_prefill if mode == "disaggregated" else [], [worker] * n_decode, **kw)
+
+
+def _poisson(n: int, rate: float, seed: int = 0) -> list[float]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def test_a_single_disaggregated_request_costs_the_sum_of_its_steps():
+    c = _cost()
+    cluster = _cluster("disaggregated", kv_latency_s=0.002, layerwise=False, router_in_s=0.003,
+                       first_token_out_s=0.004, token_out_s=0.001)
+    res = Simulator(cluster).run([5.0], [300], [20])
+    prefill = c.prefill_time(300, 300 * 300)
+    transfer = 300 * KVB / 2e9 + 0.002
+    ttft = 0.003 + prefill + transfer + 0.004
+    # 19 decode steps, the first with context 301 (prompt + the first token), one token each
+    decode = sum(c.decode_time(1, 301 + i) for i in range(19))
+    assert res.ttft[0] == pytest.approx(ttft, rel=1e-9)
+    assert res.e2e[0] == pytest.approx(0.003 + prefill + transfer + decode + 0.001, rel=1e-9)
+    assert res.tpot[0] == pytest.approx((decode + 0.001 - 0.004) / 19, rel=1e-9)
+    assert (res.prefill_steps, res.decode_steps, res.finished) == (1, 19, 1)
+
+
+def test_a_single_colocated_request_costs_the_sum_of_its_steps_and_long_prompts_are_chunked():
+    c = _cost()
+    res = Simulator(_cluster("colocated")).run([0.0], [3000], [5])
+    # 3000 tokens under a 2048-token budget: a 2048 chunk, then 952 attending over 2048 cached
+    prefill = c.prefill_time(2048, 2048 * 2048) + c.prefill_time(952, 952 * 3000, 2048)
+    decode = sum(c.decode_time(1, 3001 + i) for i in range(4))
+    assert res.ttft[0] == pytest.approx(prefill, rel=1e-9)
+    assert res.e2e[0] == pytest.approx(prefill + decode, rel=1e-9)
+    assert res.prefill_steps == 2
+
+
+def test_a_one_token_output_ends_at_the_first_token():
+    res = Simulator(_cluster("disaggregated")).run([0.0, 0.0], [100, 100], [1, 1])
+    assert res.finished == 2 and res.decode_steps == 0 and math.isnan(res.tpot[0])  # no TPOT
+    assert res.e2e == res.ttft
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_littles_law_holds_at_steady_state(mode):
+    n, rate = 4000, 4.0
+    rng = random.Random(1)
+    prompts = [rng.randint(20, 400) for _ in range(n)]
+    outputs = [rng.randint(2, 60) for _ in range(n)]
+    res = Simulator(_cluster(mode, 2, 2)).run(_poisson(n, rate), prompts, outputs)
+    assert res.finished == n
+    # L (time-average requests in the system, integrated by the simulator as it runs)
+    # = lambda (the offered rate) x W (mean time in the system, from each request's own times)
+    mean_in_system = res.stats["in_system_area"] / res.duration_s
+    w = sum(res.e2e) / n
+    assert mean_in_system == pytest.approx(rate * w, rel=0.05)
+    assert n / res.duration_s == pytest.approx(rate, rel=0.05)  # stable: throughput = arrival rate
+
+
+def test_kv_capacity_limits_decode_concurrency():
+    n = 200
+    prompts, outputs = [160] * n, [80] * n  # 10 blocks at reservation, 15 when done
+    arrivals = [0.0] * n
+    small = Simulator(_cluster("disaggregated", capacity=40 * 16)).run(arrivals, prompts, outputs)
+    big = Simulator(_cluster("disaggregated", capacity=4000 * 16)).run(arrivals, prompts, outputs)
+    assert small.finished == big.finished == n
+    # a reservation needs its prompt's 10 blocks plus one per running sequence: at most 4 of 40 blocks
+    assert 1 <= small.max_decode_batch <= 4
+    assert big.max_decode_batch > 20
+    assert max(small.ttft) > max(big.ttft)  # the rest waited for blocks
+
+
+def test_an_overfull_colocated_worker_preempts_and_recomputes_yet_finishes_everything():
+    n = 40
+    res = Simulator(_cluster("colocated", capacity=60 * 16)).run([0.0] * n, [100] * n, [400] * n)
+    assert res.finished == n and res.preemptions > 0
+    assert not any(math.isnan(x) for x in res.e2e)
+
+
+def test_router_spreads_requests_over_workers_and_more_workers_cut_latency():
+    n = 600
+    rng = random.Random(2)
+    prompts = [rng.randint(50, 600) for _ in range(n)]
+    outputs = [rng.randint(5, 50) for _ in range(n)]
+    arrivals = _poisson(n, 6.0)
+    one = Simulator(_cluster("disaggregated", 1, 1)).run(arrivals, prompts, outputs)
+    two = Simulator(_cluster("disaggregated", 2, 2)).run(arrivals, prompts, outputs)
+    busy = two.stats["busy_s"]  # prefill 0, prefill 1, decode 0, decode 1
+    # decode: fewest requests in flight (they stay for the whole output): balanced. Prefill: fewest
+    # queued prompt tokens, ties to the first worker (as WorkerPool.pick): the second one takes
+    # work only while the first has some queued
+    assert busy[2] == pytest.approx(busy[3], rel=0.4)
+    assert busy[0] > busy[1] > 0
+    assert sorted(two.ttft)[n // 2] < sorted(one.ttft)[n // 2]
+
+
+def test_transfers_into_one_decode_worker_share_its_link():
+    # two prefill workers finish a prompt each at the same time; both KV caches go to the one decode
+    # worker, whose link carries one transfer at a time: the second waits for the first
+    cluster = _cluster("disaggregated", 2, 1, kv_latency_s=0.0, layerwise=False)
+    slow = WorkerSpec(_cost(), 2048, 256, 16, link_gbps=0.01)  # 10 MB/s: 1000 x 9216 B take 0.92 s
+    cluster.decode = [slow]
+    res = Simulator(cluster).run([0.0, 0.0], [1000, 1000], [2, 2])
+    step = _cost().prefill_time(1000, 1000 * 1000)
+    one = 1000 * KVB / 0.01e9
+    assert sorted(res.ttft) == pytest.approx([step + one, step + 2 * one], rel=1e-9)
+
+
+def test_early_stop_once_too_many_requests_miss_the_slo():
+    n = 500
+    res = Simulator(_cluster("colocated")).run([0.0] * n, [500] * n, [10] * n, slo_ttft_s=0.5, max_misses=10)
+    assert res.stopped_early and res.finished < n
+
+
+def test_a_prompt_prefilled_before_is_served_from_the_prefix_cache():
+    c = _cost()
+    keys = [[("p", j) for j in range(300 // 16)]]  # 18 full blocks of a 300-token prompt
+    sim = Simulator(_cluster("colocated"), keep_caches=True)
+    cold = sim.run([0.0], [300], [2], block_keys=keys)
+    warm = sim.run([0.0], [300], [2], block_keys=keys)  # the same prompt again, same worker
+    assert cold.ttft[0] == pytest.approx(c.prefill_time(300, 300 * 300), rel=1e-9)
+    # 18 x 16 = 288 tokens cached: 12 computed, attending over 300
+    assert warm.ttft[0] == pytest.approx(c.prefill_time(12, 12 * 300, 288), rel=1e-9)
+    assert warm.stats["cached_tokens"] == [288]
+    fresh = Simulator(_cluster("colocated")).run([0.0], [300], [2], block_keys=keys)
+    assert fresh.ttft[0] == cold.ttft[0]  # without keep_caches every run starts cold
