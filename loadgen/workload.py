@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ from loadgen.prompts import PromptBuilder
 from loadgen.scaling import LengthStats, Scaling, block_tokens, choose_factor, scale_lengths
 
 WORKLOADS_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads"
+WORKLOADS_ENV = "PDCLUSTER_WORKLOADS"  # another directory holding the named traces
+
+
+def workloads_dir() -> Path:
+    """Where the named traces are: $PDCLUSTER_WORKLOADS, else ../shared/workloads next to the repository."""
+    return Path(os.environ[WORKLOADS_ENV]) if os.environ.get(WORKLOADS_ENV) else WORKLOADS_DIR
 MOONCAKE_BLOCK = 512
 _AZURE = "Azure/AzurePublicDataset, 2023 LLM inference trace, {} service (CC-BY-4.0)"
 _MOONCAKE = "kvcache-ai/Mooncake, FAST25-release/traces/{} (Apache-2.0)"
@@ -144,7 +151,7 @@ def resolve_source(source: str) -> tuple[str, Path | None, str]:
         return "synthetic", None, "synthetic lengths (no trace)"
     if source in NAMED:
         file, cite = NAMED[source]
-        return source, (WORKLOADS_DIR / file).resolve(), cite
+        return source, (workloads_dir() / file).resolve(), cite
     path = Path(source).expanduser()
     if not path.is_file():
         names = ", ".join([*NAMED, "synthetic"])

@@ -20,7 +20,7 @@ from loadgen.scaling import choose_factor, scale_lengths
 from loadgen.sse import SSEDecoder, parse_chunk
 from loadgen.workload import (
     NAMED,
-    WORKLOADS_DIR,
+    workloads_dir,
     LengthDist,
     WorkloadConfig,
     load_workload,
@@ -31,7 +31,7 @@ from loadgen.workload import (
 
 
 def _trace(name: str) -> Path:
-    path = (WORKLOADS_DIR / NAMED[name][0]).resolve()
+    path = (workloads_dir() / NAMED[name][0]).resolve()
     if not path.is_file():
         pytest.skip(f"{path} is not present")
     return path
