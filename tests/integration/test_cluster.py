@@ -64,6 +64,19 @@ def cluster(request, builtin_path):
     handle.stop()
 
 
+def test_the_openai_api_comes_up_with_the_cluster(cluster):
+    import httpx
+
+    mode, handle = cluster
+    assert handle.http_address and handle.http_address != handle.router_address
+    models = httpx.get(f"http://{handle.http_address}/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["builtin:tiny-llama"]
+    assert httpx.get(f"http://{handle.http_address}/health", timeout=30).json() == {"status": "ok"}
+    r = httpx.post(f"http://{handle.http_address}/v1/completions", timeout=60,
+                   json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
 def test_each_worker_runs_on_its_pool_cpus(cluster):
     _, handle = cluster
     cfg = {p.name: p for p in _config("colocated" if handle.workers[0]["role"] == "colocated" else "x").pools}

@@ -390,22 +390,3 @@ def test_start_picks_a_free_port_and_stop_leaves_no_thread():
         start = time.monotonic()
         api.stop()
         assert time.monotonic() - start < 5 and not thread.is_alive()
-
-
-# ------------------------------------------------------------------ the launcher
-def test_launcher_up_serves_the_openai_api():
-    from pdcluster.cluster_config import load_cluster_config
-    from pdcluster.launcher import up
-
-    cfg = load_cluster_config("cluster.yaml")
-    cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, grpc_port=0, http_port=0),
-                              kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=32),
-                              model=dataclasses.replace(cfg.model, max_model_len=512)).validate()
-    handle = up(cfg, say=lambda _: None)
-    try:
-        assert handle.http_address and handle.http_address != handle.router_address
-        models = httpx.get(f"http://{handle.http_address}/v1/models", timeout=30).json()
-        assert [m["id"] for m in models["data"]] == [cfg.model.path]
-        assert httpx.get(f"http://{handle.http_address}/health", timeout=30).json() == {"status": "ok"}
-    finally:
-        handle.stop()
