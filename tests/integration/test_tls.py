@@ -3,22 +3,17 @@ the HTTPS API serve clients that trust it, and refuse plaintext. Real servers in
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import ssl
 
 import grpc
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
 from pdcluster.cluster_config import ClusterConfig, ConfigError
+from pdcluster.soak import self_signed
 from prefill_worker.server import PrefillWorkerServer
 from router.http_api import HttpApi
 from router.server import RouterServer
@@ -26,28 +21,9 @@ from router.server import RouterServer
 pytestmark = pytest.mark.slow
 
 
-def self_signed(directory) -> tuple[str, str]:
-    """(certificate, key) PEM files for 127.0.0.1 and localhost, valid for a day."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdcluster test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(cert_path), str(key_path)
-
-
 @pytest.fixture(scope="module")
 def tls_stack(builtin_path, tmp_path_factory):
-    cert, key = self_signed(tmp_path_factory.mktemp("tls"))
+    cert, key = self_signed(str(tmp_path_factory.mktemp("tls")))
     cfg = EngineConfig(model=str(builtin_path), num_blocks=64, max_model_len=256, num_threads=1)
     decode, prefill = DecodeWorkerServer(cfg, "decode-0"), PrefillWorkerServer(cfg, "prefill-0")
     router = RouterServer("builtin:tiny-llama", max_model_len=256, request_timeout_s=30, tls_cert=cert, tls_key=key,
