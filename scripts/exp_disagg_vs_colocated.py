@@ -113,7 +113,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def warm_up(url: str, model: str) -> None:
     for n in (8, 64, 300):
-        httpx.post(f"{url}/v1/completions", timeout=120, json={
+        httpx.post(f"{url}/v1/completions", timeout=300, json={
             "model": model, "prompt": "warm up " * n, "max_tokens": 8, "temperature": 0}).raise_for_status()
 
 

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from loadgen.cli import main as bench_serve  # noqa: E402
-from scripts.exp_disagg_vs_colocated import _interrupt, start, stop  # noqa: E402
+from scripts.exp_disagg_vs_colocated import _interrupt, start, stop, warm_up  # noqa: E402
 
 
 def make_checkpoint(path: Path) -> Path:
@@ -99,12 +100,6 @@ def start_transformers(ckpt: Path, out: Path, timeout_s: float = 300.0) -> tuple
     stop(proc)
     raise SystemExit(f"transformers serve {why}; see {out / 'transformers.log'} (it needs `pip install "
                      "pdcluster[compare]`: fastapi, uvicorn and accelerate)")
-
-
-def warm(url: str, model: str) -> None:
-    for n in (8, 64, 200):
-        httpx.post(f"{url}/v1/completions", timeout=300,
-                   json={"model": model, "prompt": "warm up " * n, "max_tokens": 8}).raise_for_status()
 
 
 def ratios(result: dict) -> list[dict]:
@@ -175,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         theirs, theirs_url = start_transformers(ckpt, out)
         procs.append(theirs)
         model = str(ckpt)
-        warm(ours_url, model)
-        warm(theirs_url, model)
+        warm_up(ours_url, model)
+        warm_up(theirs_url, model)
         common = ["--endpoint", ours_url, "--endpoint-label", "pdcluster", "--endpoint", theirs_url,
                   "--endpoint-label", "transformers", "--model", model, "--tokenizer", str(ckpt),
                   "--time-limit-s", str(args.time_limit_s), "--request-timeout-s", str(args.time_limit_s)]
@@ -206,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         text += table(bursts, "16 concurrent streams, 200-token prompts, 64 output tokens (one row per burst)")
         ok = [b["throughput_ratio"] for b in bursts if b["throughput_ratio"]]
         if ok:
-            med = sorted(ok)[len(ok) // 2]
+            med = statistics.median(ok)
             summary["burst16_median_ratio"] = med
             text += f"\nmedian output-throughput ratio over {len(ok)} bursts: **{med:.1f}x**\n\n"
     if "azure" in summary:
