@@ -27,6 +27,7 @@ from decode_worker.decode_engine import DecodeEngine
 from engine.engine import Engine
 from engine.config import EngineConfig
 from engine.sequence import Sequence
+from engine.step_stats import StepTotals
 from pdcluster.logs import request_context
 from proto import generate_pb2 as gen
 from proto import kv_transfer_pb2
@@ -34,7 +35,7 @@ from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import server_interceptors
 from proto.serving import add_health_and_reflection, bind_server
-from proto.convert import logprob_to_proto, sampling_from_proto, ticket_to_proto
+from proto.convert import logprob_to_proto, sampling_from_proto, step_stats_to_proto, ticket_to_proto
 
 log = logging.getLogger("pdcluster.decode")
 SERVICE_NAME = wk.DESCRIPTOR.services_by_name["DecodeWorker"].full_name  # "pdcluster.v1.DecodeWorker"
@@ -83,6 +84,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         self._cached_tokens = 0  # of which served from the prefix cache
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.step_totals = StepTotals()
         wk_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
         services = [SERVICE_NAME, KV_SERVICE_NAME] if self.decode else [SERVICE_NAME]
         self.health = add_health_and_reflection(self.server, services)
@@ -116,6 +118,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             self._wake.wait(0.05)
             self._wake.clear()
             return
+        t0 = time.perf_counter()
         if self.decode:
             seqs = self.decode.step()
         else:
@@ -123,6 +126,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
                 seqs = self.engine.step()
         for seq in seqs:
             self._emit(seq)
+        self.step_totals.add(self.engine.last_step, time.perf_counter() - t0)
 
     def _emit(self, seq: Sequence) -> None:
         stream = self._streams.get(seq.request_id)
@@ -274,7 +278,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             worker_id=self.worker_id, role=self.role, running=len(sched.running), queued=queued,
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
             queued_prefill_tokens=self._queued_tokens, prefix_cache_hit_tokens=self._cached_tokens,
-            prompt_tokens=self._prompt_tokens,
+            prompt_tokens=self._prompt_tokens, steps=step_stats_to_proto(self.step_totals),
         )
 
     def stop(self, grace: float = 1.0) -> None:

@@ -18,6 +18,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.step_stats import StepShape
 
 ROLES = ("colocated", "prefill", "decode")
 LayerHookFactory = Callable[[list[ScheduledSeq]], Callable[[int], None] | None]
@@ -60,6 +61,7 @@ class Engine:
             self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, handoff_after_prefill=role == "prefill"
         )
         self.sampler = Sampler(self.runner.device, seed)
+        self.last_step: StepShape | None = None  # the batch the last step() ran (None: it ran none)
 
     # ------------------------------------------------------------------ requests
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -100,7 +102,13 @@ class Engine:
         """Run one forward pass. Returns the sequences that received a token this step."""
         batch = self.scheduler.schedule()
         if not batch:
+            self.last_step = None
             return []
+        decode = all(item.num_tokens == 1 and item.seq.num_computed_tokens == len(item.seq.token_ids) - 1
+                     for item in batch)
+        self.last_step = StepShape("decode" if decode else "prefill", len(batch),
+                                   sum(item.num_tokens for item in batch),
+                                   sum(item.seq.num_computed_tokens + item.num_tokens for item in batch))
         hook = hook_factory(batch) if hook_factory is not None else None
         logits = self.runner.run(batch, hook)
         completing = [item.seq for item in batch if item.completes]

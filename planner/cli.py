@@ -5,11 +5,13 @@
     pdcluster plan simulate --prefill cpu:1 --decode cpu:1 --rate 1 --workload azure-conv --max-context 1024
                                                               one cluster, one rate: its latencies
     pdcluster plan calibrate                                  time the engine here, write cpu coefficients
+    pdcluster plan calibrate --serving-url http://HOST:PORT   fit a running cluster's step costs under load
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
@@ -284,8 +286,49 @@ def _calibrate(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=4, help="decode steps timed per batch shape")
     p.add_argument("--quick", action="store_true", help="a third of the shapes (a smoke test)")
     p.add_argument("--out", default=str(CPU_COEFFICIENTS))
+    live = p.add_argument_group("live", "instead: fit the step costs of a running cluster under load, "
+                                        "added to --out as `live` (planner/calibrate_serving.py)")
+    live.add_argument("--serving-url", default=None, help="the cluster's OpenAI API, e.g. http://127.0.0.1:8000")
+    live.add_argument("--api-key", default=None)
+    live.add_argument("--levels", default="1,2,4,8,16,32", help="concurrent streams per sample")
+    live.add_argument("--prompt-lens", default="64,256,768", help="prompt tokens per sample")
+    live.add_argument("--output-tokens", type=int, default=64)
+    live.add_argument("--seconds", type=float, default=8.0, help="measured window per sample (after 3 s warm-up)")
+    live.add_argument("--decode-role", choices=("decode", "colocated"), default="decode",
+                      help="whose decode steps to fit: decode workers, or colocated ones")
     args = p.parse_args(argv)
-    calibrate(args.model, args.cpu, args.repeats, args.steps, Path(args.out), quick=args.quick)
+    if args.serving_url is None:
+        calibrate(args.model, args.cpu, args.repeats, args.steps, Path(args.out), quick=args.quick)
+        return 0
+    return _calibrate_live(args)
+
+
+def _calibrate_live(args: argparse.Namespace) -> int:
+    import httpx
+
+    from planner.calibrate_serving import probe_live
+
+    out = Path(args.out)
+    if not out.is_file():
+        raise SystemExit(f"{out}: no coefficients to add to; run `pdcluster plan calibrate` first")
+    coeffs = json.loads(out.read_text())
+    ints = lambda s: tuple(int(x) for x in s.split(","))
+    try:
+        live = probe_live(args.serving_url, coeffs["model"], coeffs["model"], ints(args.levels), ints(args.prompt_lens),
+                          args.output_tokens, seconds=args.seconds, api_key=args.api_key, decode_role=args.decode_role,
+                          engine_prefill=coeffs["prefill"])
+    except (RuntimeError, httpx.HTTPError) as e:
+        raise SystemExit(f"live calibration failed: {e}") from e
+    d = live["decode"]
+    print(f"decode   {d['a'] * 1e3:.3f} ms + {d['b'] * 1e6:.4f} us * sum_context + {d['c'] * 1e3:.3f} ms * batch "
+          f"(fit error mean {d['mean_abs_pct_error']:.1f}%, max {d['max_abs_pct_error']:.1f}%)")
+    if "prefill" in live:
+        q = live["prefill"]
+        print(f"prefill  {q['a'] * 1e3:.3f} ms + {q['b'] * 1e6:.3f} us * sum_new + {q['c'] * 1e9:.4f} ns * sum_attn "
+              f"(fit error mean {q['mean_abs_pct_error']:.1f}%, max {q['max_abs_pct_error']:.1f}%)")
+    coeffs.setdefault("live", {})[args.decode_role] = live
+    out.write_text(json.dumps(coeffs, indent=1) + "\n")
+    print(f"wrote `live` into {out}")
     return 0
 
 

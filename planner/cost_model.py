@@ -141,19 +141,31 @@ def load_coefficients(path: str | Path = CPU_COEFFICIENTS) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def fitted_from(coeffs: dict[str, Any]) -> FittedCostModel:
-    """The calibrated engine, plus what the serving probe measured per streamed token on top of a
-    decode step (the worker's own gRPC stream of each token, on the worker's core) added to c.
-    (The rest of the serving path's CPU is the host's: ClusterSpec.host_cores.)"""
+def live_for(coeffs: dict[str, Any], role: str) -> dict[str, Any] | None:
+    """The step costs `pdcluster plan calibrate --serving-url` measured on a running cluster for a
+    worker of `role` (prefill / decode: the disaggregated cluster's; colocated: the colocated one's)."""
+    live = coeffs.get("live") or {}
+    return live.get("colocated" if role == "colocated" else "decode")
+
+
+def fitted_from(coeffs: dict[str, Any], role: str = "decode") -> FittedCostModel:
+    """The calibrated engine for a worker of `role`. With live step costs for that role (measured
+    under load, streaming and the serving path's share of the machine included) those; else the
+    engine's own, plus what the zero-load serving probe measured per streamed token on top of a
+    decode step (the worker's own gRPC stream of each token, on the worker's core) added to c
+    (the rest of the serving path's CPU is the host's: ClusterSpec.host_cores)."""
     p, d = coeffs["prefill"], coeffs["decode"]
     per_token = (coeffs.get("serving") or {}).get("decode_token_s", 0.0)
+    live = live_for(coeffs, role)
+    if live is not None:
+        p, d, per_token = live.get("prefill") or p, live["decode"], 0.0
     return FittedCostModel((p["a"], p["b"], p["c"]), (d["a"], d["b"], d["c"] + per_token),
                            int(coeffs["kv_capacity_tokens"]), int(coeffs["kv_bytes_per_token"]))
 
 
 def cost_model_for(hw: Hardware, model: ModelShape, tp: int = 1, dtype_bytes: int = 2,
                    coefficients: dict[str, Any] | None = None,
-                   params: RooflineParams | None = None) -> CostModel:
+                   params: RooflineParams | None = None, role: str = "decode") -> CostModel:
     """Fitted coefficients for `cpu` (they must be for this model), else the roofline."""
     if hw.is_cpu and coefficients is not None:
         fitted_model = coefficients.get("model_shape", {})
@@ -162,7 +174,7 @@ def cost_model_for(hw: Hardware, model: ModelShape, tp: int = 1, dtype_bytes: in
                              f"calibrate on it: `pdcluster plan calibrate --model CHECKPOINT_DIR` (a {model.name} checkpoint)")
         if tp != 1:
             raise ValueError("cpu workers have tp 1")
-        return fitted_from(coefficients)
+        return fitted_from(coefficients, role)
     if tp > hw.max_tp:
         raise ValueError(f"tp {tp} exceeds {hw.name}'s max_tp {hw.max_tp}")
     return RooflineCostModel(hw, model, tp, dtype_bytes, params or RooflineParams())

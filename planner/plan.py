@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner.catalog import Hardware
-from planner.cost_model import CostModel, RooflineParams, cost_model_for
+from planner.cost_model import CostModel, RooflineParams, cost_model_for, live_for
 from planner.models import DTYPE_BYTES, ModelShape
 from planner.simulator import ClusterSpec, WorkerSpec
 
@@ -90,10 +90,10 @@ class PlanContext:
             raise ValueError(f"unknown hardware {name!r}; known: {', '.join(self.catalog)}")
         return self.catalog[name]
 
-    def cost(self, pool: Pool) -> CostModel:
+    def cost(self, pool: Pool, role: str = "decode") -> CostModel:
         hw = self.hardware(pool.hardware)
         dtype_bytes = DTYPE_BYTES["float32"] if hw.is_cpu and self.coefficients else DTYPE_BYTES[self.dtype]
-        return cost_model_for(hw, self.model, pool.tp, dtype_bytes, self.coefficients, self.roofline)
+        return cost_model_for(hw, self.model, pool.tp, dtype_bytes, self.coefficients, self.roofline, role)
 
     def overheads(self, plan: Plan) -> Overheads:
         if all(self.hardware(p.hardware).is_cpu for p in plan.pools) and self.coefficients:
@@ -110,22 +110,25 @@ class PlanContext:
         return hw.inter_node_gbps * pool.tp
 
 
-def worker_spec(plan: Plan, pool: Pool, ctx: PlanContext) -> WorkerSpec:
-    return WorkerSpec(ctx.cost(pool), plan.max_num_batched_tokens, plan.max_num_seqs, ctx.block_size,
+def worker_spec(plan: Plan, pool: Pool, ctx: PlanContext, role: str = "decode") -> WorkerSpec:
+    """`role`: prefill, decode or colocated (which calibrated step costs a cpu worker gets)."""
+    return WorkerSpec(ctx.cost(pool, role), plan.max_num_batched_tokens, plan.max_num_seqs, ctx.block_size,
                       ctx.link_gbps(pool), pool.hardware)
 
 
 def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
     o = ctx.overheads(plan)
     cpu = any(ctx.hardware(p.hardware).is_cpu for p in plan.pools)
-    prefill = [worker_spec(plan, plan.prefill, ctx)] * plan.prefill.count if plan.prefill else []
-    decode = [worker_spec(plan, plan.decode, ctx)] * plan.decode.count
+    prefill = [worker_spec(plan, plan.prefill, ctx, "prefill")] * plan.prefill.count if plan.prefill else []
+    decode = [worker_spec(plan, plan.decode, ctx, plan.mode if plan.mode == "colocated" else "decode")] * plan.decode.count
     # one CPU core has nothing to overlap a transfer with: it is sent after the step
     serving = ((ctx.coefficients or {}).get("serving") or {}) if cpu else {}
     # the serving path's CPU per token, less the part the decode worker spends on its own core
     # (decode_token_s, in its steps: cost_model.fitted_from); the rest (router, HTTP API, client)
     # floats over the host's cores
     host_cpu = max(0.0, serving.get("cpu_per_token_s", 0.0) - serving.get("decode_token_s", 0.0))
+    if cpu and ctx.coefficients and live_for(ctx.coefficients, plan.mode if plan.mode == "colocated" else "decode"):
+        host_cpu = 0.0  # step costs measured under load: the serving path's share of the cores is in them
     return ClusterSpec(plan.mode, prefill, decode, o.kv_latency_s, layerwise=not cpu, num_layers=ctx.model.num_layers,
                        router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,
                        host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import grpc
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from engine.step_stats import StepTotals
 from kv_transfer import KVFaults, KVTransferError, TransferTicket, create_sender
 from pdcluster.logs import request_context
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
@@ -29,7 +31,7 @@ from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import CarrySecret, server_interceptors
 from proto.serving import add_health_and_reflection, bind_server
-from proto.convert import logprob_to_proto, sampling_from_proto, ticket_from_proto
+from proto.convert import logprob_to_proto, sampling_from_proto, step_stats_to_proto, ticket_from_proto
 
 log = logging.getLogger("pdcluster.prefill")
 SERVICE_NAME = wk.DESCRIPTOR.services_by_name["PrefillWorker"].full_name  # "pdcluster.v1.PrefillWorker"
@@ -78,6 +80,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self._prompt_tokens = 0  # cumulative, successful prefills (engine thread)
         self._cached_tokens = 0  # of which served from the prefix cache
         self._stop = threading.Event()
+        self.step_totals = StepTotals()
         self.server, self.address = bind_server(host, port, 256, f"prefill worker {self.worker_id}",
                                                 interceptors=server_interceptors(cluster_secret, self.worker_id))
         wk_grpc.add_PrefillWorkerServicer_to_server(self, self.server)
@@ -126,6 +129,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             self._queued_tokens = self.prefill.num_queued_tokens  # read by Stats (engine thread only)
             if not self.prefill.has_work():
                 continue
+            t0 = time.perf_counter()
             try:
                 results = self.prefill.step()
             except Exception:
@@ -136,6 +140,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
                 continue
             for r in results:
                 self._finish(r.request_id, r)
+            self.step_totals.add(self.engine.last_step, time.perf_counter() - t0)
 
     def _finish(self, request_id: str, result: PrefillResult | None) -> None:
         p = self._pending.pop(request_id, None)
@@ -214,7 +219,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             queued=len(sched.waiting) + self._inbox.qsize(), kv_blocks_used=bm.num_used_blocks,
             kv_blocks_free=bm.num_free_blocks, queued_prefill_tokens=self._queued_tokens,
             kv_bytes_sent=dict(self.prefill.sender.bytes_sent), prefix_cache_hit_tokens=self._cached_tokens,
-            prompt_tokens=self._prompt_tokens,
+            prompt_tokens=self._prompt_tokens, steps=step_stats_to_proto(self.step_totals),
         )
 
     def stop(self, grace: float = 1.0) -> None:

@@ -7,6 +7,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
+from engine.step_stats import StepTotals
 from kv_transfer.base import TransferTicket
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
@@ -71,3 +72,8 @@ def ticket_from_proto(msg: wk.TransferTicket) -> TransferTicket:
         transfer_id=msg.transfer_id, kv_endpoint=msg.kv_endpoint, block_ids=list(msg.block_ids),
         compat_hash=msg.compat_hash, auth_token=msg.auth_token, num_tokens=msg.num_tokens, backend=msg.backend,
     )
+
+
+def step_stats_to_proto(totals: StepTotals) -> list[wk.StepPhaseStats]:
+    return [wk.StepPhaseStats(phase=phase, steps=t.steps, seconds=t.seconds, seqs=t.seqs, tokens=t.tokens,
+                              context_tokens=t.context) for phase, t in totals.snapshot().items()]

@@ -95,6 +95,14 @@ _WORKER_COUNTERS = (
     ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
 )
 
+_STEP_COUNTERS = (  # engine loop iterations by phase (engine/step_stats.py)
+    ("steps", "steps", "Engine steps run by the worker, by phase."),
+    ("step_seconds", "seconds", "Wall time of the worker's engine steps (and handing out their tokens), by phase."),
+    ("step_seqs", "seqs", "Sum of the batch sizes of the worker's engine steps, by phase."),
+    ("step_tokens", "tokens", "Tokens computed by the worker's engine steps, by phase."),
+    ("step_context_tokens", "context_tokens", "Sum over the worker's engine steps of the tokens attended to, by phase."),
+)
+
 
 class WorkerStatsCollector(Collector):
     """Per-worker gauges and counters from the last `WorkerStats` of each worker, read at scrape
@@ -116,6 +124,8 @@ class WorkerStatsCollector(Collector):
             "pdcluster_worker_kv_transfer_bytes", "KV cache bytes the worker sent, by transfer backend.",
             labels=[*labels, "backend"],
         )
+        steps = [(f, CounterMetricFamily(f"pdcluster_worker_{n}", h, labels=[*labels, "phase"]))
+                 for n, f, h in _STEP_COUNTERS]
         for w in self._workers():
             values = [w.worker_id, w.role]
             up.add_metric(values, 1.0 if w.healthy else 0.0)
@@ -125,8 +135,11 @@ class WorkerStatsCollector(Collector):
                 family.add_metric(values, float(getattr(w.stats, field)))
             for backend, nbytes in sorted(w.stats.kv_bytes_sent.items()):
                 kv_bytes.add_metric([*values, backend], float(nbytes))
+            for phase in w.stats.steps:
+                for field, family in steps:
+                    family.add_metric([*values, phase.phase], float(getattr(phase, field)))
         yield up
-        for _, family in (*gauges, *counters):
+        for _, family in (*gauges, *counters, *steps):
             yield family
         yield kv_bytes
 

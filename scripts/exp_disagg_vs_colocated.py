@@ -117,6 +117,25 @@ def warm_up(url: str, model: str) -> None:
             "model": model, "prompt": "warm up " * n, "max_tokens": 8, "temperature": 0}).raise_for_status()
 
 
+def calibrate_live(urls: dict[str, str], out: Path, levels: tuple[int, ...], seconds: float,
+                   prompt_lens: tuple[int, ...] = (64, 256, 768)) -> Path:
+    """Each cluster's step costs under load, added to a copy of the calibrated coefficients."""
+    from planner.calibrate_serving import probe_live
+    from planner.cost_model import CPU_COEFFICIENTS
+
+    coeffs = json.loads(CPU_COEFFICIENTS.read_text())
+    coeffs["live"] = {}
+    for name, url in urls.items():
+        role = "colocated" if name == "colocated" else "decode"
+        print(f"live calibration of {name} ({url}):", flush=True)
+        coeffs["live"][role] = probe_live(url, coeffs["model"], coeffs["model"], levels, prompt_lens, seconds=seconds,
+                                          decode_role=role, engine_prefill=coeffs["prefill"])
+    path = out / "cpu_coefficients_live.json"
+    path.write_text(json.dumps(coeffs, indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
 def analyse(result: dict) -> dict:
     """Per system and rate: attainment, goodput, p99 TPOT; the two goals' ratios."""
     table: dict[str, dict[float, dict]] = {}
@@ -183,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--time-limit-s", type=float, default=180.0, help="per run")
     p.add_argument("--out", default="bench_results/exp_disagg_vs_colocated")
+    p.add_argument("--calibrate-live", action="store_true",
+                   help="before the sweep, fit each cluster's step costs under load (planner/calibrate_serving.py) "
+                        "into OUT/cpu_coefficients_live.json, for scripts/exp_planner_accuracy.py --coefficients")
+    p.add_argument("--calibrate-levels", default="1,2,4,8,16,32")
+    p.add_argument("--calibrate-seconds", type=float, default=8.0)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the clusters on a kill too (see the finally below)
     out = (REPO / args.out).resolve()
@@ -200,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         model = httpx.get(f"{urls['disaggregated']}/v1/models", timeout=10).json()["data"][0]["id"]
         for url in urls.values():
             warm_up(url, model)
+        if args.calibrate_live:
+            calibrate_live(urls, out, tuple(int(x) for x in args.calibrate_levels.split(",")), args.calibrate_seconds)
         argv_serve = []
         for name, url in urls.items():
             argv_serve += ["--endpoint", url, "--endpoint-label", name]

@@ -134,7 +134,8 @@ def test_worker_collector_exposes_gauges_and_counters_from_the_last_stats():
                              kv_blocks_free=61, queued_prefill_tokens=40, prompt_tokens=900,
                              prefix_cache_hit_tokens=320, kv_bytes_sent={"shm": 4096, "grpc": 1024})
     decode = wk.WorkerStats(worker_id="d0", role=wk.WORKER_ROLE_DECODE, running=5, kv_blocks_used=10,
-                            kv_blocks_free=54)
+                            kv_blocks_free=54, steps=[wk.StepPhaseStats(phase="decode", steps=7, seconds=0.35, seqs=21,
+                                                                        tokens=21, context_tokens=2100)])
     workers = [_worker("p0", "prefill", prefill), _worker("d0", "decode", decode), _worker("d1", "decode", None, False)]
     m = RouterMetrics(lambda: workers)
     f = _families(m.registry)
@@ -155,6 +156,12 @@ def test_worker_collector_exposes_gauges_and_counters_from_the_last_stats():
     assert _value(f, "pdcluster_worker_prefix_cache_hit_tokens", "pdcluster_worker_prefix_cache_hit_tokens_total",
                   worker="p0", role="prefill") == 320
     assert _value(f, "pdcluster_worker_prompt_tokens", "pdcluster_worker_prompt_tokens_total", worker="p0") == 900
+    assert f["pdcluster_worker_steps"].type == "counter"
+    assert _value(f, "pdcluster_worker_steps", "pdcluster_worker_steps_total", worker="d0", phase="decode") == 7
+    assert _value(f, "pdcluster_worker_step_seconds", "pdcluster_worker_step_seconds_total", worker="d0") == 0.35
+    assert _value(f, "pdcluster_worker_step_seqs", "pdcluster_worker_step_seqs_total", phase="decode") == 21
+    assert _value(f, "pdcluster_worker_step_context_tokens", "pdcluster_worker_step_context_tokens_total",
+                  worker="d0", role="decode", phase="decode") == 2100
     assert _value(f, "pdcluster_worker_up", "pdcluster_worker_up", worker="d1", role="decode") == 0
     assert _value(f, "pdcluster_worker_up", "pdcluster_worker_up", worker="p0") == 1
     assert not any(s.labels["worker"] == "d1" for s in f["pdcluster_worker_kv_blocks_free"].samples)  # no stats yet

@@ -107,3 +107,24 @@ def test_calibration_fit_recovers_known_coefficients():
     assert err["mean_abs_pct_error"] < 2.0
     coef, _ = fit([[1, 1], [1, 2], [1, 3]], [3.0, 2.0, 1.0])  # a decreasing trend: no negative slope
     assert min(coef) >= 0
+
+
+def test_live_step_costs_replace_the_engine_fit_per_role_and_the_host_share():
+    from planner.catalog import load_catalog as catalog
+    from planner.models import model_shape
+    from planner.plan import Plan, PlanContext, Pool, build_cluster
+
+    live = {"decode": {"a": 0.007, "b": 5e-6, "c": 7e-4}, "prefill": {"a": 0.02, "b": 4e-4, "c": 2e-7}}
+    coeffs = {"model": "builtin:tiny-llama", "model_shape": {"name": "builtin:tiny-llama"},
+              "prefill": {"a": 0.01, "b": 2e-4, "c": 1e-7}, "decode": {"a": 0.004, "b": 1e-6, "c": 5e-3},
+              "kv_capacity_tokens": 1000, "kv_bytes_per_token": 9216,
+              "serving": {"decode_token_s": 1e-3, "cpu_per_token_s": 3e-3, "host_cores": 2},
+              "live": {"decode": live}}
+    ctx = PlanContext(model_shape("builtin:tiny-llama"), catalog(), coefficients=coeffs)
+    disagg = build_cluster(Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), 2048, 256), ctx)
+    assert disagg.prefill[0].cost.prefill == (0.02, 4e-4, 2e-7)
+    assert disagg.decode[0].cost.decode == (0.007, 5e-6, 7e-4)
+    assert disagg.host_cpu_per_token_s == 0.0  # measured under load: the serving path's share is in the steps
+    coloc = build_cluster(Plan("colocated", None, Pool("cpu", 2), 2048, 256), ctx)
+    assert coloc.decode[0].cost.decode == (0.004, 1e-6, 6e-3)  # no live fit for colocated workers
+    assert coloc.host_cpu_per_token_s == pytest.approx(2e-3)

@@ -1,0 +1,164 @@
+"""`pdcluster plan calibrate --serving-url URL`: fit the step costs of a running cluster under load.
+
+`pdcluster plan calibrate` times the bare engine in one process. A serving worker's step costs
+more: each iteration also hands its tokens to the response streams, and the worker shares its
+process (gRPC threads, one GIL) and the machine (router, HTTP API, clients) with the serving path,
+more so the more tokens per second flow. This probe measures that directly on a deployment:
+
+    for each prompt length P and concurrency B: B clients send prompts of P tokens (distinct,
+    so no prefix-cache hits) for `output_tokens` tokens each, back to back, over the OpenAI
+    API with streaming, as the load generator does; after `warmup_s` the router's /metrics is
+    read, again `seconds` later, and the difference of the workers' step counters
+    (engine/step_stats.py) is one sample per phase:
+
+        decode   mean step = a + b * mean sum(context) + c * mean batch
+        prefill  mean step = r x the engine's fit (`calibrate`) at mean tokens, mean tokens x P
+                 (prompts of P tokens from scratch: sum n(p + n) = n P); a few prompt lengths
+                 cannot pin three coefficients, so only the ratio r is fitted (sum over sum)
+
+and fits the decode one as `calibrate` does (least squares on relative error, coefficients >= 0). The
+result goes into the coefficients file as `live`; the planner then uses these step costs for
+`cpu` pools in place of the engine's own plus the zero-load serving probe's per-token cost, and
+lets no other serving CPU compete for the host's cores (the measured steps already paid for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from planner.calibrate import fit
+
+LEVELS = (1, 2, 4, 8, 16, 32)
+PROMPT_LENS = (64, 256, 768)
+_FIELDS = ("steps", "step_seconds", "step_seqs", "step_tokens", "step_context_tokens")
+
+
+def scrape_steps(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[tuple[str, str], dict]:
+    """{(role, phase): {steps, step_seconds, ...}} summed over the workers, from the router's /metrics."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=timeout_s).raise_for_status().text
+    out: dict[tuple[str, str], dict] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix("pdcluster_worker_")
+        if name not in _FIELDS or family.type != "counter":
+            continue
+        for s in family.samples:
+            if s.name.endswith("_total"):
+                key = (s.labels["role"], s.labels["phase"])
+                row = out.setdefault(key, dict.fromkeys(_FIELDS, 0.0))
+                row[name] += s.value
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict[tuple[str, str], dict]:
+    return {k: {f: v[f] - before.get(k, {}).get(f, 0.0) for f in _FIELDS} for k, v in after.items()}
+
+
+async def _closed_loop(url: str, model: str, prompts: Iterator[str], concurrency: int, output_tokens: int,
+                       warmup_s: float, seconds: float, api_key: str | None) -> tuple[dict, dict, float]:
+    from loadgen.client import CompletionsClient, EndpointConfig, RequestRecord
+    from loadgen.workload import Request
+
+    endpoint = EndpointConfig(url, ignore_eos=True, request_timeout_s=max(60.0, 4 * seconds), api_key=api_key)
+    tpots: list[float] = []
+
+    async with CompletionsClient(endpoint) as client:
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            for i, prompt in enumerate(prompts):  # shared by the streams; each prompt is sent once
+                req = Request(i, prompt, 0, output_tokens, None)
+                rec = RequestRecord(i, 0.0, 0, output_tokens)
+                await client.send(req, rec, t0, model)
+                # the client's TPOT of the requests that ran wholly inside the measured window
+                if rec.tpot is not None and rec.start_s is not None and rec.end_s is not None \
+                        and warmup_s <= rec.start_s and rec.end_s <= warmup_s + seconds:
+                    tpots.append(rec.tpot)
+
+        tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        await asyncio.sleep(warmup_s)
+        before = await asyncio.to_thread(scrape_steps, url, api_key)
+        t1 = time.perf_counter()
+        await asyncio.sleep(seconds)
+        after = await asyncio.to_thread(scrape_steps, url, api_key)
+        elapsed = time.perf_counter() - t1
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return _delta(after, before), {"tpot_s": sorted(tpots)}, elapsed
+
+
+def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = LEVELS,
+               prompt_lens: tuple[int, ...] = PROMPT_LENS, output_tokens: int = 64, warmup_s: float = 3.0,
+               seconds: float = 8.0, api_key: str | None = None, decode_role: str = "decode",
+               engine_prefill: dict[str, float] | None = None,
+               say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Drive the cluster behind `url` (its OpenAI API) at each (prompt length, concurrency) and fit
+    its decode (and, where it has prefill steps, prefill) step costs; see the module docstring."""
+    from loadgen.cli import load_tokenizer
+    from loadgen.client import EndpointConfig, fetch_model
+    from loadgen.workload import WorkloadConfig, load_workload
+
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    name = asyncio.run(fetch_model(EndpointConfig(url, api_key=api_key)))
+    samples: list[dict[str, Any]] = []
+    for p in prompt_lens:
+        n = 40 * sum(levels)  # distinct prompts, more than the levels send (no prefix-cache hits)
+        w = load_workload(WorkloadConfig("synthetic", n, seed=p, synthetic_input=f"fixed:{p}",
+                                         synthetic_output=f"fixed:{output_tokens}"), tok, model)
+        prompts = iter([r.prompt for r in w.requests])
+        for b in levels:
+            delta, client, elapsed = asyncio.run(
+                _closed_loop(url, name, prompts, b, output_tokens, warmup_s, seconds, api_key))
+            for (role, phase), d in sorted(delta.items()):
+                if d["steps"] <= 0:
+                    continue
+                samples.append({"prompt": p, "concurrency": b, "role": role, "phase": phase,
+                                "window_s": elapsed, **{f: d[f] for f in _FIELDS},
+                                "client_tpot_p50_s": _median(client["tpot_s"])})
+            dec = delta.get((decode_role, "decode"))
+            if dec and dec["steps"]:
+                say(f"prompt {p:5d} x {b:3d} streams: decode {dec['step_seconds'] / dec['steps'] * 1e3:6.2f} ms/step "
+                    f"at batch {dec['step_seqs'] / dec['steps']:5.1f}; client TPOT p50 "
+                    f"{(_median(client['tpot_s']) or float('nan')) * 1e3:6.2f} ms")
+    decode = [s for s in samples if s["role"] == decode_role and s["phase"] == "decode"]
+    if len(decode) < 3:
+        raise RuntimeError(f"too few decode samples from {url} ({len(decode)}): is the cluster serving?")
+    dc, derr = fit([[1.0, s["step_context_tokens"] / s["steps"], s["step_seqs"] / s["steps"]] for s in decode],
+                   [s["step_seconds"] / s["steps"] for s in decode])
+    out: dict[str, Any] = {
+        "url": url, "decode_role": decode_role,
+        "decode": {"a": dc[0], "b": dc[1], "c": dc[2], **derr, "formula": "a + b * sum_context + c * batch"},
+    }
+    prefill_role = "prefill" if decode_role == "decode" else decode_role
+    prefill = [s for s in samples if s["role"] == prefill_role and s["phase"] == "prefill"]
+    if prefill and engine_prefill is not None:
+        # a few prompt lengths cannot pin three coefficients: scale the engine's own fit instead
+        a, b, c = (engine_prefill[k] for k in "abc")
+        predicted = sum(a * s["steps"] + b * s["step_tokens"] + c * s["step_tokens"] * s["prompt"] for s in prefill)
+        r = sum(s["step_seconds"] for s in prefill) / predicted
+        err = [abs(r * (a + (b + c * s["prompt"]) * s["step_tokens"] / s["steps"]) - s["step_seconds"] / s["steps"])
+               / (s["step_seconds"] / s["steps"]) * 100 for s in prefill]
+        out["prefill"] = {"a": r * a, "b": r * b, "c": r * c, "scale": r, "mean_abs_pct_error": sum(err) / len(err),
+                          "max_abs_pct_error": max(err), "formula": "scale x the engine's prefill fit"}
+    out.update({
+        "levels": list(levels), "prompt_lens": list(prompt_lens), "output_tokens": output_tokens,
+        "warmup_s": warmup_s, "seconds": seconds,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "method": "closed-loop streams over the OpenAI API at each (prompt length, concurrency); per window "
+                  "the difference of the workers' step counters from the router's /metrics = one sample "
+                  "(mean step time, batch, context, tokens); fitted on relative error, coefficients >= 0",
+        "samples": samples,
+    })
+    return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return xs[len(xs) // 2] if xs else None
