@@ -233,7 +233,7 @@ class Searcher:
                    + f" mnbt {mnbt} mns {mns}"] = g
             self.progress(f"unit {phase} {pool.hardware} tp{pool.tp}")
         composed = self.compose(units, space, target_rate)
-        ranked = self._verify(composed, target_rate, verify)
+        ranked = self._verify(composed, target_rate, verify, space)
         return SearchResult(ranked, composed, labels, self.simulations)
 
     def unit_jobs(self, space: SearchSpace) -> Iterable[tuple[str, str, Pool, int, int]]:
@@ -299,7 +299,8 @@ class Searcher:
                                     out.append(self.estimate(plan, min(a * gp, b * gd)))
         return out
 
-    def _verify(self, composed: list[Evaluation], target: float | None, k: int) -> list[Evaluation]:
+    def _verify(self, composed: list[Evaluation], target: float | None, k: int,
+                space: SearchSpace | None = None) -> list[Evaluation]:
         pool = [e for e in composed if e.goodput > 0]
         pool = sorted(pool, key=(lambda e: (e.cost_per_hour, -e.goodput)) if target else rank_key)
         done: list[Evaluation] = []
@@ -310,7 +311,7 @@ class Searcher:
             if e.plan in seen:
                 continue
             seen.add(e.plan)
-            done.append(self.verify_target(e, target) if target else self.verify_goodput(e))
+            done.append(self.verify_target(e, target, space) if target else self.verify_goodput(e))
             self.progress(f"verify {e.plan.label()}")
         return rank(done, target)
 
@@ -324,7 +325,9 @@ class Searcher:
             ev.rate = g
         return ev
 
-    def verify_target(self, e: Evaluation, target: float) -> Evaluation:
+    def verify_target(self, e: Evaluation, target: float, space: SearchSpace | None = None) -> Evaluation:
+        """Simulate the plan at the target rate; while it misses the SLO add a worker where the
+        misses are (at most 4 times, and never past the space's worker and device limits)."""
         plan = e.plan
         for _ in range(4):
             cluster = build_cluster(plan, self.ctx)
@@ -339,7 +342,10 @@ class Searcher:
                 n_p += 1
             else:
                 n_d += 1
-            plan = plan.with_counts(n_p, n_d)
+            bigger = plan.with_counts(n_p, n_d)
+            if space is not None and (max(n_p, n_d) > space.max_workers or not space.allows(bigger)):
+                break  # the pools have no more devices: the plan misses the target
+            plan = bigger
         ev = self.estimate(plan, e.goodput if plan == e.plan else 0.0)
         ev.verified, ev.meets_target, ev.ttft_ms, ev.tpot_ms, ev.attainment, ev.rate = True, ok, t_p, p_p, att, target
         if ok:

@@ -120,3 +120,13 @@ def test_a_node_pool_of_limited_size_caps_the_plans(searcher):
     assert result.composed and result.ranked
     for e in result.composed + result.ranked:
         assert e.plan.prefill.hardware != "H100-SXM" or e.plan.prefill.count <= 2
+
+
+def test_a_target_rate_never_grows_a_plan_past_its_node_pools(searcher):
+    """verify_target adds workers while a plan misses the target; never beyond --pools HW:N."""
+    space = SearchSpace(["A100-80GB"], ["A100-80GB"], ("colocated",), tps=(1,), max_workers=8,
+                        max_devices={"A100-80GB": 2})
+    small = Evaluation(Plan("colocated", None, Pool("A100-80GB", 2)), 1.0, 0.0, 1.0)
+    capped = searcher.verify_target(small, 1000.0, space)  # far beyond two GPUs
+    assert capped.plan.decode.count == 2 and not capped.meets_target
+    assert searcher.verify_target(small, 1000.0).plan.decode.count > 2  # without limits it grows
