@@ -205,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{(sv.get('router_in_s', 0) + sv.get('first_token_out_s', 0)) * 1e3:.1f} ms/request, "
             f"{max(0.0, sv.get('cpu_per_token_s', 0) - sv.get('decode_token_s', 0)) * 1e3:.2f} ms CPU/token "
             f"on {sv.get('host_cores')} shared cores)"), ""]
+    for role, live in sorted((coeffs.get("live") or {}).items()):
+        d, q = live["decode"], live.get("prefill") or {}
+        head.insert(-1, f"Live step costs of the {'colocated' if role == 'colocated' else 'disaggregated'} cluster "
+                        f"(measured under load {live.get('date')}; these replace the above for its workers, and no "
+                        f"serving CPU is added on the host): decode {d['a'] * 1e3:.2f} ms + {d['b'] * 1e6:.2f} "
+                        f"us/context token + {d['c'] * 1e3:.2f} ms/sequence (fit error mean "
+                        f"{d['mean_abs_pct_error']:.1f}%)" + (f"; prefill {q['scale']:.2f}x the engine fit" if q else ""))
     table = error_table(rows)
     rank_lines, summary = ranking(rows)
     text = "\n".join([*head, *table, "", *rank_lines]) + "\n"
