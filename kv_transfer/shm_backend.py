@@ -296,10 +296,7 @@ class ShmSender(GrpcSender):
 
     # ------------------------------------------------------------------ transfers
     def _payload(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
-        with self._lock:  # do not fill a segment for an endpoint already refused
-            hs = self._handshakes.get(ticket.kv_endpoint)
-            if hs is not None and hs.error is not None:
-                raise KVTransferError(hs.error)
+        self._raise_if_refused(ticket.kv_endpoint)  # do not fill a segment for an endpoint already refused
         nbytes = kv.numel() * kv.element_size()
         if nbytes == 0:
             return b""  # nothing to map: an empty inline payload
