@@ -65,6 +65,8 @@ ALIGN = 256  # layers start on this byte boundary within a slab
 PAGE = mmap.PAGESIZE
 PROBE_BYTES = 16
 MAX_MAPPINGS = 64  # segments a receiver keeps mapped (a sender normally uses a few)
+# phrases of ShmSender's placement refusals (see ShmSender._check_handshake; auto falls back on them)
+PLACEMENT = ("needs both workers on one node", "does not take the shm backend")
 
 
 def node_id() -> str:

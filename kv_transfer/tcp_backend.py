@@ -307,7 +307,7 @@ class TcpSender(GrpcSender):
             conn, tag = "gone", 0
         else:
             conn, tag = link.conn_id, next(link.tags)
-            link.frames.put((tag, payload))
+            self._queue_frame(link, tag, payload)
         return kv_transfer_pb2.KVLayer(
             transfer_id=ticket.transfer_id,
             auth_token=ticket.auth_token,
@@ -319,6 +319,10 @@ class TcpSender(GrpcSender):
             tcp_conn=conn,
             tcp_tag=tag,
         )
+
+    def _queue_frame(self, link: _Link, tag: int, staged: _Staged) -> None:
+        """Hand a frame to the connection's thread (a test hook: bytes may be altered here)."""
+        link.frames.put((tag, staged))
 
     def close(self) -> None:
         """Cancel streams in flight, close every channel and every data connection."""
@@ -425,7 +429,7 @@ class TcpReceiver(GrpcReceiver):
             try:
                 sock, _ = listener.accept()
             except TimeoutError:
-                self._sweep()
+                self._sweep_frames()
                 continue
             except OSError:
                 return
@@ -532,7 +536,7 @@ class TcpReceiver(GrpcReceiver):
         conn.frames.clear()
         self._cv.notify_all()
 
-    def _sweep(self) -> None:
+    def _sweep_frames(self) -> None:
         """Drop what nobody claimed within timeout_s: frames, refusals, connections ended or never made."""
         old = time.monotonic() - self.timeout_s
         with self._cv:
