@@ -130,7 +130,7 @@ def grpc_server() -> Iterator[tuple[grpc.Server, str]]:
 def live_decode(checkpoint, backend: str, srv: grpc.Server, endpoint: str) -> Iterator[DecodeEngine]:
     """A DecodeEngine with `backend`'s receiver registered on `srv` (started here); closed after,
     with torch_distributed's store and process groups, and tcp's data port, checked gone."""
-    kwargs = dict(timeout_s=5.0) if backend in ("torch_distributed", "tcp") else {}
+    kwargs = {"timeout_s": 5.0} if backend in ("torch_distributed", "tcp") else {}
     d = DecodeEngine(decode_engine(checkpoint), backend=backend, server=srv, endpoint=endpoint, **kwargs)
     srv.start()
     port = d.receiver._store.port if backend == "torch_distributed" else None
