@@ -26,7 +26,13 @@ from kv_transfer.tcp_backend import ACCEPTED, FRAME, HELLO, MAGIC
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from proto.cluster_auth import CarrySecret, generate_secret, server_interceptors
 from tests.integration.kv_helpers import (
-    PARAMS, cache_is_zero, clean, decode_engine, grpc_server, layer, port_is_closed,
+    PARAMS,
+    cache_is_zero,
+    clean,
+    decode_engine,
+    grpc_server,
+    layer,
+    port_is_closed,
 )
 
 pytestmark = pytest.mark.slow
