@@ -17,6 +17,7 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
     "grpc": ("kv_transfer.grpc_backend", "GrpcSender", "GrpcReceiver"),
     "shm": ("kv_transfer.shm_backend", "ShmSender", "ShmReceiver"),
     "torch_distributed": ("kv_transfer.torch_dist_backend", "TorchDistSender", "TorchDistReceiver"),
+    "tcp": ("kv_transfer.tcp_backend", "TcpSender", "TcpReceiver"),
     "auto": ("kv_transfer.auto", "AutoSender", "AutoReceiver"),
 }
 

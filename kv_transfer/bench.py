@@ -1,4 +1,4 @@
-"""KV transfer benchmark: the grpc, shm and torch_distributed backends against the machine's limits, and layer-wise overlap.
+"""KV transfer benchmark: the grpc, shm, torch_distributed and tcp backends against the machine's limits, and layer-wise overlap.
 
 Run as `pdcluster bench transfer [options]` or `python scripts/bench_transfer.py [options]`.
 
@@ -25,7 +25,7 @@ Limits, same bytes
              receiving process that only counts them.
     memcpy   `torch.Tensor.copy_` of each layer into a preallocated destination.
 
-Overlap (built-in model, `--overlap-tokens` prompt, grpc, TTFT = `PrefillEngine.step()` incl. commit)
+Overlap (built-in model, `--overlap-tokens` prompt, `--overlap-backend` (grpc), TTFT = `PrefillEngine.step()` incl. commit)
     a) normal     layers are sent from the layer hook during the forward pass (background stream)
     b) sync       the same, but after every `send_layer` wait for the receiver's ack (`flush`)
     c) compute    a sender whose send_layer / commit do nothing
@@ -61,6 +61,7 @@ LAYOUTS = {
     "llama3-8b": (32, 8, 128, "bfloat16"),
 }
 BLOCK_SIZE = 16
+BACKENDS = ("grpc", "shm", "torch_distributed", "tcp")
 SKIP_ESTIMATE_S = 60.0
 
 
@@ -197,7 +198,7 @@ class _Receiver:
         cfg = EngineConfig(model=str(path), dtype=lay.dtype, device="cpu", num_blocks=blocks,
                            max_model_len=max_tokens + BLOCK_SIZE, enable_prefix_caching=False)
         self.engine = Engine(cfg, "decode")
-        self.decoders = {b: DecodeEngine(self.engine, backend=b) for b in ("grpc", "shm", "torch_distributed")}
+        self.decoders = {b: DecodeEngine(self.engine, backend=b) for b in BACKENDS}
 
     def close(self) -> None:
         for d in self.decoders.values():
@@ -290,7 +291,7 @@ def transfer_time(peer: _Peer, backend: str, sender, layer: torch.Tensor, layers
 
 
 # ------------------------------------------------------------------------------- overlap
-def overlap(tokens: int, repeats: int) -> dict:
+def overlap(tokens: int, repeats: int, backend: str = "grpc") -> dict:
     from decode_worker import DecodeEngine
     from engine import Engine, EngineConfig, SamplingParams
     from kv_transfer import KVSender, create_sender
@@ -307,7 +308,7 @@ def overlap(tokens: int, repeats: int) -> dict:
             pass
 
     class SyncSender(KVSender):
-        """grpc, but each layer is acknowledged before the forward pass goes on."""
+        """The backend's sender, but each layer is acknowledged before the forward pass goes on."""
 
         def __init__(self, inner) -> None:
             super().__init__(inner.compat_hash)
@@ -326,10 +327,10 @@ def overlap(tokens: int, repeats: int) -> dict:
     blocks = -(-tokens // BLOCK_SIZE) + 2
     cfg = EngineConfig(model="builtin:tiny-llama", device="cpu", num_blocks=blocks, max_model_len=tokens + BLOCK_SIZE,
                        max_num_batched_tokens=max(2048, tokens), enable_prefix_caching=False)
-    decode = DecodeEngine(Engine(cfg, "decode"), backend="grpc")
+    decode = DecodeEngine(Engine(cfg, "decode"), backend=backend)
     pre_engine = Engine(cfg, "prefill")
-    grpc_sender = create_sender("grpc", decode.compat_hash, timeout_s=120.0)
-    senders = {"normal": grpc_sender, "sync": SyncSender(grpc_sender),
+    inner = create_sender(backend, decode.compat_hash, timeout_s=120.0)
+    senders = {"normal": inner, "sync": SyncSender(inner),
                "compute": NullSender(decode.compat_hash)}
     g = torch.Generator().manual_seed(0)
     vocab = pre_engine.model_cfg.vocab_size
@@ -356,7 +357,7 @@ def overlap(tokens: int, repeats: int) -> dict:
                     times[mode].append(elapsed)
                     commit_ms[mode].append(results[0].commit_ms)
     finally:
-        grpc_sender.close()
+        inner.close()
         decode.close()
     def hidden(stat: Callable[[list[float]], float]) -> float | None:
         a, b, c = (stat(times[k]) for k in ("normal", "sync", "compute"))
@@ -364,7 +365,7 @@ def overlap(tokens: int, repeats: int) -> dict:
 
     lay = Layout("builtin", *LAYOUTS["builtin"])
     return {
-        "tokens": tokens, "bytes": lay.nbytes(tokens), "repeats": repeats,
+        "tokens": tokens, "bytes": lay.nbytes(tokens), "repeats": repeats, "backend": backend,
         "ttft_s": {k: _median(v) for k, v in times.items()},
         "ttft_min_s": {k: min(v) for k, v in times.items()}, "ttft_all_s": times,
         "commit_ms": {k: _median(v) for k, v in commit_ms.items()},
@@ -378,9 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="512,2048,8192", help="prompt lengths (comma-separated)")
     p.add_argument("--layouts", default="builtin,llama3-8b", help=f"of {', '.join(LAYOUTS)}")
-    p.add_argument("--backends", default="grpc,shm,torch_distributed")
+    p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--overlap-tokens", type=int, default=2048, help="0: skip the overlap measurement")
+    p.add_argument("--overlap-backend", default="grpc", choices=BACKENDS, help="the backend the overlap is measured with")
     p.add_argument("--overlap-repeats", type=int, default=7,
                    help="rounds of (a, b, c), interleaved, after one warm-up round (the effect is small vs noise)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -445,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         ov = None
         if args.overlap_tokens:
             bar.set_postfix_str(f"overlap {args.overlap_tokens} tok")
-            ov = overlap(args.overlap_tokens, args.overlap_repeats)
+            ov = overlap(args.overlap_tokens, args.overlap_repeats, args.overlap_backend)
             bar.update()
     bar.close()
 
@@ -476,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         print("note:", note)
     if ov:
         t = ov["ttft_s"]
-        print(f"\nlayer-wise overlap, built-in model, {ov['tokens']}-token prompt, grpc "
+        print(f"\nlayer-wise overlap, built-in model, {ov['tokens']}-token prompt, {ov['backend']} "
               f"({ov['bytes'] / 2**20:.1f} MiB of KV), TTFT over {ov['repeats']} rounds:")
         print(f"  {'':<40} {'median':>9} {'min':>9}   commit (median)")
         for k, label in (("normal", "a) streamed during the forward pass"), ("sync", "b) each layer acked before going on"),

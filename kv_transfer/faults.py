@@ -8,7 +8,7 @@ environment variable PDCLUSTER_KV_FAULTS (which wins), e.g.
     drop=P        a message is lost: a layer never reaches the receiver (its commit is then refused),
                   a commit or abort is not sent and the sender sees DEADLINE_EXCEEDED after its timeout
     corrupt=P     a message is damaged in transit, after its checksum was computed: a layer's payload
-                  has a byte flipped (or its checksum, when the bytes travel out of band: shm,
+                  has a byte flipped (or its checksum, when the bytes travel out of band: shm, tcp,
                   torch_distributed); a commit carries an impossible first token; an abort a wrong
                   auth token. The receiver must refuse each
     delay_ms=MS   a message waits MS milliseconds before it goes (a stalled transfer: more than the
@@ -18,7 +18,7 @@ environment variable PDCLUSTER_KV_FAULTS (which wins), e.g.
     seed=N        seed of the random draws (default: unseeded)
 
 The faults are injected by a gRPC client interceptor on the sender's channels, so they apply to
-every backend's control plane (grpc, shm, torch_distributed, auto); what a receiver sees is exactly
+every backend's control plane (grpc, shm, tcp, torch_distributed, auto); what a receiver sees is exactly
 what a bad network or a hostile peer could send. `FaultInjector.injected` counts what was done.
 """
 
@@ -149,7 +149,7 @@ def corrupt(msg: Any) -> Any:
             b = bytearray(bad.payload)
             b[len(b) // 2] ^= 0x01
             bad.payload = bytes(b)
-        else:  # the bytes travel out of band (shm, torch_distributed): the checksum is what crossed
+        else:  # the bytes travel out of band (shm, tcp, torch_distributed): the checksum is what crossed
             bad.checksum ^= 0x01
     elif isinstance(bad, kv_transfer_pb2.KVCommit):
         bad.first_token = 0xFFFFFFFF

@@ -95,7 +95,11 @@ def sink_dtype(sink: KVSink) -> torch.dtype | None:
 
 
 def _status_for(error: KVTransferError) -> grpc.StatusCode:
-    """Map the shared validation's refusals (kv_transfer.base) onto gRPC status codes."""
+    """Map the shared validation's refusals (kv_transfer.base) onto gRPC status codes (an error
+    carrying its own `status`, as a backend's transport failures do, keeps it)."""
+    status = getattr(error, "status", None)
+    if isinstance(status, grpc.StatusCode):
+        return status
     message = str(error)
     if message.startswith("unknown transfer id"):
         return grpc.StatusCode.NOT_FOUND
@@ -269,7 +273,7 @@ class GrpcReceiver(KVReceiver):
         int8 = msg.HasField("compression") and msg.compression == "int8"
         if msg.HasField("compression") and not int8:
             raise KVTransferError(f"layer {msg.layer}: compression {msg.compression!r} is not supported")
-        if int8 and (msg.shm_name or msg.dist_pair):
+        if int8 and (msg.shm_name or msg.dist_pair or msg.tcp_conn):
             raise KVTransferError(f"layer {msg.layer}: int8 compression travels inline (grpc) only")
         digest = checksum(payload, msg.scales) if int8 else checksum(payload)  # int8: the scales too
         if digest != msg.checksum:
@@ -416,6 +420,16 @@ class GrpcSender(KVSender):
         return kv_transfer_pb2.HandshakeRequest(
             compat_hash=self.compat_hash, layout_version=KV_LAYOUT_VERSION, sender_id=self.sender_id
         )
+
+    def _raise_if_refused(self, endpoint: str) -> None:
+        """Raise the endpoint's cached refusal, or that this sender is closed: a backend checks
+        before it stages a layer's bytes outside the message (segment, device copy, buffer)."""
+        with self._lock:
+            hs = self._handshakes.get(endpoint)
+            if hs is not None and hs.error is not None:
+                raise KVTransferError(hs.error)
+            if self._closed:
+                raise KVTransferError("KV sender is closed")
 
     def _check_handshake(self, endpoint: str, response: kv_transfer_pb2.HandshakeResponse) -> str | None:
         """Why an accepted handshake still does not suit this sender, or None (an extension point).

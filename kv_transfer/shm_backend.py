@@ -65,6 +65,8 @@ ALIGN = 256  # layers start on this byte boundary within a slab
 PAGE = mmap.PAGESIZE
 PROBE_BYTES = 16
 MAX_MAPPINGS = 64  # segments a receiver keeps mapped (a sender normally uses a few)
+# phrases of ShmSender's placement refusals (see ShmSender._check_handshake; auto falls back on them)
+PLACEMENT = ("needs both workers on one node", "does not take the shm backend")
 
 
 def node_id() -> str:
@@ -296,10 +298,7 @@ class ShmSender(GrpcSender):
 
     # ------------------------------------------------------------------ transfers
     def _payload(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
-        with self._lock:  # do not fill a segment for an endpoint already refused
-            hs = self._handshakes.get(ticket.kv_endpoint)
-            if hs is not None and hs.error is not None:
-                raise KVTransferError(hs.error)
+        self._raise_if_refused(ticket.kv_endpoint)  # do not fill a segment for an endpoint already refused
         nbytes = kv.numel() * kv.element_size()
         if nbytes == 0:
             return b""  # nothing to map: an empty inline payload

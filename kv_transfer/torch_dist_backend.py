@@ -268,12 +268,7 @@ class TorchDistSender(GrpcSender):
     # ------------------------------------------------------------------ transfers
     def _payload(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
         """On the caller's thread: a private contiguous copy on the group's device (no network)."""
-        with self._lock:  # do not copy for an endpoint already refused
-            hs = self._handshakes.get(ticket.kv_endpoint)
-            if hs is not None and hs.error is not None:
-                raise KVTransferError(hs.error)
-        if self._closed:
-            raise KVTransferError("KV sender is closed")
+        self._raise_if_refused(ticket.kv_endpoint)  # do not copy for an endpoint already refused
         if kv.numel() == 0:
             return b""  # nothing to send: an empty inline payload
         tensor = kv.detach().to(device=self.device, copy=True, memory_format=torch.contiguous_format)

@@ -199,9 +199,9 @@ def _kv_backend(cfg: ClusterConfig) -> str:
         raise LaunchError("kv_transfer.backend: 'inproc' only works inside one process (the offline LLM); "
                           "use grpc or auto for a cluster")
     kv_backend = cfg.kv_transfer.backend
-    if kv_backend not in ("grpc", "shm", "torch_distributed", "auto"):
+    if kv_backend not in ("grpc", "shm", "tcp", "torch_distributed", "auto"):
         raise LaunchError(f"kv_transfer.backend: {kv_backend!r} cannot serve a cluster; "
-                          "use auto, grpc, shm or torch_distributed")
+                          "use auto, grpc, shm, tcp or torch_distributed")
     if cfg.kv_transfer.compression != "none" and kv_backend != "grpc":
         raise LaunchError(f"kv_transfer.compression: {cfg.kv_transfer.compression} travels over the grpc backend "
                           f"only; pin kv_transfer.backend: grpc (it is {kv_backend!r})")
@@ -219,8 +219,8 @@ def _check_backend_placement(kv_backend: str, workers: list[dict[str, Any]]) -> 
 
 def _check_kv_pairs(workers: list[dict[str, Any]], timeout_s: float) -> None:
     """Every prefill worker handshakes with every decode worker's KV receiver now, so a backend that
-    cannot work for some pair (another node for shm, no process group for torch_distributed, a
-    different KV layout) is an error at `up` / `scale`, not at the first request."""
+    cannot work for some pair (another node for shm, no process group for torch_distributed, an
+    unreachable data port for tcp, a different KV layout) is an error at `up` / `scale`, not at the first request."""
     import ray
 
     decode = [w["address"] for w in workers if w["role"] == "decode"]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import generate_pb2 as proto_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17proto/kv_transfer.proto\x12\x0cpdcluster.v1\x1a\x14proto/generate.proto\"\xc1\x01\n\x10HandshakeRequest\x12\x13\n\x0b\x63ompat_hash\x18\x01 \x01(\t\x12\x16\n\x0elayout_version\x18\x02 \x01(\r\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\tsender_id\x18\x06 \x01(\t\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x11\n\tshm_probe\x18\x08 \x01(\t\x12\x14\n\x0c\x64ist_backend\x18\t \x01(\t\"\xaa\x01\n\x11HandshakeResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x16\n\x0eshm_probe_data\x18\x05 \x01(\x0c\x12\x12\n\ndist_store\x18\x06 \x01(\t\x12\x11\n\tdist_pair\x18\x07 \x01(\t\x12\x14\n\x0c\x64ist_backend\x18\x08 \x01(\t\"\xb0\x02\n\x07KVLayer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x18\n\x0b\x63ompression\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x06scales\x18\t \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\n \x01(\r\x12\x10\n\x08shm_name\x18\x0b \x01(\t\x12\x12\n\nshm_offset\x18\x0c \x01(\x04\x12\x12\n\nshm_nbytes\x18\r \x01(\x04\x12\x11\n\tdist_pair\x18\x0e \x01(\t\x12\x10\n\x08\x64ist_tag\x18\x0f \x01(\rB\x0e\n\x0c_compression\"\x95\x01\n\x08KVCommit\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x37\n\x13\x66irst_token_logprob\x18\x05 \x01(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"B\n\x07KVAbort\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\";\n\x05KVAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x17\n\x0flayers_received\x18\x03 \x01(\r2\x82\x02\n\nKVReceiver\x12L\n\tHandshake\x12\x1e.pdcluster.v1.HandshakeRequest\x1a\x1f.pdcluster.v1.HandshakeResponse\x12:\n\nSendLayers\x12\x15.pdcluster.v1.KVLayer\x1a\x13.pdcluster.v1.KVAck(\x01\x12\x35\n\x06\x43ommit\x12\x16.pdcluster.v1.KVCommit\x1a\x13.pdcluster.v1.KVAck\x12\x33\n\x05\x41\x62ort\x12\x15.pdcluster.v1.KVAbort\x1a\x13.pdcluster.v1.KVAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17proto/kv_transfer.proto\x12\x0cpdcluster.v1\x1a\x14proto/generate.proto\"\xce\x01\n\x10HandshakeRequest\x12\x13\n\x0b\x63ompat_hash\x18\x01 \x01(\t\x12\x16\n\x0elayout_version\x18\x02 \x01(\r\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\tsender_id\x18\x06 \x01(\t\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x11\n\tshm_probe\x18\x08 \x01(\t\x12\x14\n\x0c\x64ist_backend\x18\t \x01(\t\x12\x0b\n\x03tcp\x18\n \x01(\x08\"\xe1\x01\n\x11HandshakeResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x16\n\x0eshm_probe_data\x18\x05 \x01(\x0c\x12\x12\n\ndist_store\x18\x06 \x01(\t\x12\x11\n\tdist_pair\x18\x07 \x01(\t\x12\x14\n\x0c\x64ist_backend\x18\x08 \x01(\t\x12\x10\n\x08tcp_port\x18\t \x01(\r\x12\x10\n\x08tcp_conn\x18\n \x01(\t\x12\x11\n\ttcp_token\x18\x0b \x01(\x0c\"\xd3\x02\n\x07KVLayer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x18\n\x0b\x63ompression\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x06scales\x18\t \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\n \x01(\r\x12\x10\n\x08shm_name\x18\x0b \x01(\t\x12\x12\n\nshm_offset\x18\x0c \x01(\x04\x12\x12\n\nshm_nbytes\x18\r \x01(\x04\x12\x11\n\tdist_pair\x18\x0e \x01(\t\x12\x10\n\x08\x64ist_tag\x18\x0f \x01(\r\x12\x10\n\x08tcp_conn\x18\x10 \x01(\t\x12\x0f\n\x07tcp_tag\x18\x11 \x01(\x04\x42\x0e\n\x0c_compression\"\x95\x01\n\x08KVCommit\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x37\n\x13\x66irst_token_logprob\x18\x05 \x01(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"B\n\x07KVAbort\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\";\n\x05KVAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x17\n\x0flayers_received\x18\x03 \x01(\r2\x82\x02\n\nKVReceiver\x12L\n\tHandshake\x12\x1e.pdcluster.v1.HandshakeRequest\x1a\x1f.pdcluster.v1.HandshakeResponse\x12:\n\nSendLayers\x12\x15.pdcluster.v1.KVLayer\x1a\x13.pdcluster.v1.KVAck(\x01\x12\x35\n\x06\x43ommit\x12\x16.pdcluster.v1.KVCommit\x1a\x13.pdcluster.v1.KVAck\x12\x33\n\x05\x41\x62ort\x12\x15.pdcluster.v1.KVAbort\x1a\x13.pdcluster.v1.KVAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kv_transfer_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HANDSHAKEREQUEST']._serialized_start=64
-  _globals['_HANDSHAKEREQUEST']._serialized_end=257
-  _globals['_HANDSHAKERESPONSE']._serialized_start=260
-  _globals['_HANDSHAKERESPONSE']._serialized_end=430
-  _globals['_KVLAYER']._serialized_start=433
-  _globals['_KVLAYER']._serialized_end=737
-  _globals['_KVCOMMIT']._serialized_start=740
-  _globals['_KVCOMMIT']._serialized_end=889
-  _globals['_KVABORT']._serialized_start=891
-  _globals['_KVABORT']._serialized_end=957
-  _globals['_KVACK']._serialized_start=959
-  _globals['_KVACK']._serialized_end=1018
-  _globals['_KVRECEIVER']._serialized_start=1021
-  _globals['_KVRECEIVER']._serialized_end=1279
+  _globals['_HANDSHAKEREQUEST']._serialized_end=270
+  _globals['_HANDSHAKERESPONSE']._serialized_start=273
+  _globals['_HANDSHAKERESPONSE']._serialized_end=498
+  _globals['_KVLAYER']._serialized_start=501
+  _globals['_KVLAYER']._serialized_end=840
+  _globals['_KVCOMMIT']._serialized_start=843
+  _globals['_KVCOMMIT']._serialized_end=992
+  _globals['_KVABORT']._serialized_start=994
+  _globals['_KVABORT']._serialized_end=1060
+  _globals['_KVACK']._serialized_start=1062
+  _globals['_KVACK']._serialized_end=1121
+  _globals['_KVRECEIVER']._serialized_start=1124
+  _globals['_KVRECEIVER']._serialized_end=1382
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("compat_hash", "layout_version", "model_id", "dtype", "block_size", "sender_id", "node_id", "shm_probe", "dist_backend")
+    __slots__ = ("compat_hash", "layout_version", "model_id", "dtype", "block_size", "sender_id", "node_id", "shm_probe", "dist_backend", "tcp")
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class HandshakeRequest(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
     DIST_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TCP_FIELD_NUMBER: _ClassVar[int]
     compat_hash: str
     layout_version: int
     model_id: str
@@ -27,10 +28,11 @@ class HandshakeRequest(_message.Message):
     node_id: str
     shm_probe: str
     dist_backend: str
-    def __init__(self, compat_hash: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., sender_id: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe: _Optional[str] = ..., dist_backend: _Optional[str] = ...) -> None: ...
+    tcp: bool
+    def __init__(self, compat_hash: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., sender_id: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe: _Optional[str] = ..., dist_backend: _Optional[str] = ..., tcp: _Optional[bool] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("ok", "reason", "compat_hash", "node_id", "shm_probe_data", "dist_store", "dist_pair", "dist_backend")
+    __slots__ = ("ok", "reason", "compat_hash", "node_id", "shm_probe_data", "dist_store", "dist_pair", "dist_backend", "tcp_port", "tcp_conn", "tcp_token")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +41,9 @@ class HandshakeResponse(_message.Message):
     DIST_STORE_FIELD_NUMBER: _ClassVar[int]
     DIST_PAIR_FIELD_NUMBER: _ClassVar[int]
     DIST_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
+    TCP_CONN_FIELD_NUMBER: _ClassVar[int]
+    TCP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
     compat_hash: str
@@ -47,10 +52,13 @@ class HandshakeResponse(_message.Message):
     dist_store: str
     dist_pair: str
     dist_backend: str
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., compat_hash: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe_data: _Optional[bytes] = ..., dist_store: _Optional[str] = ..., dist_pair: _Optional[str] = ..., dist_backend: _Optional[str] = ...) -> None: ...
+    tcp_port: int
+    tcp_conn: str
+    tcp_token: bytes
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., compat_hash: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe_data: _Optional[bytes] = ..., dist_store: _Optional[str] = ..., dist_pair: _Optional[str] = ..., dist_backend: _Optional[str] = ..., tcp_port: _Optional[int] = ..., tcp_conn: _Optional[str] = ..., tcp_token: _Optional[bytes] = ...) -> None: ...
 
 class KVLayer(_message.Message):
-    __slots__ = ("transfer_id", "auth_token", "layer", "dtype", "shape", "checksum", "payload", "compression", "scales", "first_block", "shm_name", "shm_offset", "shm_nbytes", "dist_pair", "dist_tag")
+    __slots__ = ("transfer_id", "auth_token", "layer", "dtype", "shape", "checksum", "payload", "compression", "scales", "first_block", "shm_name", "shm_offset", "shm_nbytes", "dist_pair", "dist_tag", "tcp_conn", "tcp_tag")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +74,8 @@ class KVLayer(_message.Message):
     SHM_NBYTES_FIELD_NUMBER: _ClassVar[int]
     DIST_PAIR_FIELD_NUMBER: _ClassVar[int]
     DIST_TAG_FIELD_NUMBER: _ClassVar[int]
+    TCP_CONN_FIELD_NUMBER: _ClassVar[int]
+    TCP_TAG_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     auth_token: str
     layer: int
@@ -81,7 +91,9 @@ class KVLayer(_message.Message):
     shm_nbytes: int
     dist_pair: str
     dist_tag: int
-    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., compression: _Optional[str] = ..., scales: _Optional[bytes] = ..., first_block: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_nbytes: _Optional[int] = ..., dist_pair: _Optional[str] = ..., dist_tag: _Optional[int] = ...) -> None: ...
+    tcp_conn: str
+    tcp_tag: int
+    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., compression: _Optional[str] = ..., scales: _Optional[bytes] = ..., first_block: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_nbytes: _Optional[int] = ..., dist_pair: _Optional[str] = ..., dist_tag: _Optional[int] = ..., tcp_conn: _Optional[str] = ..., tcp_tag: _Optional[int] = ...) -> None: ...
 
 class KVCommit(_message.Message):
     __slots__ = ("transfer_id", "auth_token", "first_token", "num_layers", "first_token_logprob")

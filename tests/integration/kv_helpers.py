@@ -27,7 +27,7 @@ from kv_transfer import create_sender
 from kv_transfer.grpc_backend import MESSAGE_OPTIONS
 from kv_transfer.shm_backend import SHM_DIR
 
-BACKENDS = ["grpc", "shm", "torch_distributed"]
+BACKENDS = ["grpc", "shm", "torch_distributed", "tcp"]
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 OTHER_HASH = "0123456789abcdef"
 PROMPTS = [list(range(3, 40)), [7, 1, 300, 42, 42, 9], list(range(100, 117)), [5] * 70]
@@ -82,6 +82,9 @@ def no_leftover_threads(daemon_prefix: str | None = None) -> Iterator[None]:
     assert not extra, f"threads left running: {extra}"
 
 
+DAEMON_THREADS = {"torch_distributed": "kv-dist-pair", "tcp": "kv-tcp"}
+
+
 @contextlib.contextmanager
 def no_leftover_shm() -> Iterator[None]:
     """Nothing of ours stays in /dev/shm or mapped into this process."""
@@ -95,9 +98,10 @@ def no_leftover_shm() -> Iterator[None]:
 @contextlib.contextmanager
 def clean(backend: str) -> Iterator[None]:
     """The backend's own leftovers check: threads for all, /dev/shm for shm, pair threads for
-    torch_distributed (its store and groups are checked where the receiver closes)."""
+    torch_distributed (its store and groups are checked where the receiver closes), connection
+    threads for tcp (its data port is checked where the receiver closes)."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(no_leftover_threads("kv-dist-pair" if backend == "torch_distributed" else None))
+        stack.enter_context(no_leftover_threads(DAEMON_THREADS.get(backend)))
         if backend == "shm":
             stack.enter_context(no_leftover_shm())
         yield
@@ -125,13 +129,16 @@ def grpc_server() -> Iterator[tuple[grpc.Server, str]]:
 @contextlib.contextmanager
 def live_decode(checkpoint, backend: str, srv: grpc.Server, endpoint: str) -> Iterator[DecodeEngine]:
     """A DecodeEngine with `backend`'s receiver registered on `srv` (started here); closed after,
-    with torch_distributed's store and process groups checked gone."""
-    kwargs = dict(timeout_s=5.0) if backend == "torch_distributed" else {}
+    with torch_distributed's store and process groups, and tcp's data port, checked gone."""
+    kwargs = {"timeout_s": 5.0} if backend in ("torch_distributed", "tcp") else {}
     d = DecodeEngine(decode_engine(checkpoint), backend=backend, server=srv, endpoint=endpoint, **kwargs)
     srv.start()
     port = d.receiver._store.port if backend == "torch_distributed" else None
     yield d
     d.close()
+    if backend == "tcp":
+        assert not d.receiver.connections and d.receiver.buffered_bytes == 0
+        assert port_is_closed(d.receiver.data_port), "the receiver's data port is still listening"
     if backend == "torch_distributed":
         assert not d.receiver.pairs and d.receiver._store is None
         gc.collect()
@@ -147,6 +154,8 @@ def live_sender(backend: str, compat_hash: str, timeout_s: float = 5.0):
         s.close()
     if backend == "torch_distributed":
         assert not s.pairs
+    if backend == "tcp":
+        assert not s.links
 
 
 # ------------------------------------------------------------------------------------ torch_distributed

@@ -18,6 +18,13 @@ def test_bench_transfer_small_case_writes_every_backend_and_limit(tmp_path, caps
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert row["tokens"] == 64 and row["bytes"] == 2 * 6 * 4 * 16 * 4 * 48 * 4  # 2 x layers x blocks x 16 x kvh x hd x 4
-    for key in ("socket_s", "memcpy_s", "grpc_raw_s", "grpc_s", "shm_s", "torch_distributed_s"):
+    for key in ("socket_s", "memcpy_s", "grpc_raw_s", "grpc_s", "shm_s", "torch_distributed_s", "tcp_s"):
         assert row[key] is not None and row[key] > 0, key
-    assert "grpc/sock" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "grpc/sock" in out and "tcp/sock" in out
+
+
+def test_overlap_takes_the_backend():
+    ov = bench.overlap(64, 1, "tcp")
+    assert ov["backend"] == "tcp" and set(ov["ttft_s"]) == {"normal", "sync", "compute"}
+    assert all(t > 0 for t in ov["ttft_s"].values())

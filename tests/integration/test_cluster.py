@@ -57,7 +57,7 @@ def reference(builtin_path):
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "disaggregated+grpc", "disaggregated+torch_distributed",
-                                                  "disaggregated+grpc+int8", "colocated"])
+                                        "disaggregated+tcp", "disaggregated+grpc+int8", "colocated"])
 def cluster(request, builtin_path):
     handle = up(_config(request.param), say=lambda _: None)
     yield request.param.partition("+")[0], handle

@@ -1,4 +1,5 @@
-"""`auto` picks shared memory for a decode worker on this node and falls back to gRPC otherwise."""
+"""`auto` picks shared memory for a decode worker on this node, a TCP data connection for one on
+another node, and gRPC when neither works."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+import torch
 
 from decode_worker import DecodeEngine
 from engine import Engine, EngineConfig, SamplingParams
@@ -35,20 +37,50 @@ def receivers(checkpoint):
         server.stop(0).wait()
 
 
-@pytest.mark.parametrize("receiver_backend, expected", [("auto", "shm"), ("shm", "shm"), ("grpc", "grpc")])
-def test_auto_sender_picks_shm_on_this_node_and_grpc_otherwise(receivers, receiver_backend, expected):
+def _transfer(decode: DecodeEngine, sender) -> None:
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    for layer in range(decode.num_layers):
+        sender.send_layer(ticket, layer, torch.full(decode.layer_shape(len(ticket.block_ids)), layer + 1.0))
+    sender.commit(ticket, 7, None)
+    cache = decode.engine.runner.kv_caches
+    assert all(torch.all(cache[l][:, ticket.block_ids] == l + 1.0) for l in range(decode.num_layers))
+    assert decode.has_work()
+
+
+@pytest.mark.parametrize("receiver_backend, expected",
+                         [("auto", "shm"), ("shm", "shm"), ("tcp", "tcp"), ("grpc", "grpc")])
+def test_auto_sender_picks_shm_on_this_node_then_tcp_then_grpc(receivers, receiver_backend, expected):
     decode = receivers(receiver_backend)
     sender = create_sender("auto", decode.compat_hash, timeout_s=10)
     try:
-        ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
-        import torch
+        _transfer(decode, sender)
+        assert sender.backend_for(decode.receiver.endpoint) == expected
+        assert set(sender.bytes_sent) == {expected}
+    finally:
+        sender.close()
 
-        for layer in range(decode.num_layers):
-            sender.send_layer(ticket, layer, torch.full(decode.layer_shape(len(ticket.block_ids)), layer + 1.0))
-        sender.commit(ticket, 7, None)
-        assert sender.backend_for(ticket.kv_endpoint) == expected
-        cache = decode.engine.runner.kv_caches
-        assert all(torch.all(cache[l][:, ticket.block_ids] == l + 1.0) for l in range(decode.num_layers))
-        assert decode.has_work()
+
+def test_auto_across_nodes_takes_the_data_connection(receivers):
+    """An auto receiver that says it is on another node: shm is refused, the data connection is used."""
+    decode = receivers("auto")
+    decode.receiver.node_id = "elsewhere/another-boot"
+    sender = create_sender("auto", decode.compat_hash, timeout_s=10)
+    try:
+        _transfer(decode, sender)
+        assert sender.backend_for(decode.receiver.endpoint) == "tcp"
+        assert len(decode.receiver.connections) == 1
+    finally:
+        sender.close()
+
+
+def test_auto_falls_back_to_grpc_when_the_data_port_cannot_be_reached(receivers):
+    decode = receivers("auto")
+    decode.receiver.node_id = "elsewhere/another-boot"
+    decode.receiver.data_port = 1  # advertised, but nothing listens there
+    sender = create_sender("auto", decode.compat_hash, timeout_s=10)
+    try:
+        _transfer(decode, sender)
+        assert sender.backend_for(decode.receiver.endpoint) == "grpc"
+        assert not sender.tcp.links  # refused at connect: no data connection was kept
     finally:
         sender.close()

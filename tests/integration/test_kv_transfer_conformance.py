@@ -77,7 +77,21 @@ def _corrupt_torch_distributed(sender, target: int) -> None:
     sender._post_send = corrupting
 
 
-CORRUPT = {"grpc": _corrupt_grpc, "shm": _corrupt_shm, "torch_distributed": _corrupt_torch_distributed}
+def _corrupt_tcp(sender, target: int) -> None:
+    original = sender._queue_frame
+    queued = []
+
+    def corrupting(link, tag, staged):
+        queued.append(tag)
+        if len(queued) == target + 1:  # the buffer about to be written to the data connection
+            staged.buf[100] ^= 1
+        return original(link, tag, staged)
+
+    sender._queue_frame = corrupting
+
+
+CORRUPT = {"grpc": _corrupt_grpc, "shm": _corrupt_shm, "torch_distributed": _corrupt_torch_distributed,
+           "tcp": _corrupt_tcp}
 
 
 @dataclass
@@ -165,6 +179,8 @@ def test_many_transfers_in_flight_from_several_threads(kv):
     assert decode.num_reserved == 0 and len(decode._committed) == 4 and kv.idle()
     if kv.backend == "torch_distributed":
         assert len(decode.receiver.pairs) == 1  # one pair carried them all
+    if kv.backend == "tcp":
+        assert len(decode.receiver.connections) == 1 and len(sender.links) == 1  # one connection carried them all
 
 
 @pytest.mark.parametrize(
@@ -251,6 +267,8 @@ def test_incompatible_layout_is_refused_at_handshake_before_any_bytes_move(kv):
             assert not other._leases  # nothing was copied for the refused endpoint
         if kv.backend == "torch_distributed":
             assert not other.pairs and not decode.receiver.pairs  # no group was made
+        if kv.backend == "tcp":
+            assert not other.links and not decode.receiver.connections  # no data connection was made
     finally:
         other.close()
     assert cache_is_zero(decode) and decode.num_reserved == 1
@@ -328,7 +346,7 @@ def test_a_receiver_that_never_answers_fails_within_the_timeout(kv):
     assert cache_is_zero(decode)
 
 
-@pytest.mark.parametrize("backend", ["grpc", "shm"])
+@pytest.mark.parametrize("backend", ["grpc", "shm", "tcp"])
 def test_own_server_with_fewer_threads_than_open_streams(checkpoint, backend):
     """Without a server the receiver serves on its own port; a commit never waits behind open streams."""
     with clean(backend):
