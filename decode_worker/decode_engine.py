@@ -93,8 +93,15 @@ class DecodeEngine:
 
     def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> None:
         cache = self.engine.runner.kv_caches[layer]
-        index = torch.tensor(ticket.block_ids[first_block : first_block + kv.shape[1]], device=cache.device)
-        cache.index_copy_(1, index, kv.to(device=cache.device, dtype=cache.dtype))
+        kv = kv.to(device=cache.device, dtype=cache.dtype)
+        ids = ticket.block_ids[first_block : first_block + kv.shape[1]]
+        # a run of consecutive block ids is one slice copy (a plain memcpy), far cheaper than an
+        # index_copy_; freshly allocated blocks mostly come in a few such runs
+        start = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                cache[:, ids[start] : ids[i - 1] + 1].copy_(kv[:, start:i])
+                start = i
 
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:
         vocab = self.engine.model_cfg.vocab_size

@@ -179,7 +179,9 @@ class KVSender(ABC):
         raise KVTransferError(f"{type(self).__name__} opens no gRPC channels to intercept")
 
     @abstractmethod
-    def send_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None: ...
+    def send_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None:
+        """Queue one layer. `kv` is handed over: the caller does not change it afterwards (a
+        backend may send straight from its memory later; PrefillEngine passes a fresh gather)."""
 
     @abstractmethod
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None: ...

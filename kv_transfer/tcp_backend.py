@@ -20,10 +20,11 @@ Wire protocol of the data connection (big-endian `struct`s; nothing is pickled):
     frame      sender -> receiver, any number: tag (u64) | nbytes (u64) | nbytes raw C-contiguous
                bytes. Tags count up per connection; a KVLayer names its frame (tcp_conn, tcp_tag).
 
-Per layer: `send_layer` copies the layer into a pooled buffer (the caller may reuse its tensor at
-once) and queues it, never waiting on the network. On the stream's thread the sender checksums the
-buffer, takes the connection's next tag, queues the frame for the connection's sending thread
-(which `sendall`s a memoryview of the buffer: no further copy) and yields the KVLayer (no payload).
+Per layer: `send_layer` keeps views of the layer's bytes (the caller hands its tensor over, as
+`KVSender.send_layer` says; a CUDA or scattered tensor is copied into a pooled buffer instead) and
+queues them, never waiting on the network. On the stream's thread the sender checksums them, takes
+the connection's next tag, queues the frame for the connection's sending thread (which `sendall`s
+the views: the kernel's copy is the only one) and yields the KVLayer (no payload).
 Large layers go as runs of blocks (`max_message_bytes`), so the receiver checks and copies one run
 while the next is on the wire.
 
@@ -31,8 +32,8 @@ Receiver: a thread per authenticated connection reads frames with `recv_into` in
 reused transfer after transfer (no fresh page faults). SendLayers, for a KVLayer naming a frame,
 checks the transfer id and auth token, waits for the frame, checks its checksum (DATA_LOSS when it
 differs), dtype and size against the message, and only then hands a view of the buffer to the
-shared checks (`KVReceiver._on_layer`), which copy it into the reserved blocks. So a layer costs one
-copy and one checksum pass on each side, and a SendLayers ack means every byte of its layers arrived
+shared checks (`KVReceiver._on_layer`), which copy it into the reserved blocks. So a layer costs
+one checksum pass on each side and one copy into the cache, besides the socket's own, and a SendLayers ack means every byte of its layers arrived
 and was checked: commit is the grpc backend's (flush, then Commit).
 
 Bounded memory and time (`timeout_s`, `max_buffered_bytes`): a KVLayer whose frame does not come
@@ -110,10 +111,23 @@ def _bytes(buf: torch.Tensor, nbytes: int) -> memoryview:
 # ------------------------------------------------------------------------------------------ sender
 @dataclass(frozen=True)
 class _Staged:
-    """A layer copied by `send_layer` into a pooled buffer, waiting for its frame to go."""
+    """A layer's bytes waiting for their frame to go: views of the caller's tensor (`views`, in
+    order), or a copy in a pooled buffer (`buf`, given back once written)."""
 
-    buf: torch.Tensor
+    views: tuple[memoryview, ...]
     nbytes: int
+    buf: torch.Tensor | None = None
+
+
+def _views_of(kv: torch.Tensor) -> tuple[memoryview, ...] | None:
+    """`kv`'s C-contiguous bytes as views of its own memory, without copying, when it lives on the
+    CPU and is contiguous or a run of blocks of a contiguous layer (K's run then V's); else None."""
+    if kv.device.type != "cpu" or kv.dim() < 2:
+        return None
+    parts = [kv] if kv.is_contiguous() else [kv[i] for i in range(kv.shape[0])]
+    if not all(p.is_contiguous() for p in parts):
+        return None
+    return tuple(memoryview(p.reshape(-1).view(torch.uint8).numpy()) for p in parts)
 
 
 @dataclass(eq=False)
@@ -269,13 +283,18 @@ class TcpSender(GrpcSender):
                 try:
                     if link.broken is None:
                         link.sock.sendall(FRAME.pack(tag, staged.nbytes))
-                        link.sock.sendall(_bytes(staged.buf, staged.nbytes))
+                        for view in staged.views:
+                            link.sock.sendall(view)
                 except OSError as e:
                     self._reset(link, f"sending to the data port failed: {e}")
                 finally:
-                    self._pool.give(staged.buf)
+                    self._give(staged)
         finally:
             link.sock.close()
+
+    def _give(self, staged: _Staged) -> None:
+        if staged.buf is not None:
+            self._pool.give(staged.buf)
 
     @property
     def links(self) -> dict[str, str]:
@@ -285,14 +304,19 @@ class TcpSender(GrpcSender):
 
     # ------------------------------------------------------------------ transfers
     def _payload(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
-        """On the caller's thread: a private contiguous copy in a pooled buffer (no network)."""
-        self._raise_if_refused(ticket.kv_endpoint)  # do not copy for an endpoint already refused
+        """On the caller's thread: the layer's bytes as views of `kv` (the caller hands it over and
+        does not change it afterwards, see KVSender.send_layer), or a copy in a pooled buffer when
+        they are not plain CPU memory in order. No network."""
+        self._raise_if_refused(ticket.kv_endpoint)  # do not stage for an endpoint already refused
         nbytes = kv.numel() * kv.element_size()
         if nbytes == 0:
             return b""  # nothing to send: an empty inline payload
+        views = _views_of(kv.detach())
+        if views is not None:
+            return _Staged(views, nbytes)
         buf = self._pool.take(nbytes)
         buf[:nbytes].view(kv.dtype).view(kv.shape).copy_(kv.detach())
-        return _Staged(buf, nbytes)
+        return _Staged((_bytes(buf, nbytes),), nbytes, buf)
 
     def _layer_message(
         self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any, first_block: int = 0
@@ -300,10 +324,10 @@ class TcpSender(GrpcSender):
         """On the stream's thread (after the handshake and its connection): queue the frame, describe it."""
         if not isinstance(payload, _Staged):
             return super()._layer_message(ticket, layer, dtype, shape, payload, first_block)
-        digest = checksum(_bytes(payload.buf, payload.nbytes))
+        digest = checksum(*payload.views)
         link = self._live_link(ticket.kv_endpoint)
         if link is None:  # no connection to be had: the receiver refuses the layer (unknown connection)
-            self._pool.give(payload.buf)
+            self._give(payload)
             conn, tag = "gone", 0
         else:
             conn, tag = link.conn_id, next(link.tags)

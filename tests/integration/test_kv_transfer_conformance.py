@@ -83,8 +83,8 @@ def _corrupt_tcp(sender, target: int) -> None:
 
     def corrupting(link, tag, staged):
         queued.append(tag)
-        if len(queued) == target + 1:  # the buffer about to be written to the data connection
-            staged.buf[100] ^= 1
+        if len(queued) == target + 1:  # the bytes about to be written to the data connection
+            staged.views[0][100] ^= 1
         return original(link, tag, staged)
 
     sender._queue_frame = corrupting
@@ -128,9 +128,7 @@ def test_layers_land_in_the_reserved_blocks_and_commit_admits(kv):
     assert len(ticket.block_ids) == 3 and decode.engine.block_manager.num_used_blocks == 3
     layers = [_layer(decode, ticket, seed=layer) for layer in range(decode.num_layers)]
     for layer, kv_ in enumerate(layers):
-        buffer = kv_.clone()
-        sender.send_layer(ticket, layer, buffer)
-        buffer.zero_()  # the caller may reuse its buffer at once: the layer was copied
+        sender.send_layer(ticket, layer, kv_.clone())  # handed over (KVSender.send_layer)
     sender.commit(ticket, 7, None)
     cache = decode.engine.runner.kv_caches
     for layer, kv_ in enumerate(layers):
@@ -227,8 +225,8 @@ def test_bytes_corrupted_after_their_checksum_are_refused(kv):
     kv.corrupt(sender, 1)
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     kv_ = _layer(decode, ticket)
-    sender.send_layer(ticket, 0, kv_)
-    sender.send_layer(ticket, 1, kv_)
+    sender.send_layer(ticket, 0, kv_.clone())  # handed over: the hook may flip the bytes it was given
+    sender.send_layer(ticket, 1, kv_.clone())
     with pytest.raises(KVTransferError, match="DATA_LOSS: checksum mismatch for layer 1"):
         sender.flush(ticket)
     cache = decode.engine.runner.kv_caches
