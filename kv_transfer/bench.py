@@ -396,7 +396,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from kv_transfer import create_sender
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.overlap_tokens and args.overlap_repeats < 1:
+        parser.error("--overlap-repeats must be >= 1 (--overlap-tokens 0 skips the overlap measurement)")
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens = [int(t) for t in args.tokens.split(",") if t]

@@ -28,3 +28,15 @@ def test_overlap_takes_the_backend():
     ov = bench.overlap(64, 1, "tcp")
     assert ov["backend"] == "tcp" and set(ov["ttft_s"]) == {"normal", "sync", "compute"}
     assert all(t > 0 for t in ov["ttft_s"].values())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--overlap-repeats", "0"], "--overlap-tokens 0 skips"),
+])
+def test_bad_counts_are_refused_before_any_work(args, message, capsys):
+    from kv_transfer.bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
