@@ -103,12 +103,24 @@ def ray_auth_env(address: str, known: str | None = None) -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
+def ray_cli() -> str:
+    """The `ray` command of the Ray this Python imports: next to the interpreter (a virtual
+    environment's bin/, whether or not it is activated), else the first on PATH."""
+    beside = Path(sys.executable).with_name("ray")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("ray")
+    if found is None:
+        raise RuntimeError(f"no `ray` command next to {sys.executable} or on PATH; install ray (pip install ray)")
+    return found
+
+
 def _start_head(port: int, cpus: int) -> int:
     """Start a Ray head owned by this cluster (`ray start --head --block` in its own process group,
     so `down` stops exactly it, never another Ray on the machine). Returns its process id."""
     log_path = cache_root() / f"ray-head-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [shutil.which("ray") or "ray", "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
+    cmd = [ray_cli(), "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
            "--include-dashboard=false", "--disable-usage-stats", "--block"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -287,3 +287,16 @@ def test_validate_checks_code_built_configs():
     cfg = replace(ClusterConfig(), mode="colocated")
     with pytest.raises(ConfigError, match=r"pools\[0\]\.role: 'prefill' is not allowed in mode colocated"):
         cfg.validate()
+
+
+def test_the_ray_command_is_the_one_beside_this_interpreter():
+    import sys
+    from pathlib import Path
+
+    from pdcluster.launcher import ray_cli
+
+    beside = Path(sys.executable).with_name("ray")
+    if beside.is_file():  # a virtual environment's bin/, activated or not
+        assert ray_cli() == str(beside)
+    else:
+        assert Path(ray_cli()).name == "ray"
