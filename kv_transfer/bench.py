@@ -29,7 +29,8 @@ Overlap (built-in model, `--overlap-tokens` prompt, `--overlap-backend` (grpc), 
     a) normal     layers are sent from the layer hook during the forward pass (background stream)
     b) sync       the same, but after every `send_layer` wait for the receiver's ack (`flush`)
     c) compute    a sender whose send_layer / commit do nothing
-    hidden = 1 - (a - c) / (b - c): the fraction of the (synchronous) transfer time hidden.
+    hidden = 1 - (a - c) / (b - c): the fraction of the (synchronous) transfer time hidden; also
+    paired by round, 1 - median(a_i - c_i) / median(b_i - c_i), which cancels drift between rounds.
 
 Transfers: medians over `--repeats`. Overlap: `--overlap-repeats` interleaved rounds (a, b, c) after a
 warm-up round, median and min (the effect is small next to CPU noise on a shared machine). JSON: `--out`.
@@ -363,13 +364,17 @@ def overlap(tokens: int, repeats: int, backend: str = "grpc") -> dict:
         a, b, c = (stat(times[k]) for k in ("normal", "sync", "compute"))
         return 1 - (a - c) / (b - c) if b > c else None
 
+    # paired by round (a round runs a, b, c back to back): drift of the machine between rounds cancels
+    da = [x - z for x, z in zip(times["normal"], times["compute"])]
+    db = [y - z for y, z in zip(times["sync"], times["compute"])]
+    paired = 1 - _median(da) / _median(db) if _median(db) > 0 else None
     lay = Layout("builtin", *LAYOUTS["builtin"])
     return {
         "tokens": tokens, "bytes": lay.nbytes(tokens), "repeats": repeats, "backend": backend,
         "ttft_s": {k: _median(v) for k, v in times.items()},
         "ttft_min_s": {k: min(v) for k, v in times.items()}, "ttft_all_s": times,
         "commit_ms": {k: _median(v) for k, v in commit_ms.items()},
-        "hidden_fraction": hidden(_median), "hidden_fraction_min": hidden(min),
+        "hidden_fraction": hidden(_median), "hidden_fraction_min": hidden(min), "hidden_fraction_paired": paired,
     }
 
 
@@ -492,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ov['commit_ms'][k]:.1f} ms")
         fmt = lambda h: f"{h:.2f}" if h is not None else "n/a (b <= c: noise larger than the transfer)"  # noqa: E731
         print(f"  transfer time hidden, 1 - (a-c)/(b-c): medians {fmt(ov['hidden_fraction'])}, "
-              f"mins {fmt(ov['hidden_fraction_min'])}")
+              f"mins {fmt(ov['hidden_fraction_min'])}; paired by round, 1 - median(a-c)/median(b-c): "
+              f"{fmt(ov['hidden_fraction_paired'])}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "torch_threads": torch.get_num_threads(), "rows": rows,

@@ -28,6 +28,12 @@ def test_overlap_takes_the_backend():
     ov = bench.overlap(64, 1, "tcp")
     assert ov["backend"] == "tcp" and set(ov["ttft_s"]) == {"normal", "sync", "compute"}
     assert all(t > 0 for t in ov["ttft_s"].values())
+    t, paired = ov["ttft_all_s"], ov["hidden_fraction_paired"]
+    b_c = t["sync"][0] - t["compute"][0]
+    if b_c > 0:  # one round: the paired estimate is that round's
+        assert paired == pytest.approx(1 - (t["normal"][0] - t["compute"][0]) / b_c)
+    else:
+        assert paired is None
 
 
 @pytest.mark.parametrize("args, message", [
