@@ -258,7 +258,8 @@ def _simulate(argv: list[str]) -> int:
     print("\n".join(workload.describe()))
     arrivals = workload.arrivals(args.rate)
     t0 = time.perf_counter()
-    res = Simulator(build_cluster(plan, ctx)).run(arrivals, workload.prompts, workload.outputs)
+    res = Simulator(build_cluster(plan, ctx)).run(arrivals, workload.prompts, workload.outputs,
+                                                  block_keys=workload.block_keys(ctx.block_size))
     wall = time.perf_counter() - t0
     ttft = Dist.of([x for x in res.ttft if not math.isnan(x)])
     tpot = Dist.of([x for x in res.tpot if not math.isnan(x)])

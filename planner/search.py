@@ -151,6 +151,7 @@ class Searcher:
         self.simulations = 0
         self.min_requests, self.min_span_s = min(min_requests, len(workload)), min_span_s
         self.longest = max(p + o for p, o in zip(workload.prompts, workload.outputs))
+        self.block_keys = workload.block_keys(ctx.block_size)  # shared prefixes (Mooncake), for prefix caching
 
     # ------------------------------------------------------------------ one cluster
     def requests_at(self, rate: float) -> int:
@@ -163,9 +164,11 @@ class Searcher:
         n = len(w)
         judged = n - n // 2
         misses = int(self.slo.max_miss_fraction * judged) if early_stop else None
+        keys = self.block_keys[:n] if self.block_keys is not None else None
         res = Simulator(cluster).run(w.arrivals(rate), w.prompts, w.outputs,
                                      self.slo.ttft_ms / 1e3 if check_ttft else None,
-                                     self.slo.tpot_ms / 1e3 if check_tpot else None, misses, count_from=n // 2)
+                                     self.slo.tpot_ms / 1e3 if check_tpot else None, misses, count_from=n // 2,
+                                     block_keys=keys)
         return (*evaluate(res, self.slo, check_ttft, check_tpot, count_from=n // 2), res)
 
     def max_rate(self, cluster: ClusterSpec, guess: float, check_ttft: bool = True, check_tpot: bool = True,

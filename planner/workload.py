@@ -6,6 +6,12 @@ built. More requests than the trace has rows: the rows repeat in order (row i mo
 
 Arrivals at rate R (loadgen.arrivals): Poisson (seeded; the same draws at every rate, gaps scale as
 1/R), gamma, or the trace's own timestamps rescaled so that the mean rate is R.
+
+Shared prefixes (Mooncake traces): a row's `hash_ids` name its prompt's 512-token blocks, scaled to
+`trace_block` tokens as `bench serve` builds the text (loadgen.workload). `block_keys(block_size)`
+turns them into the simulator's prefix-cache keys: engine block j of a prompt stands for every token
+up to its end, so its key is (the chain of hash ids up to the trace block holding its last token,
+j); two requests share a key exactly when `bench serve` would send them the same text up to there.
 """
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ import random
 from dataclasses import dataclass
 
 from loadgen.arrivals import ArrivalConfig, arrival_offsets
-from loadgen.scaling import LengthStats, Scaling, choose_factor, scale_lengths
-from loadgen.workload import LengthDist, read_trace, resolve_source
+from loadgen.scaling import LengthStats, Scaling, block_tokens, choose_factor, scale_lengths
+from loadgen.workload import MOONCAKE_BLOCK, LengthDist, read_trace, resolve_source
 
 
 @dataclass
@@ -29,6 +35,8 @@ class PlanWorkload:
     arrival: str = "poisson"
     burstiness: float = 1.0
     seed: int = 0
+    hash_ids: list[list[int]] | None = None  # per request, its trace blocks' ids (Mooncake)
+    trace_block: int | None = None  # tokens per trace block after scaling
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -45,8 +53,27 @@ class PlanWorkload:
 
     def head(self, n: int) -> PlanWorkload:
         stamps = self.timestamps[:n] if self.timestamps is not None else None
+        ids = self.hash_ids[:n] if self.hash_ids is not None else None
         return PlanWorkload(self.name, self.citation, self.prompts[:n], self.outputs[:n], stamps, self.scaling,
-                            self.arrival, self.burstiness, self.seed)
+                            self.arrival, self.burstiness, self.seed, ids, self.trace_block)
+
+    def block_keys(self, block_size: int) -> list[list[tuple[int, int]]] | None:
+        """Per request, a prefix-cache key per full engine block of its prompt (None: no shared
+        prefixes known, every prompt is its own)."""
+        if self.hash_ids is None or not self.trace_block:
+            return None
+        keys = []
+        for ids, prompt in zip(self.hash_ids, self.prompts):
+            chain, h = [], 0
+            for x in ids:
+                h = hash((h, x))
+                chain.append(h)
+            row = []
+            for j in range(prompt // block_size):
+                m = ((j + 1) * block_size - 1) // self.trace_block  # the trace block of its last token
+                row.append((chain[min(m, len(chain) - 1)], j))
+            keys.append(row)
+        return keys
 
 
 def load_plan_workload(source: str, num_requests: int, max_context: int | None = None,
@@ -64,6 +91,7 @@ def load_plan_workload(source: str, num_requests: int, max_context: int | None =
         stamps = None
         if arrival == "trace":
             raise ValueError("--arrival trace needs a trace workload")
+        hash_ids = None
     else:
         _, rows_it = read_trace(path)
         rows = list(rows_it)
@@ -77,9 +105,13 @@ def load_plan_workload(source: str, num_requests: int, max_context: int | None =
         t0 = picked[0][0].timestamp_s
         stamps = [r.timestamp_s - t0 + lap * span for r, lap in picked]
         pairs = [(r.input_len, r.output_len) for r, _ in picked]
+        ids = [r.hash_ids for r, _ in picked]
+        hash_ids = ids if all(ids) else None
     factor, rule = choose_factor(pairs, max_context, scale)
     prompts, outputs = scale_lengths(pairs, factor, max_output, max_context)
-    scaling = Scaling(factor, rule, max_context, max_output, None,
+    trace_block = block_tokens(factor, MOONCAKE_BLOCK) if hash_ids is not None else None
+    scaling = Scaling(factor, rule, max_context, max_output, trace_block,
                       LengthStats.of([p for p, _ in pairs]), LengthStats.of(prompts),
                       LengthStats.of([o for _, o in pairs]), LengthStats.of(outputs))
-    return PlanWorkload(name, citation, prompts, outputs, stamps, scaling, arrival, burstiness, seed)
+    return PlanWorkload(name, citation, prompts, outputs, stamps, scaling, arrival, burstiness, seed, hash_ids,
+                        trace_block)

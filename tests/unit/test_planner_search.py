@@ -130,3 +130,32 @@ def test_a_target_rate_never_grows_a_plan_past_its_node_pools(searcher):
     capped = searcher.verify_target(small, 1000.0, space)  # far beyond two GPUs
     assert capped.plan.decode.count == 2 and not capped.meets_target
     assert searcher.verify_target(small, 1000.0).plan.decode.count > 2  # without limits it grows
+
+
+def test_mooncake_hash_ids_become_prefix_keys_that_follow_the_text():
+    from dataclasses import replace
+
+    from planner.workload import PlanWorkload
+
+    base = load_plan_workload("synthetic", 2, synthetic_input="fixed:96", synthetic_output="fixed:8")
+    w = replace(base, hash_ids=[[1, 2, 3], [1, 2, 9]], trace_block=32)
+    a, b = w.block_keys(16)
+    # engine block j ends at token 16j + 15, in trace block (16j + 15) // 32: 0, 0, 1, 1, 2, 2
+    assert len(a) == len(b) == 6
+    assert a[:4] == b[:4] and a[4] != b[4] and a[5] != b[5]
+    assert len(set(a)) == 6  # a key stands for its whole prefix and its position
+    assert isinstance(w.head(1), PlanWorkload) and w.head(1).block_keys(16) == [a]
+    assert base.block_keys(16) is None  # no hash ids: every prompt is its own
+
+
+def test_search_simulates_mooncake_with_prefix_caching():
+    ctx = PlanContext(PRESETS["Llama-3-8B"], load_catalog())
+    w = load_plan_workload("mooncake-conv", 400, max_context=8192)
+    with_keys = Searcher(ctx, w, SLO, min_requests=400)
+    assert with_keys.block_keys is not None
+    without = Searcher(ctx, w, SLO, min_requests=400)
+    without.block_keys = None
+    cluster = build_cluster(Plan("colocated", None, Pool("A100-80GB", 1)), ctx)
+    hit, miss = with_keys.simulate(cluster, 2.0, early_stop=False)[4], without.simulate(cluster, 2.0, early_stop=False)[4]
+    mean = lambda xs: sum(xs) / len(xs)
+    assert mean(hit.ttft) < mean(miss.ttft)  # shared conversation prefixes are not prefilled again
