@@ -104,11 +104,10 @@ class Engine:
         if not batch:
             self.last_step = None
             return []
-        decode = all(item.num_tokens == 1 and item.seq.num_computed_tokens == len(item.seq.token_ids) - 1
-                     for item in batch)
-        self.last_step = StepShape("decode" if decode else "prefill", len(batch),
-                                   sum(item.num_tokens for item in batch),
-                                   sum(item.seq.num_computed_tokens + item.num_tokens for item in batch))
+        tokens = sum(item.num_tokens for item in batch)
+        # one token per sequence is a decode step (a prompt's last chunk of one token counts as one)
+        self.last_step = StepShape("decode" if tokens == len(batch) else "prefill", len(batch), tokens,
+                                   sum(item.seq.num_computed_tokens for item in batch) + tokens)
         hook = hook_factory(batch) if hook_factory is not None else None
         logits = self.runner.run(batch, hook)
         completing = [item.seq for item in batch if item.completes]

@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -414,6 +414,20 @@ class GrpcSender(KVSender):
             hs = _Handshake(self._stub(endpoint).Handshake.future(request, timeout=self.timeout_s))
             self._handshakes[endpoint] = hs
         return hs
+
+    def _forget_handshake(self, endpoint: str,
+                          made: Callable[[kv_transfer_pb2.HandshakeResponse], bool] | None = None) -> None:
+        """Drop the endpoint's accepted handshake (the next layer handshakes anew); with `made`, only
+        if its response is the one that made the channel being dropped (a newer one stays)."""
+        with self._lock:
+            hs = self._handshakes.get(endpoint)
+            if hs is None or hs.error is not None:
+                return  # none, or a refusal (kept: the layout still differs)
+            if made is not None:
+                f = hs.future
+                if not f.done() or f.cancelled() or f.exception() is not None or not made(f.result()):
+                    return
+            del self._handshakes[endpoint]
 
     def _handshake_request(self, endpoint: str) -> kv_transfer_pb2.HandshakeRequest:
         """Under self._lock: what this sender opens an endpoint with (an extension point)."""

@@ -252,11 +252,7 @@ class TcpSender(GrpcSender):
         """Drop a connection and the handshake that made it: the next layer handshakes anew."""
         with self._link_lock:
             self._drop_locked(link, why)
-        with self._lock:
-            hs = self._handshakes.get(link.endpoint)
-            if hs is not None and hs.error is None and hs.future.done() and not hs.future.cancelled() \
-                    and hs.future.exception() is None and hs.future.result().tcp_conn == link.conn_id:
-                del self._handshakes[link.endpoint]
+        self._forget_handshake(link.endpoint, lambda response: response.tcp_conn == link.conn_id)
 
     def _live_link(self, endpoint: str) -> _Link | None:
         """On a stream's thread: the endpoint's connection, made anew (handshake included) when the

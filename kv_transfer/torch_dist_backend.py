@@ -260,10 +260,7 @@ class TorchDistSender(GrpcSender):
         """Drop a pair whose channel may hold unmatched operations; the next transfer handshakes anew."""
         with self._pair_lock:
             self._drop_locked(pair, why)
-        with self._lock:
-            hs = self._handshakes.get(pair.endpoint)
-            if hs is not None and hs.error is None:
-                del self._handshakes[pair.endpoint]
+        self._forget_handshake(pair.endpoint)
 
     # ------------------------------------------------------------------ transfers
     def _payload(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:

@@ -25,6 +25,7 @@ lets no other serving CPU compete for the host's cores (the measured steps alrea
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -92,7 +93,7 @@ async def _closed_loop(url: str, model: str, prompts: Iterator[str], concurrency
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return _delta(after, before), {"tpot_s": sorted(tpots)}, elapsed
+    return _delta(after, before), {"tpot_s": tpots}, elapsed
 
 
 def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = LEVELS,
@@ -117,17 +118,18 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
         for b in levels:
             delta, client, elapsed = asyncio.run(
                 _closed_loop(url, name, prompts, b, output_tokens, warmup_s, seconds, api_key))
+            tpot = _median(client["tpot_s"])
             for (role, phase), d in sorted(delta.items()):
                 if d["steps"] <= 0:
                     continue
                 samples.append({"prompt": p, "concurrency": b, "role": role, "phase": phase,
                                 "window_s": elapsed, **{f: d[f] for f in _FIELDS},
-                                "client_tpot_p50_s": _median(client["tpot_s"])})
+                                "client_tpot_p50_s": tpot})
             dec = delta.get((decode_role, "decode"))
             if dec and dec["steps"]:
                 say(f"prompt {p:5d} x {b:3d} streams: decode {dec['step_seconds'] / dec['steps'] * 1e3:6.2f} ms/step "
                     f"at batch {dec['step_seqs'] / dec['steps']:5.1f}; client TPOT p50 "
-                    f"{(_median(client['tpot_s']) or float('nan')) * 1e3:6.2f} ms")
+                    f"{(tpot or float('nan')) * 1e3:6.2f} ms")
     decode = [s for s in samples if s["role"] == decode_role and s["phase"] == "decode"]
     if len(decode) < 3:
         raise RuntimeError(f"too few decode samples from {url} ({len(decode)}): is the cluster serving?")
@@ -160,5 +162,14 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
     return out
 
 
+def add_live(coeffs: dict[str, Any], url: str, role: str = "decode", **kwargs: Any) -> dict[str, Any]:
+    """Probe the cluster behind `url` (`probe_live`, its model the coefficients' model, prefill as a
+    ratio to their engine fit) and store the result as coeffs["live"][role]; returns it."""
+    live = probe_live(url, coeffs["model"], coeffs["model"], decode_role=role, engine_prefill=coeffs["prefill"],
+                      **kwargs)
+    coeffs.setdefault("live", {})[role] = live
+    return live
+
+
 def _median(xs: list[float]) -> float | None:
-    return xs[len(xs) // 2] if xs else None
+    return statistics.median(xs) if xs else None

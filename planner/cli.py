@@ -307,7 +307,7 @@ def _calibrate(argv: list[str]) -> int:
 def _calibrate_live(args: argparse.Namespace) -> int:
     import httpx
 
-    from planner.calibrate_serving import probe_live
+    from planner.calibrate_serving import add_live
 
     out = Path(args.out)
     if not out.is_file():
@@ -315,9 +315,9 @@ def _calibrate_live(args: argparse.Namespace) -> int:
     coeffs = json.loads(out.read_text())
     ints = lambda s: tuple(int(x) for x in s.split(","))
     try:
-        live = probe_live(args.serving_url, coeffs["model"], coeffs["model"], ints(args.levels), ints(args.prompt_lens),
-                          args.output_tokens, seconds=args.seconds, api_key=args.api_key, decode_role=args.decode_role,
-                          engine_prefill=coeffs["prefill"])
+        live = add_live(coeffs, args.serving_url, args.decode_role, levels=ints(args.levels),
+                        prompt_lens=ints(args.prompt_lens), output_tokens=args.output_tokens, seconds=args.seconds,
+                        api_key=args.api_key)
     except (RuntimeError, httpx.HTTPError) as e:
         raise SystemExit(f"live calibration failed: {e}") from e
     d = live["decode"]
@@ -327,7 +327,6 @@ def _calibrate_live(args: argparse.Namespace) -> int:
         q = live["prefill"]
         print(f"prefill  {q['a'] * 1e3:.3f} ms + {q['b'] * 1e6:.3f} us * sum_new + {q['c'] * 1e9:.4f} ns * sum_attn "
               f"(fit error mean {q['mean_abs_pct_error']:.1f}%, max {q['max_abs_pct_error']:.1f}%)")
-    coeffs.setdefault("live", {})[args.decode_role] = live
     out.write_text(json.dumps(coeffs, indent=1) + "\n")
     print(f"wrote `live` into {out}")
     return 0

@@ -120,16 +120,15 @@ def warm_up(url: str, model: str) -> None:
 def calibrate_live(urls: dict[str, str], out: Path, levels: tuple[int, ...], seconds: float,
                    prompt_lens: tuple[int, ...] = (64, 256, 768)) -> Path:
     """Each cluster's step costs under load, added to a copy of the calibrated coefficients."""
-    from planner.calibrate_serving import probe_live
+    from planner.calibrate_serving import add_live
     from planner.cost_model import CPU_COEFFICIENTS
 
     coeffs = json.loads(CPU_COEFFICIENTS.read_text())
     coeffs["live"] = {}
     for name, url in urls.items():
-        role = "colocated" if name == "colocated" else "decode"
         print(f"live calibration of {name} ({url}):", flush=True)
-        coeffs["live"][role] = probe_live(url, coeffs["model"], coeffs["model"], levels, prompt_lens, seconds=seconds,
-                                          decode_role=role, engine_prefill=coeffs["prefill"])
+        add_live(coeffs, url, "colocated" if name == "colocated" else "decode", levels=levels,
+                 prompt_lens=prompt_lens, seconds=seconds)
     path = out / "cpu_coefficients_live.json"
     path.write_text(json.dumps(coeffs, indent=1) + "\n")
     print(f"wrote {path}", flush=True)

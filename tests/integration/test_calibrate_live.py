@@ -45,8 +45,13 @@ def test_step_counters_move_with_requests(url):
         httpx.post(f"{url}/v1/completions", timeout=30, json={
             "model": MODEL, "prompt": "hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
         }).raise_for_status()
-    time.sleep(1.2)  # the router polls worker stats every 0.5 s
-    after = scrape_steps(url)
+    deadline = time.monotonic() + 10  # the router polls worker stats every 0.5 s
+    while True:
+        after = scrape_steps(url)
+        moved = after.get(("decode", "decode"), {}).get("steps", 0) - before.get(("decode", "decode"), {}).get("steps", 0)
+        if moved >= 10 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     dec = after[("decode", "decode")]
     pre = after[("prefill", "prefill")]
     assert dec["steps"] - before.get(("decode", "decode"), {}).get("steps", 0) == 2 * 5  # 6 tokens: 1 at prefill

@@ -289,14 +289,23 @@ def test_validate_checks_code_built_configs():
         cfg.validate()
 
 
-def test_the_ray_command_is_the_one_beside_this_interpreter():
+def test_the_ray_command_is_the_one_beside_this_interpreter(tmp_path, monkeypatch):
     import sys
-    from pathlib import Path
 
     from pdcluster.launcher import ray_cli
 
-    beside = Path(sys.executable).with_name("ray")
-    if beside.is_file():  # a virtual environment's bin/, activated or not
-        assert ray_cli() == str(beside)
-    else:
-        assert Path(ray_cli()).name == "ray"
+    venv_bin, on_path = tmp_path / "venv" / "bin", tmp_path / "path"
+    venv_bin.mkdir(parents=True)
+    on_path.mkdir()
+    (on_path / "ray").write_text("#!/bin/sh\n")
+    (on_path / "ray").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(venv_bin / "python"))
+    monkeypatch.setenv("PATH", str(on_path))
+    assert ray_cli() == str(on_path / "ray")  # nothing beside the interpreter: PATH
+    (venv_bin / "ray").write_text("#!/bin/sh\n")
+    (venv_bin / "ray").chmod(0o755)
+    assert ray_cli() == str(venv_bin / "ray")  # a venv's own ray wins, activated or not
+    (venv_bin / "ray").unlink()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="no `ray` command"):
+        ray_cli()
