@@ -18,7 +18,7 @@ import secrets
 import threading
 import uuid
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -102,6 +102,19 @@ class DecodeEngine:
             if i == len(ids) or ids[i] != ids[i - 1] + 1:
                 cache[:, ids[start] : ids[i - 1] + 1].copy_(kv[:, start:i])
                 start = i
+
+    def move_kv_cache(self, place: Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+        """Re-home a CPU cache (its contents too) into the tensor `place(num_layers, layer_shape,
+        dtype)` returns, of shape (num_layers, *layer_shape): shared memory for the shm backend.
+        A cache on an accelerator stays where it is (place is not called)."""
+        caches = self.engine.runner.kv_caches
+        if caches[0].device.type != "cpu":
+            return
+        with self._lock:
+            storage = place(len(caches), tuple(caches[0].shape), caches[0].dtype)
+            for dst, src in zip(storage, caches):
+                dst.copy_(src)
+            self.engine.runner.kv_caches = list(storage.unbind(0))
 
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:
         vocab = self.engine.model_cfg.vocab_size

@@ -20,6 +20,7 @@ import hmac
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -80,10 +81,20 @@ class KVReceiver(ABC):
     def expect(self, ticket: TransferTicket) -> None:
         with self._lock:
             self._pending[ticket.transfer_id] = _Pending(ticket)
+        self._granted(ticket)
 
     def forget(self, transfer_id: str) -> None:
         with self._lock:
-            self._pending.pop(transfer_id, None)
+            pending = self._pending.pop(transfer_id, None)
+        if pending is not None:
+            self._revoked(pending.ticket)
+
+    def _granted(self, ticket: TransferTicket) -> None:
+        """The ticket's blocks are now this transfer's (an extension point: shm opens them to its sender)."""
+
+    def _revoked(self, ticket: TransferTicket) -> None:
+        """The transfer is over (committed, aborted, forgotten): called before the sink is told, so
+        an extension that lets senders write blocks in place closes them here (shm)."""
 
     @property
     def num_pending(self) -> int:
@@ -109,13 +120,23 @@ class KVReceiver(ABC):
     ) -> None:
         """One layer's K and V, or a run of its blocks starting at the ticket's `first_block`
         (a large layer may travel in several messages); the layer is complete once every block came."""
+        self._accept_layer(
+            transfer_id, auth_token, layer, tuple(kv.shape), first_block,
+            lambda ticket: self.sink.write_layer(ticket, layer, kv, first_block),
+        )
+
+    def _accept_layer(
+        self, transfer_id: str, auth_token: str, layer: int, shape: tuple[int, ...], first_block: int,
+        land: Callable[[TransferTicket], None],
+    ) -> None:
+        """The shared checks of a layer (or run of its blocks) of `shape`; `land(ticket)` runs only
+        after they passed (it copies the bytes into the blocks, or verifies bytes written in place)."""
         with self._lock:
             pending = self._get(transfer_id, auth_token)
             if not 0 <= layer < self.sink.num_layers:
                 raise KVTransferError(f"layer {layer} out of range [0, {self.sink.num_layers})")
             total = len(pending.ticket.block_ids)
             expected = self.sink.layer_shape(total)
-            shape = tuple(kv.shape)
             blockwise = len(shape) == len(expected) and shape[:1] + shape[2:] == expected[:1] + expected[2:]
             n = shape[1] if blockwise else 0
             if n < 1 or (first_block == 0 and n > total):
@@ -124,7 +145,7 @@ class KVReceiver(ABC):
                 raise KVTransferError(
                     f"layer {layer}: blocks [{first_block}, {first_block + n}) outside the transfer's {total}"
                 )
-            self.sink.write_layer(pending.ticket, layer, kv, first_block)
+            land(pending.ticket)
             if first_block == 0 and n == total:
                 pending.layers.add(layer)
                 return
@@ -140,12 +161,14 @@ class KVReceiver(ABC):
                 missing = sorted(set(range(self.sink.num_layers)) - pending.layers)
                 raise KVTransferError(f"commit of {transfer_id!r} before layers {missing} arrived")
             del self._pending[transfer_id]
+        self._revoked(pending.ticket)
         self.sink.commit(pending.ticket, first_token, logprob)
 
     def _on_abort(self, transfer_id: str, auth_token: str, reason: str) -> None:
         with self._lock:
             pending = self._get(transfer_id, auth_token)
             del self._pending[transfer_id]
+        self._revoked(pending.ticket)
         self.sink.abort(pending.ticket, reason)
 
     def close(self) -> None:

@@ -151,6 +151,8 @@ def corrupt(msg: Any) -> Any:
             bad.payload = bytes(b)
         else:  # the bytes travel out of band (shm, tcp, torch_distributed): the checksum is what crossed
             bad.checksum ^= 0x01
+            if bad.shm_in_place:  # written into the receiver's cache: make the receiver check the blocks
+                bad.shm_checksummed = True
     elif isinstance(bad, kv_transfer_pb2.KVCommit):
         bad.first_token = 0xFFFFFFFF
     elif isinstance(bad, kv_transfer_pb2.KVAbort):

@@ -37,6 +37,7 @@ Linux only (/dev/shm).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import mmap
 import os
@@ -54,9 +55,13 @@ import torch
 
 from engine.sequence import TokenLogprobs
 from kv_transfer.base import KVSink, KVTransferError, TransferTicket
-from kv_transfer.checksum import checksum
-from kv_transfer.grpc_backend import GrpcReceiver, GrpcSender
+from kv_transfer.checksum import NAME as CHECKSUM
+from kv_transfer.checksum import checksum, tensor_checksum
+from kv_transfer.grpc_backend import WIRE_DTYPES, GrpcReceiver, GrpcSender, _Corrupt, wire_dtype
+from kv_transfer.shm_cache import MappedKVCache, SharedKVCache
 from proto import kv_transfer_pb2
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdkv-"
@@ -166,14 +171,29 @@ class _Region:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class _InPlace:
+    """A layer already copied into the receiver's shared cache `cache`; its XXH3-64 when verified."""
+
+    cache: str
+    digest: int | None
+
+
 class ShmSender(GrpcSender):
     """Pushes layers through shared memory to `ShmReceiver`s on this node. Thread-safe.
 
     `ShmSender(compat_hash, timeout_s=30.0, sender_id=None, *, slab_bytes=2 MiB,
-    pool_bytes=1 GiB, shm_dir="/dev/shm")`: `timeout_s` bounds every control RPC as for grpc;
-    `slab_bytes` is the smallest segment made; `pool_bytes` how much free segment space is kept for
-    reuse between transfers (0: unlink each transfer's segments at its commit / abort). Segments'
-    pages are reserved when made, so in-flight transfers plus the pool is the /dev/shm (RAM) used.
+    pool_bytes=1 GiB, shm_dir="/dev/shm", in_place=True, verify_in_place=False)`: `timeout_s`
+    bounds every control RPC as for grpc; `slab_bytes` is the smallest segment made; `pool_bytes`
+    how much free segment space is kept for reuse between transfers (0: unlink each transfer's
+    segments at its commit / abort). Segments' pages are reserved when made, so in-flight transfers
+    plus the pool is the /dev/shm (RAM) used.
+
+    In place (kv_transfer.shm_cache): once a receiver's handshake names its shared cache, layers
+    go straight into the ticket's blocks there (one copy, no segment, no checksum pass) instead
+    of through a segment; `in_place=False` keeps the copying path. `verify_in_place=True` adds an
+    XXH3-64 of each layer, which the receiver checks against its blocks before accepting it.
+    Layers sent before the handshake completed (a new endpoint's first transfer) use segments.
     """
 
     BACKEND = "shm"
@@ -188,10 +208,16 @@ class ShmSender(GrpcSender):
         slab_bytes: int = 2 << 20,
         pool_bytes: int = 1 << 30,
         shm_dir: str = SHM_DIR,
+        in_place: bool = True,
+        verify_in_place: bool = False,
     ) -> None:
         if not os.path.isdir(shm_dir):
             raise KVTransferError(f"the shm KV backend needs {shm_dir} (POSIX shared memory, Linux)")
         super().__init__(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
+        self.in_place = in_place
+        self.verify_in_place = verify_in_place
+        # endpoint -> (its shared cache's name, our mapping of it; None if it could not be mapped)
+        self._caches: dict[str, tuple[str, MappedKVCache | None]] = {}
         self.shm_dir = shm_dir
         self.slab_bytes = max(PAGE, _round_up(slab_bytes, PAGE))
         self.pool_bytes = pool_bytes
@@ -238,7 +264,50 @@ class ShmSender(GrpcSender):
                 "runs on this host but cannot see this worker's shared memory (another container or "
                 "IPC namespace?); share /dev/shm between them or use grpc"
             )
+        self._map_cache(endpoint, response.shm_cache if self.in_place else "", response)
         return None
+
+    def _map_cache(self, endpoint: str, name: str, response: kv_transfer_pb2.HandshakeResponse) -> None:
+        """Keep a mapping of the endpoint's shared cache `name` ("": none), replacing an older one."""
+        with self._arena_lock:
+            known = self._caches.get(endpoint)
+            if self._arena_closed or (known is not None and known[0] == name):
+                return
+            mapping = None
+            if name:
+                try:
+                    mapping = MappedKVCache(self.shm_dir, name, response.shm_cache_offset,
+                                            response.shm_cache_blocks, response.shm_cache_layers)
+                except (OSError, KVTransferError) as e:
+                    log.warning("cannot map the shared KV cache of %s (%s): its layers go through segments",
+                                endpoint, e)
+            self._caches[endpoint] = (name, mapping)
+        if known is not None and known[1] is not None:
+            known[1].close()
+
+    def _cache_for(self, endpoint: str) -> MappedKVCache | None:
+        """The endpoint's shared cache once its handshake has completed and named one (never waits:
+        the forward pass does not wait on the network)."""
+        with self._lock:
+            hs = self._handshake(endpoint)
+        f = hs.future
+        if hs.error is not None or not f.done() or f.cancelled() or f.exception() is not None:
+            return None
+        try:
+            self._await_handshake(endpoint, hs, 0.0)
+        except KVTransferError:
+            return None  # the layer's stream reports it
+        with self._arena_lock:
+            known = self._caches.get(endpoint)
+        mapping = known[1] if known is not None else None
+        if mapping is not None and not mapping.is_current():  # the receiver closed or restarted
+            with self._arena_lock:
+                if self._caches.get(endpoint) is known:
+                    del self._caches[endpoint]
+            mapping.close()
+            self._forget_handshake(endpoint)  # the next layer handshakes anew and maps its new cache
+            return None
+        return mapping
 
     # ------------------------------------------------------------------ arena
     def _alloc(self, transfer_id: str, layer: int, nbytes: int) -> _Region:
@@ -288,6 +357,12 @@ class ShmSender(GrpcSender):
             slab.destroy()
 
     @property
+    def in_place_endpoints(self) -> list[str]:
+        """Endpoints whose shared cache this sender has mapped (it writes their layers in place)."""
+        with self._arena_lock:
+            return sorted(e for e, (_, mapping) in self._caches.items() if mapping is not None)
+
+    @property
     def segments(self) -> list[str]:
         """Names of the segments this sender holds now (in use, pooled, the probe)."""
         with self._arena_lock:
@@ -302,6 +377,13 @@ class ShmSender(GrpcSender):
         nbytes = kv.numel() * kv.element_size()
         if nbytes == 0:
             return b""  # nothing to map: an empty inline payload
+        cache = self._cache_for(ticket.kv_endpoint) if self.in_place else None
+        if cache is not None:
+            digest = tensor_checksum(kv) if self.verify_in_place else None
+            # skipped (False) for a ticket whose blocks are no longer its own, or a layer that does not
+            # fit: the receiver refuses the message by its own checks, and nothing was written
+            cache.write(ticket, layer, kv)
+            return _InPlace(cache.name, digest)
         region = self._alloc(ticket.transfer_id, layer, nbytes)
         region.slab.write(region.offset, kv)
         return region
@@ -309,6 +391,12 @@ class ShmSender(GrpcSender):
     def _layer_message(
         self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any, first_block: int = 0
     ) -> kv_transfer_pb2.KVLayer:
+        if isinstance(payload, _InPlace):
+            return kv_transfer_pb2.KVLayer(
+                transfer_id=ticket.transfer_id, auth_token=ticket.auth_token, layer=layer, dtype=dtype,
+                shape=shape, first_block=first_block, shm_in_place=True, shm_name=payload.cache,
+                shm_checksummed=payload.digest is not None, checksum=payload.digest or 0,
+            )
         if not isinstance(payload, _Region):
             return super()._layer_message(ticket, layer, dtype, shape, payload, first_block)
         try:
@@ -354,8 +442,12 @@ class ShmSender(GrpcSender):
             if self._probe is not None:
                 slabs.append(self._probe)
             self._free, self._leases, self._probe = [], {}, None
+            caches, self._caches = self._caches, {}
         for slab in slabs:
             slab.destroy()
+        for _, mapping in caches.values():
+            if mapping is not None:
+                mapping.close()
 
 
 # ---------------------------------------------------------------------------------------- receiver
@@ -380,7 +472,11 @@ class ShmReceiver(GrpcReceiver):
     """Serves `KVReceiver` for a sink and reads layers from the senders' shared memory.
 
     Same constructor as `GrpcReceiver` (`ShmReceiver(sink, server, endpoint)` on the caller's
-    server, or its own on host:port), plus `shm_dir` (where senders' segments are, "/dev/shm").
+    server, or its own on host:port), plus `shm_dir` (where senders' segments are, "/dev/shm") and
+    `in_place` (default True): move a sink's CPU cache into a shared segment that senders on this
+    node write in place (kv_transfer.shm_cache; the sink must offer `move_kv_cache`, as
+    DecodeEngine does). If the segment cannot be made (a small /dev/shm) the cache stays private
+    and senders copy through their segments, with a warning.
     """
 
     def __init__(
@@ -393,13 +489,34 @@ class ShmReceiver(GrpcReceiver):
         port: int = 0,
         max_workers: int = 16,
         shm_dir: str = SHM_DIR,
+        in_place: bool = True,
     ) -> None:
         self.shm_dir = shm_dir
         self.node_id = node_id()
         self._maps: dict[str, _Mapping] = {}  # segment name -> mapping, least recently mapped first
         self._maps_lock = threading.Lock()
         self._last_sweep = 0.0
+        self.shared: SharedKVCache | None = None  # the sink's cache, when senders write it in place
         super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers)
+        move = getattr(sink, "move_kv_cache", None)
+        if in_place and move is not None:
+            try:
+                move(self._shared_cache)
+            except KVTransferError as e:
+                log.warning("the KV cache stays private; shm senders copy through segments: %s", e)
+
+    def _shared_cache(self, num_layers: int, layer_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Make the shared segment the sink's cache moves into; its (num_layers, *layer_shape) tensor."""
+        self.shared = SharedKVCache(self.shm_dir, num_layers, layer_shape, dtype)
+        return self.shared.cache
+
+    def _granted(self, ticket: TransferTicket) -> None:
+        if self.shared is not None:
+            self.shared.grant(ticket)
+
+    def _revoked(self, ticket: TransferTicket) -> None:
+        if self.shared is not None:
+            self.shared.revoke(ticket)
 
     @classmethod
     def serve(
@@ -411,6 +528,10 @@ class ShmReceiver(GrpcReceiver):
         fields: dict[str, Any] = {"node_id": self.node_id}
         if request.shm_probe:
             fields["shm_probe_data"] = self._read_probe(request.shm_probe)
+        shared = self.shared
+        if shared is not None:
+            fields.update(shm_cache=shared.name, shm_cache_offset=shared.offset,
+                          shm_cache_blocks=shared.num_blocks, shm_cache_layers=shared.num_layers)
         return fields
 
     def _read_probe(self, name: str) -> bytes:
@@ -429,6 +550,8 @@ class ShmReceiver(GrpcReceiver):
             os.close(fd)
 
     def receive_layer(self, msg: kv_transfer_pb2.KVLayer) -> None:
+        if msg.shm_in_place:
+            return self._receive_in_place(msg)
         if not (msg.shm_name or msg.shm_nbytes or msg.shm_offset):
             return super().receive_layer(msg)  # inline payload (a grpc sender, or an empty layer)
         with self._lock:  # who is asking, before any shared memory is touched
@@ -440,6 +563,37 @@ class ShmReceiver(GrpcReceiver):
             self._deliver(msg, mapping.mm, msg.shm_offset)
         finally:
             self._unuse(mapping)
+
+    def _receive_in_place(self, msg: kv_transfer_pb2.KVLayer) -> None:
+        """A layer its sender copied into our shared cache: the shared checks (and the checksum
+        against the blocks, when it came with one) before it counts."""
+        shared = self.shared
+        if shared is None:
+            raise KVTransferError(
+                f"layer {msg.layer}: written in place, but this receiver's KV cache is not in shared memory"
+            )
+        if msg.payload or msg.shm_offset or msg.shm_nbytes:
+            raise KVTransferError(f"layer {msg.layer}: written in place and also sent (payload / segment)")
+        if msg.shm_name != shared.name:  # a sender still mapping the cache of this endpoint's last receiver
+            raise KVTransferError(
+                f"layer {msg.layer}: written into shared KV cache {msg.shm_name!r}, but this receiver's is "
+                f"{shared.name!r} (it restarted)"
+            )
+        if WIRE_DTYPES.get(msg.dtype) != shared.cache.dtype:
+            raise KVTransferError(f"layer {msg.layer}: dtype {msg.dtype!r}, expected {wire_dtype(shared.cache.dtype)}")
+        shape = tuple(msg.shape)
+
+        def verify(ticket: TransferTicket) -> None:
+            if not msg.shm_checksummed:
+                return
+            digest = shared.digest(msg.layer, ticket.block_ids[msg.first_block : msg.first_block + shape[1]])
+            if digest != msg.checksum:
+                raise _Corrupt(
+                    f"checksum mismatch for layer {msg.layer} of {msg.transfer_id!r}: blocks {CHECKSUM} "
+                    f"{digest:#018x}, message says {msg.checksum:#018x}"
+                )
+
+        self._accept_layer(msg.transfer_id, msg.auth_token, msg.layer, shape, msg.first_block, verify)
 
     # ------------------------------------------------------------------ mappings
     # A sender reuses its segments transfer after transfer, so each one is mapped once (read-only,
@@ -555,6 +709,8 @@ class ShmReceiver(GrpcReceiver):
             for mapping in self._maps.values():
                 self._retire(mapping)
             self._maps.clear()
+        if self.shared is not None:
+            self.shared.close()  # unlinked; the sink keeps using its memory
 
     def _deliver(self, msg: kv_transfer_pb2.KVLayer, mm: mmap.mmap, start: int) -> None:
         """Check the mapped bytes and hand a tensor over them (no copy) to the shared checks."""

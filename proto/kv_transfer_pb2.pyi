@@ -32,7 +32,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, compat_hash: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., sender_id: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe: _Optional[str] = ..., dist_backend: _Optional[str] = ..., tcp: _Optional[bool] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("ok", "reason", "compat_hash", "node_id", "shm_probe_data", "dist_store", "dist_pair", "dist_backend", "tcp_port", "tcp_conn", "tcp_token")
+    __slots__ = ("ok", "reason", "compat_hash", "node_id", "shm_probe_data", "dist_store", "dist_pair", "dist_backend", "tcp_port", "tcp_conn", "tcp_token", "shm_cache", "shm_cache_offset", "shm_cache_blocks", "shm_cache_layers")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,10 @@ class HandshakeResponse(_message.Message):
     TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     TCP_CONN_FIELD_NUMBER: _ClassVar[int]
     TCP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    SHM_CACHE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHM_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHM_CACHE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
     compat_hash: str
@@ -55,10 +59,14 @@ class HandshakeResponse(_message.Message):
     tcp_port: int
     tcp_conn: str
     tcp_token: bytes
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., compat_hash: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe_data: _Optional[bytes] = ..., dist_store: _Optional[str] = ..., dist_pair: _Optional[str] = ..., dist_backend: _Optional[str] = ..., tcp_port: _Optional[int] = ..., tcp_conn: _Optional[str] = ..., tcp_token: _Optional[bytes] = ...) -> None: ...
+    shm_cache: str
+    shm_cache_offset: int
+    shm_cache_blocks: int
+    shm_cache_layers: int
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., compat_hash: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe_data: _Optional[bytes] = ..., dist_store: _Optional[str] = ..., dist_pair: _Optional[str] = ..., dist_backend: _Optional[str] = ..., tcp_port: _Optional[int] = ..., tcp_conn: _Optional[str] = ..., tcp_token: _Optional[bytes] = ..., shm_cache: _Optional[str] = ..., shm_cache_offset: _Optional[int] = ..., shm_cache_blocks: _Optional[int] = ..., shm_cache_layers: _Optional[int] = ...) -> None: ...
 
 class KVLayer(_message.Message):
-    __slots__ = ("transfer_id", "auth_token", "layer", "dtype", "shape", "checksum", "payload", "compression", "scales", "first_block", "shm_name", "shm_offset", "shm_nbytes", "dist_pair", "dist_tag", "tcp_conn", "tcp_tag")
+    __slots__ = ("transfer_id", "auth_token", "layer", "dtype", "shape", "checksum", "payload", "compression", "scales", "first_block", "shm_name", "shm_offset", "shm_nbytes", "dist_pair", "dist_tag", "tcp_conn", "tcp_tag", "shm_in_place", "shm_checksummed")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +84,8 @@ class KVLayer(_message.Message):
     DIST_TAG_FIELD_NUMBER: _ClassVar[int]
     TCP_CONN_FIELD_NUMBER: _ClassVar[int]
     TCP_TAG_FIELD_NUMBER: _ClassVar[int]
+    SHM_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    SHM_CHECKSUMMED_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     auth_token: str
     layer: int
@@ -93,7 +103,9 @@ class KVLayer(_message.Message):
     dist_tag: int
     tcp_conn: str
     tcp_tag: int
-    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., compression: _Optional[str] = ..., scales: _Optional[bytes] = ..., first_block: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_nbytes: _Optional[int] = ..., dist_pair: _Optional[str] = ..., dist_tag: _Optional[int] = ..., tcp_conn: _Optional[str] = ..., tcp_tag: _Optional[int] = ...) -> None: ...
+    shm_in_place: bool
+    shm_checksummed: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., compression: _Optional[str] = ..., scales: _Optional[bytes] = ..., first_block: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_nbytes: _Optional[int] = ..., dist_pair: _Optional[str] = ..., dist_tag: _Optional[int] = ..., tcp_conn: _Optional[str] = ..., tcp_tag: _Optional[int] = ..., shm_in_place: _Optional[bool] = ..., shm_checksummed: _Optional[bool] = ...) -> None: ...
 
 class KVCommit(_message.Message):
     __slots__ = ("transfer_id", "auth_token", "first_token", "num_layers", "first_token_logprob")

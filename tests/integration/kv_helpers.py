@@ -8,6 +8,7 @@ the per-backend files (what is particular to one backend).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import glob
@@ -54,8 +55,13 @@ def ours_in_shm() -> list[str]:
 
 
 def mapped_segments() -> list[str]:
+    """Mappings of our segments, except a closed receiver's own shared cache (unlinked, mapped once):
+    its DecodeEngine keeps using that memory while it lives."""
     with open("/proc/self/maps") as f:
-        return [line.strip() for line in f if "/pdkv-" in line]
+        lines = [line.strip() for line in f if "/pdkv-" in line]
+    caches = collections.Counter(line.split()[-2] for line in lines if "-cache-" in line)
+    return [line for line in lines
+            if "-cache-" not in line or caches[line.split()[-2]] > 1 or not line.endswith("(deleted)")]
 
 
 def port_is_closed(port: int) -> bool:
@@ -127,10 +133,12 @@ def grpc_server() -> Iterator[tuple[grpc.Server, str]]:
 
 
 @contextlib.contextmanager
-def live_decode(checkpoint, backend: str, srv: grpc.Server, endpoint: str) -> Iterator[DecodeEngine]:
-    """A DecodeEngine with `backend`'s receiver registered on `srv` (started here); closed after,
-    with torch_distributed's store and process groups, and tcp's data port, checked gone."""
-    kwargs = {"timeout_s": 5.0} if backend in ("torch_distributed", "tcp") else {}
+def live_decode(checkpoint, backend: str, srv: grpc.Server, endpoint: str, **kwargs) -> Iterator[DecodeEngine]:
+    """A DecodeEngine with `backend`'s receiver (and its options `kwargs`) registered on `srv`
+    (started here); closed after, with torch_distributed's store and process groups, and tcp's data
+    port, checked gone."""
+    if backend in ("torch_distributed", "tcp"):
+        kwargs.setdefault("timeout_s", 5.0)
     d = DecodeEngine(decode_engine(checkpoint), backend=backend, server=srv, endpoint=endpoint, **kwargs)
     srv.start()
     port = d.receiver._store.port if backend == "torch_distributed" else None

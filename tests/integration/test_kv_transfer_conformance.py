@@ -53,10 +53,14 @@ def _corrupt_grpc(sender, target: int) -> None:
 
 def _corrupt_shm(sender, target: int) -> None:
     original = sender._layer_message
+    sender.verify_in_place = True  # written in place, a layer is checked only when it carries a checksum
 
     def corrupting(ticket, layer, *rest):
         msg = original(ticket, layer, *rest)
-        if layer == target:  # the segment the message points at (rest: dtype, shape, payload, first block)
+        if layer == target and msg.shm_in_place:  # a byte of the first block in the receiver's cache
+            (_, mapping), = sender._caches.values()
+            mapping._layers[layer, 0, ticket.block_ids[0]].reshape(-1).view(torch.uint8)[100] ^= 0x01
+        elif layer == target:  # the segment the message points at (rest: dtype, shape, payload, first block)
             region = rest[2]
             region.slab.mm[region.offset + 100] ^= 0x01
         return msg
@@ -109,14 +113,19 @@ class Live:
         return create_sender(self.backend, compat_hash or self.decode.compat_hash, timeout_s=timeout_s)
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=[*BACKENDS, "shm+segments"])
 def kv(request, checkpoint):
     """A live receiver (DecodeEngine on a real server) and a matching sender, for one backend; the
-    backend's leftovers checks (threads, /dev/shm segments and mappings, store and groups) after."""
-    backend = request.param
+    backend's leftovers checks (threads, /dev/shm segments and mappings, store and groups) after.
+    "shm" writes layers into the decode cache in place; "shm+segments" is shm's copying path."""
+    backend = request.param.split("+")[0]
+    options = {"in_place": False} if request.param == "shm+segments" else {}
     with clean(backend), grpc_server() as (srv, endpoint), \
-            live_decode(checkpoint, backend, srv, endpoint) as decode, \
+            live_decode(checkpoint, backend, srv, endpoint, **options) as decode, \
             live_sender(backend, decode.compat_hash) as sender:
+        if backend == "shm":  # as a prefill worker does at start-up: in place from the first layer
+            sender.connect(decode.receiver.endpoint)
+            assert (sender.in_place_endpoints == [decode.receiver.endpoint]) == (request.param == "shm")
         yield Live(backend, srv, decode, sender, CORRUPT[backend])
 
 
@@ -165,7 +174,7 @@ def test_many_transfers_in_flight_from_several_threads(kv):
         th.start()
     for th in threads:
         th.join()
-    if kv.backend == "shm":  # one segment per transfer in flight
+    if kv.backend == "shm" and decode.receiver.shared is None:  # one segment per transfer in flight
         assert len([n for n in sender.segments if n != sender._probe.name]) == 4
     assert sender.flush(tickets[0]) == decode.num_layers
     for t in reversed(tickets):  # commits in any order
@@ -230,7 +239,9 @@ def test_bytes_corrupted_after_their_checksum_are_refused(kv):
     with pytest.raises(KVTransferError, match="DATA_LOSS: checksum mismatch for layer 1"):
         sender.flush(ticket)
     cache = decode.engine.runner.kv_caches
-    assert torch.equal(cache[0][:, ticket.block_ids], kv_) and torch.all(cache[1] == 0)
+    assert torch.equal(cache[0][:, ticket.block_ids], kv_)
+    if not (kv.backend == "shm" and decode.receiver.shared is not None):  # in place: in blocks not yet live
+        assert torch.all(cache[1] == 0)
     with pytest.raises(KVTransferError, match=r"before layers \[1\]"):
         sender.commit(ticket, 7, None)
     assert decode.num_reserved == 1 and kv.idle()

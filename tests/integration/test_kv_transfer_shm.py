@@ -3,7 +3,8 @@ gRPC server on loopback, into a real DecodeEngine): only metadata crosses the co
 segments are reused and unlinked, hand-built messages naming hostile, short, misaligned or missing
 segments are refused, a receiver on another node (or without a shared /dev/shm, or without shm at
 all) is refused at the handshake, close unlinks everything, and nothing is left in /dev/shm or
-mapped afterwards.
+mapped afterwards. These are about the copying path (the receiver's cache stays private); writing
+into a shared cache in place is tests/integration/test_kv_transfer_shm_in_place.py.
 
 The conformance tests every backend passes (bytes land in the reserved blocks, refusals, abort,
 timeouts, a segment corrupted after its checksum, prefill -> decode matches the offline `LLM`, the
@@ -43,7 +44,9 @@ def no_leftovers():
 
 @pytest.fixture
 def decode(checkpoint):
-    with grpc_server() as (srv, endpoint), live_decode(checkpoint, "shm", srv, endpoint) as d:
+    """A receiver whose cache stays private: these tests are about the segments (the copying path;
+    writing in place is tests/integration/test_kv_transfer_shm_in_place.py)."""
+    with grpc_server() as (srv, endpoint), live_decode(checkpoint, "shm", srv, endpoint, in_place=False) as d:
         yield d
 
 

@@ -1,0 +1,272 @@
+"""A decode worker's KV cache in shared memory, which same-node prefill workers write in place.
+
+With the shm backend the decode worker's (CPU) cache lives in one POSIX shared memory segment,
+laid out as
+
+    [ fence: one int64 tag per block, padded to a page | layer 0 | layer 1 | ... ]
+
+where each layer is the engine's usual (2, num_blocks, block_size, kv_heads, head_dim) tensor. A
+prefill worker on the node maps the segment (its name comes in the handshake) and copies each
+layer straight into the ticket's blocks: one memcpy per layer and nothing else, where the copying
+shm path makes two copies and two checksum passes. The per-layer KVLayer message still travels on
+the control channel (metadata only), and the receiver runs every check on it before the layer
+counts; the blocks stay invisible to decoding until the commit.
+
+The write fence keeps a sender from writing into blocks that are no longer its transfer's. Every
+block reserved for a transfer carries that transfer's tag (a hash of its id and auth token, so only
+a holder of the ticket knows it); the tags are cleared when the transfer ends (commit, abort,
+forget), before its blocks are freed or start decoding. A sender writes a layer only while it holds
+a shared record lock on the ticket's first block's fence entry and sees its tag on every
+block; the receiver clears tags under an exclusive lock on the same entry, so a clear waits for a
+write in progress (milliseconds) and every later write sees the cleared tags and is skipped (the
+receiver then refuses the message: unknown transfer). A sender that dies drops its locks with it.
+
+Trust: a sender that maps the segment could write anywhere in the cache, as any process of the
+same user on the node could already attach to the decode worker itself; the fence protects
+against stale and misdirected writes, not against a hostile process with the user's rights.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import math
+import mmap
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+
+import torch
+
+from kv_transfer.base import KVTransferError, TransferTicket
+from kv_transfer.checksum import checksum
+
+PAGE = mmap.PAGESIZE
+FENCE_ITEM = 8  # bytes per block's tag (int64)
+LOCK_TIMEOUT_S = 10.0
+_CACHE_NAME = re.compile(r"pdkv-[0-9]+-cache-[0-9a-f]+")  # a write holds its lock for one layer's memcpy; this only bounds a hung writer
+
+
+def fence_tag(ticket: TransferTicket) -> int:
+    """The transfer's nonzero int64 tag (only a holder of its auth token can compute it)."""
+    digest = hashlib.blake2b(f"{ticket.transfer_id}/{ticket.auth_token}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in ids, first block id, count) of each run of consecutive block ids."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, ids[start], i - start))
+            start = i
+    return runs
+
+
+def _setlk(fd: int, kind: int, block: int) -> None:
+    """One non-blocking record lock request on block's fence entry. Open-file-description locks
+    (Linux): they conflict between two descriptors even within one process, and a process's other
+    descriptors of the file do not drop them when closed."""
+    start = block * FENCE_ITEM
+    if _OFD_SETLK is None:
+        fcntl.lockf(fd, {fcntl.LOCK_SH: fcntl.LOCK_SH | fcntl.LOCK_NB, fcntl.LOCK_EX: fcntl.LOCK_EX | fcntl.LOCK_NB,
+                         fcntl.LOCK_UN: fcntl.LOCK_UN}[kind], FENCE_ITEM, start)
+        return
+    l_type = {fcntl.LOCK_SH: fcntl.F_RDLCK, fcntl.LOCK_EX: fcntl.F_WRLCK, fcntl.LOCK_UN: fcntl.F_UNLCK}[kind]
+    # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+    fcntl.fcntl(fd, _OFD_SETLK, struct.pack("hhqqi4x", l_type, os.SEEK_SET, start, FENCE_ITEM, 0))
+
+
+_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None)
+
+
+def _lock(fd: int, kind: int, block: int, timeout_s: float) -> None:
+    """Take a record lock on block's fence entry, retrying until `timeout_s` (never forever)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _setlk(fd, kind, block)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() > deadline:
+            raise KVTransferError(f"KV cache fence of block {block} still locked after {timeout_s:.0f} s")
+        time.sleep(0.0005)
+
+
+def _unlock(fd: int, block: int) -> None:
+    _setlk(fd, fcntl.LOCK_UN, block)
+
+
+def _geometry(num_blocks: int) -> int:
+    """Byte offset of the cache in the segment (after the fence table)."""
+    return -(-num_blocks * FENCE_ITEM // PAGE) * PAGE
+
+
+def blocks_digest(layer: torch.Tensor, ids: list[int]) -> int:
+    """XXH3-64 of blocks `ids` of a (2, num_blocks, ...) layer, K's then V's, as a contiguous tensor
+    of those blocks would hash (the sender hashes the tensor it copied from)."""
+    parts = [layer[kv, first : first + n].reshape(-1).view(torch.uint8).numpy()
+             for kv in range(layer.shape[0]) for _, first, n in _runs(ids)]
+    return checksum(*parts)
+
+
+class SharedKVCache:
+    """Receiver side: creates the segment, lays the cache out in it, keeps the fence."""
+
+    def __init__(self, shm_dir: str, num_layers: int, layer_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = layer_shape[1]
+        self.offset = _geometry(self.num_blocks)
+        nbytes = num_layers * math.prod(layer_shape) * dtype.itemsize
+        self.size = self.offset + nbytes
+        self.name = f"pdkv-{os.getpid()}-cache-{secrets.token_hex(6)}"
+        self.path = os.path.join(shm_dir, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:  # all pages now: a full tmpfs is an error here, never a SIGBUS later
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as e:
+                raise KVTransferError(f"no room for a {self.size}-byte KV cache in {shm_dir}: {e.strerror}") from None
+            mm = mmap.mmap(fd, self.size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        self._fd = fd  # kept open for the record locks (closing any fd of the file would drop them)
+        self._tracked = os.path.realpath(shm_dir) == "/dev/shm"
+        if self._tracked:  # unlinked by the resource tracker if this process dies without close()
+            from multiprocessing import resource_tracker
+
+            resource_tracker.register("/" + self.name, "shared_memory")
+        self.fence = torch.frombuffer(mm, dtype=torch.int64, count=self.num_blocks)
+        count = nbytes // dtype.itemsize
+        self.cache = torch.frombuffer(mm, dtype=dtype, count=count, offset=self.offset).view(num_layers, *layer_shape)
+        self._closed = False
+
+    def grant(self, ticket: TransferTicket) -> None:
+        """Open the ticket's blocks to its sender (before the ticket is handed out)."""
+        self.fence[ticket.block_ids] = fence_tag(ticket)
+
+    def revoke(self, ticket: TransferTicket) -> None:
+        """Close the ticket's blocks: returns once no write of its sender is in progress or can start."""
+        if not ticket.block_ids or self._closed:
+            return
+        first = ticket.block_ids[0]
+        _lock(self._fd, fcntl.LOCK_EX, first, LOCK_TIMEOUT_S)
+        try:
+            self.fence[ticket.block_ids] = 0
+        finally:
+            _unlock(self._fd, first)
+
+    def digest(self, layer: int, ids: list[int]) -> int:
+        return blocks_digest(self.cache[layer], ids)
+
+    def close(self) -> None:
+        """Unlink the segment (the cache tensors keep their memory while anyone uses them)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        if self._tracked:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister("/" + self.name, "shared_memory")
+        os.close(self._fd)
+
+
+class MappedKVCache:
+    """Sender side: a receiver's shared cache, mapped read-write; writes layers through the fence."""
+
+    def __init__(self, shm_dir: str, name: str, offset: int, num_blocks: int, num_layers: int) -> None:
+        if not _CACHE_NAME.fullmatch(name):
+            raise KVTransferError(f"bad shared KV cache name {name!r}")
+        if offset != _geometry(num_blocks):
+            raise KVTransferError(f"shared KV cache {name!r}: cache offset {offset} does not fit {num_blocks} blocks")
+        self.name, self.offset, self.num_blocks, self.num_layers = name, offset, num_blocks, num_layers
+        self.path = os.path.join(shm_dir, name)
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            self.size, self._identity = st.st_size, (st.st_dev, st.st_ino)
+            # map every page now (once per receiver): a fault per 4 KiB would cost more than the copy
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, self.size, flags=flags)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._fence = torch.frombuffer(self._mm, dtype=torch.int64, count=num_blocks)
+        self._layers: torch.Tensor | None = None  # (layers, 2, blocks, ...) view, made at the first write
+        self._mutex = threading.Lock()  # a lock held twice by one descriptor is one lock: one writer thread at a time
+        self._closed = False
+
+    def is_current(self) -> bool:
+        """The receiver still has this segment (gone: it closed or restarted, and has another)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
+
+    def _view(self, kv: torch.Tensor) -> torch.Tensor | None:
+        """The cache as (layers, 2, num_blocks, *block) of kv's dtype, or None if kv's blocks do not
+        fit the segment (another layout: the receiver refuses the message by its own checks)."""
+        if self._layers is not None:
+            ok = self._layers.dtype == kv.dtype and self._layers.shape[3:] == kv.shape[2:]
+            return self._layers if ok else None
+        block_elems = math.prod(kv.shape[2:])
+        count = self.num_layers * 2 * self.num_blocks * block_elems
+        if kv.dim() < 3 or kv.shape[0] != 2 or self.offset + count * kv.element_size() != self.size:
+            return None
+        self._layers = torch.frombuffer(self._mm, dtype=kv.dtype, count=count, offset=self.offset).view(
+            self.num_layers, 2, self.num_blocks, *kv.shape[2:]
+        )
+        return self._layers
+
+    def write(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> bool:
+        """Copy `kv` (2, n, ...) into blocks block_ids[first_block : first_block + n] of `layer` if the
+        fence still shows this ticket's tag on all of them; False (nothing written) otherwise."""
+        ids = ticket.block_ids[first_block : first_block + kv.shape[1]] if kv.dim() >= 2 else []
+        if not ids or len(ids) != kv.shape[1] or not 0 <= layer < self.num_layers:
+            return False
+        if min(ids) < 0 or max(ids) >= self.num_blocks:
+            return False
+        tag = fence_tag(ticket)
+        lock_block = ticket.block_ids[0]
+        with self._mutex:
+            if self._closed:
+                return False
+            view = self._view(kv)
+            if view is None:
+                return False
+            _lock(self._fd, fcntl.LOCK_SH, lock_block, LOCK_TIMEOUT_S)
+            try:
+                if not bool((self._fence[ids] == tag).all()):
+                    return False
+                dst = view[layer]
+                for pos, first, n in _runs(ids):
+                    dst[:, first : first + n].copy_(kv[:, pos : pos + n])
+            finally:
+                _unlock(self._fd, lock_block)
+        return True
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            self._layers = self._fence = None  # type: ignore[assignment]
+            try:
+                self._mm.close()
+            except BufferError:  # a view outlived a write (cannot happen normally): unmapped when collected
+                pass
+            os.close(self._fd)

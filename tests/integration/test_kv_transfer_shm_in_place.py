@@ -1,0 +1,243 @@
+"""The shm backend writing into the decode worker's shared cache in place (kv_transfer/shm_cache.py),
+over a real gRPC server on loopback into a real DecodeEngine: layers land with no segment made and
+only metadata on the control channel; the write fence keeps a stale sender out of blocks that are
+no longer its transfer's and makes the receiver's clear wait for a write in progress; a receiver
+that cannot make its shared cache falls back to the copying path; a restarted receiver's new cache
+is mapped; nothing is left in /dev/shm or mapped afterwards.
+
+The conformance suite (tests/integration/test_kv_transfer_conformance.py) runs on this path too
+("shm"), and on the copying path ("shm+segments").
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from decode_worker import DecodeEngine
+from kv_transfer import KVTransferError
+from kv_transfer.shm_backend import ShmSender
+from kv_transfer.shm_cache import _lock, _unlock, fcntl
+from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tests.integration.kv_helpers import (
+    PARAMS,
+    cache_is_zero,
+    clean,
+    decode_engine,
+    grpc_server,
+    layer,
+    live_decode,
+    live_sender,
+    mapped_segments,
+    ours_in_shm,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    with clean("shm"):
+        yield
+
+
+@pytest.fixture
+def decode(checkpoint):
+    with grpc_server() as (srv, endpoint), live_decode(checkpoint, "shm", srv, endpoint) as d:
+        yield d
+
+
+@pytest.fixture
+def sender(decode):
+    with live_sender("shm", decode.compat_hash) as s:
+        s.connect(decode.receiver.endpoint)
+        yield s
+
+
+def _spy(sender) -> list:
+    sent = []
+    original = sender._layer_message
+
+    def spy(*args):
+        msg = original(*args)
+        sent.append(msg)
+        return msg
+
+    sender._layer_message = spy
+    return sent
+
+
+def test_layers_land_in_place_with_no_segment_and_only_metadata_sent(decode, sender):
+    shared = decode.receiver.shared
+    assert shared is not None and sender.in_place_endpoints == [decode.receiver.endpoint]
+    # the engine's cache is the shared segment's memory
+    assert decode.engine.runner.kv_caches[0].data_ptr() == shared.cache[0].data_ptr()
+    sent = _spy(sender)
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    layers = [layer(decode, ticket, seed=i) for i in range(decode.num_layers)]
+    for i, kv in enumerate(layers):
+        sender.send_layer(ticket, i, kv)
+        # the bytes are in the blocks before the message is even read
+        assert torch.equal(decode.engine.runner.kv_caches[i][:, ticket.block_ids], kv)
+    assert sender.segments == [sender._probe.name]  # no segment made for the transfer
+    assert sender.flush(ticket) == decode.num_layers
+    assert len(sent) == decode.num_layers and all(
+        m.shm_in_place and not m.payload and m.shm_name == shared.name and not m.shm_nbytes
+        and not m.shm_checksummed for m in sent)
+    assert (shared.fence[ticket.block_ids] != 0).all()
+    sender.commit(ticket, 7, None)
+    assert (shared.fence == 0).all() and decode.num_reserved == 0 and decode.has_work()
+
+
+def test_verified_layers_carry_the_checksum_of_their_blocks(decode, sender):
+    sender.verify_in_place = True
+    sent = _spy(sender)
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    for i in range(decode.num_layers):
+        sender.send_layer(ticket, i, layer(decode, ticket, seed=i))
+    assert sender.flush(ticket) == decode.num_layers
+    shared = decode.receiver.shared
+    assert [m.checksum for m in sent] == [shared.digest(i, ticket.block_ids) for i in range(decode.num_layers)]
+    assert all(m.shm_checksummed for m in sent)
+    sender.commit(ticket, 7, None)
+
+
+def test_a_stale_sender_cannot_write_into_blocks_given_to_another_transfer(decode, sender):
+    old = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    sender.send_layer(old, 0, layer(decode, old, seed=1))
+    sender.flush(old)
+    assert decode.abort_request("r1")  # the decode side drops it (a cancel, an expiry)
+    for i in range(10):  # until the old blocks belong to another transfer
+        new = decode.reserve(f"r{i + 2}", list(range(3, 40)), PARAMS)
+        if set(new.block_ids) & set(old.block_ids):
+            break
+    assert set(new.block_ids) & set(old.block_ids)
+    before = [c.clone() for c in decode.engine.runner.kv_caches]
+    sender.send_layer(old, 1, layer(decode, old, seed=2))  # late: written nowhere, refused
+    with pytest.raises(KVTransferError, match="NOT_FOUND: unknown transfer id"):
+        sender.flush(old)
+    assert all(torch.equal(a, b) for a, b in zip(before, decode.engine.runner.kv_caches))
+    # a forged token cannot write either (the fence tag is derived from it)
+    forged = type(new)(**{**new.__dict__, "auth_token": "0" * 32})
+    sender.send_layer(forged, 0, layer(decode, new, seed=3))
+    with pytest.raises(KVTransferError, match="PERMISSION_DENIED|bad auth token"):
+        sender.flush(forged)
+    assert all(torch.equal(a, b) for a, b in zip(before, decode.engine.runner.kv_caches))
+    for i in range(decode.num_layers):  # the rightful owner still can
+        sender.send_layer(new, i, layer(decode, new, seed=10 + i))
+    sender.commit(new, 7, None)
+    assert torch.equal(decode.engine.runner.kv_caches[1][:, new.block_ids], layer(decode, new, seed=11))
+
+
+def test_clearing_the_fence_waits_for_a_write_in_progress(decode, sender):
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    sender.send_layer(ticket, 0, layer(decode, ticket))
+    (_, mapping), = sender._caches.values()
+    first = ticket.block_ids[0]
+    _lock(mapping._fd, fcntl.LOCK_SH, first, 1.0)  # the sender's lock, as during a layer's copy
+    dropped = threading.Event()
+    worker = threading.Thread(target=lambda: (decode.abort_request("r1"), dropped.set()))
+    try:
+        worker.start()
+        time.sleep(0.3)
+        assert not dropped.is_set() and decode.num_reserved == 1  # blocks not freed under a writer
+    finally:
+        _unlock(mapping._fd, first)
+    worker.join(timeout=5)
+    assert dropped.is_set() and decode.num_reserved == 0 and decode.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_receiver_without_room_for_its_shared_cache_falls_back_to_segments(checkpoint, monkeypatch, caplog):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)  # a full /dev/shm (a container's 64 MiB one)
+    with grpc_server() as (srv, endpoint), live_decode(checkpoint, "shm", srv, endpoint) as d:
+        monkeypatch.undo()
+        assert d.receiver.shared is None and "stays private" in caplog.text
+        assert not [n for n in ours_in_shm() if "-cache-" in n]
+        with live_sender("shm", d.compat_hash) as s:
+            s.connect(d.receiver.endpoint)
+            assert s.in_place_endpoints == []
+            ticket = d.reserve("r1", list(range(3, 40)), PARAMS)
+            kv = layer(d, ticket)
+            for i in range(d.num_layers):
+                s.send_layer(ticket, i, kv)
+            s.commit(ticket, 7, None)
+            assert torch.equal(d.engine.runner.kv_caches[0][:, ticket.block_ids], kv)
+
+
+def test_in_place_messages_to_a_private_cache_are_refused(checkpoint, decode, sender):
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    sender.send_layer(ticket, 0, layer(decode, ticket))
+    sender.flush(ticket)
+    with grpc_server() as (srv, endpoint), live_decode(checkpoint, "shm", srv, endpoint, in_place=False) as private:
+        t2 = private.reserve("r1", list(range(3, 40)), PARAMS)
+        # a message claiming in-place bytes for a receiver that has no shared cache
+        msg = kv_transfer_pb2.KVLayer(transfer_id=t2.transfer_id, auth_token=t2.auth_token, layer=0,
+                                      dtype="float32", shape=list(private.layer_shape(3)), shm_in_place=True,
+                                      shm_name=decode.receiver.shared.name)
+        channel = grpc.insecure_channel(endpoint)
+        try:
+            with pytest.raises(grpc.RpcError, match="not in shared memory"):
+                kv_transfer_pb2_grpc.KVReceiverStub(channel).SendLayers(iter([msg]), timeout=5)
+        finally:
+            channel.close()
+        assert cache_is_zero(private)
+
+
+def test_a_restarted_receiver_is_mapped_anew(checkpoint):
+    """A decode worker restarted on the same address has a new shared cache: the sender notices that
+    its mapping's segment is gone, handshakes again and writes into the new one; a message naming the
+    old cache is refused, never taken for bytes that are not there."""
+    d = DecodeEngine(decode_engine(checkpoint), backend="shm")
+    endpoint = d.receiver.endpoint
+    port = int(endpoint.rsplit(":", 1)[1])
+    with live_sender("shm", d.compat_hash) as s:
+        s.connect(endpoint)
+        old = d.receiver.shared.name
+        sent = _spy(s)
+        ticket = d.reserve("r1", list(range(3, 40)), PARAMS)
+        s.send_layer(ticket, 0, layer(d, ticket))
+        s.flush(ticket)
+        d.close()
+        d = DecodeEngine(decode_engine(checkpoint), backend="shm", port=port)
+        try:
+            stale = sent[0]  # what the sender wrote into the old cache, replayed to the new receiver
+            t2 = d.reserve("r2", list(range(3, 40)), PARAMS)
+            stale.transfer_id, stale.auth_token = t2.transfer_id, t2.auth_token
+            channel = grpc.insecure_channel(endpoint)
+            try:
+                with pytest.raises(grpc.RpcError, match="it restarted"):
+                    kv_transfer_pb2_grpc.KVReceiverStub(channel).SendLayers(iter([stale]), timeout=5)
+            finally:
+                channel.close()
+            assert cache_is_zero(d)
+            for i in range(d.num_layers):
+                s.send_layer(t2, i, layer(d, t2, seed=i))
+            s.commit(t2, 7, None)
+            assert d.receiver.shared.name != old and s.in_place_endpoints == [endpoint]
+            for i in range(d.num_layers):
+                assert torch.equal(d.engine.runner.kv_caches[i][:, t2.block_ids], layer(d, t2, seed=i))
+        finally:
+            d.close()
+    assert not mapped_segments() and not ours_in_shm()
+
+
+def test_close_unmaps_the_cache_and_the_receiver_unlinks_it(decode):
+    s = ShmSender(decode.compat_hash, timeout_s=5.0)
+    s.connect(decode.receiver.endpoint)
+    name = decode.receiver.shared.name
+    assert os.path.exists(os.path.join("/dev/shm", name))
+    with open("/proc/self/maps") as f:
+        assert sum(name in line for line in f) >= 2  # the receiver's and the sender's mappings
+    s.close()
+    assert s.in_place_endpoints == []
+    decode.close()
+    assert not os.path.exists(os.path.join("/dev/shm", name))
