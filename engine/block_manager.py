@@ -136,10 +136,13 @@ class BlockManager:
         return block.token_ids == tuple(token_ids) and block.parent == self._parent_of(table)
 
     def allocate_blocks(self, num_tokens: int) -> list[int]:
-        """Fresh blocks for `num_tokens` tokens whose K/V will arrive from elsewhere (no prefix hits)."""
+        """Fresh blocks for `num_tokens` tokens whose K/V will arrive from elsewhere (no prefix hits),
+        in ascending order: the same blocks the free list gives, but a transfer copies each run of
+        consecutive ids as one slice (freed blocks come back in reverse, so unsorted they would be
+        one run per block)."""
         if not self.can_allocate(num_tokens):
             raise RuntimeError(f"not enough free KV blocks for {num_tokens} tokens")
-        return [self._take_free() for _ in range(self.blocks_needed(num_tokens))]
+        return sorted(self._take_free() for _ in range(self.blocks_needed(num_tokens)))
 
     def free_blocks(self, block_ids: list[int]) -> None:
         # Release in reverse so a sequence's head blocks (most shareable) are evicted last.

@@ -167,7 +167,11 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         if request.HasField("first_token_logprob"):
             lp = logprob_from_proto(request.first_token_logprob)
         try:
+            for msg in request.layers:  # layers whose messages rode in the commit: checked first
+                self.r.receive_layer(msg)
             self.r._on_commit(request.transfer_id, request.auth_token, request.first_token, lp)
+        except _Corrupt as e:
+            context.abort(grpc.StatusCode.DATA_LOSS, str(e))
         except KVTransferError as e:
             context.abort(_status_for(e), str(e))
         except Exception as e:
@@ -337,6 +341,8 @@ class _Transfer:
     streams: list[_Stream] = field(default_factory=list)
     open: _Stream | None = None  # the stream new layers go to; None: the next layer opens one
     layers_sent: set[int] = field(default_factory=set)
+    # layer messages held back (see GrpcSender._deferred): sent by the next flush, or in the commit
+    deferred: list[tuple] = field(default_factory=list)
 
 
 def _rpc_error(what: str, endpoint: str, e: BaseException) -> KVTransferError:
@@ -559,20 +565,34 @@ class GrpcSender(KVSender):
                 failure = self._failure(endpoint, stream)
                 if failure is not None:
                     raise failure
-            stream = transfer.open
-            if stream is None:
-                stream = transfer.open = _Stream(queue.SimpleQueue())
-                transfer.streams.append(stream)
-                stream.future = self._stub(endpoint).SendLayers.future(
-                    self._requests(endpoint, hs, stream, ticket), timeout=self.timeout_s
-                )
-                # once the call is over (failed early, cancelled), the request iterator must not block
-                stream.future.add_done_callback(lambda _f, q=stream.requests: q.put(_END))
-            for first, shape, payload in parts:
-                stream.requests.put((layer, dtype, shape, payload, first))
+            items = [(layer, dtype, shape, payload, first) for first, shape, payload in parts]
+            transfer.deferred.extend(item for item in items if self._deferred(item[3]))
+            self._stream_out(ticket, hs, transfer, [item for item in items if not self._deferred(item[3])])
             transfer.layers_sent.add(layer)
             nbytes = sum(len(p.q) + len(p.scales) if isinstance(p, _Int8) else 0 for _, _, p in parts) or kv.nbytes
             self._count_sent(self.BACKEND, nbytes)
+
+    def _stream_out(self, ticket: TransferTicket, hs: _Handshake, transfer: _Transfer, items: list[tuple]) -> None:
+        """Under self._lock: queue layer items on the transfer's open stream (opened if need be)."""
+        if not items:
+            return
+        stream = transfer.open
+        if stream is None:
+            stream = transfer.open = _Stream(queue.SimpleQueue())
+            transfer.streams.append(stream)
+            stream.future = self._stub(transfer.endpoint).SendLayers.future(
+                self._requests(transfer.endpoint, hs, stream, ticket), timeout=self.timeout_s
+            )
+            # once the call is over (failed early, cancelled), the request iterator must not block
+            stream.future.add_done_callback(lambda _f, q=stream.requests: q.put(_END))
+        for item in items:
+            stream.requests.put(item)
+
+    def _deferred(self, payload: Any) -> bool:
+        """Whether a layer's message waits for the next flush or rides in the commit instead of
+        going on a stream now (an extension point: shm's layers written in place, whose bytes are
+        already there, so a stream per transfer would only add round trips)."""
+        return False
 
     def _split(self, kv: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """A layer as (first block, run of blocks) messages of at most `max_message_bytes` each (at
@@ -608,6 +628,9 @@ class GrpcSender(KVSender):
             transfer = self._transfers.get(ticket.transfer_id)
             if transfer is None:
                 return 0
+            if transfer.deferred:
+                held, transfer.deferred = transfer.deferred, []
+                self._stream_out(ticket, self._handshake(endpoint), transfer, held)
             self._close_streams(endpoint)
             streams = list(transfer.streams)
         received, error = 0, None
@@ -636,7 +659,12 @@ class GrpcSender(KVSender):
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:
         self.check_ticket(ticket)
         endpoint = ticket.kv_endpoint
+        held: list[tuple] = []
         try:
+            with self._lock:  # held-back layer messages ride in the commit (one round trip for them)
+                transfer = self._transfers.get(ticket.transfer_id)
+                if transfer is not None:
+                    held, transfer.deferred = transfer.deferred, []
             self.flush(ticket)
             with self._lock:
                 hs = self._handshake(endpoint)
@@ -657,6 +685,7 @@ class GrpcSender(KVSender):
         )
         if logprob is not None:
             request.first_token_logprob.CopyFrom(logprob_to_proto(logprob))
+        request.layers.extend(self._layer_message(ticket, *item) for item in held)
         try:
             ack = stub.Commit(request, timeout=self.timeout_s)
         except grpc.RpcError as e:

@@ -388,6 +388,9 @@ class ShmSender(GrpcSender):
         region.slab.write(region.offset, kv)
         return region
 
+    def _deferred(self, payload: Any) -> bool:
+        return isinstance(payload, _InPlace)  # metadata only: it rides in the commit (or the next flush)
+
     def _layer_message(
         self, ticket: TransferTicket, layer: int, dtype: str, shape: list[int], payload: Any, first_block: int = 0
     ) -> kv_transfer_pb2.KVLayer:

@@ -40,6 +40,7 @@ import struct
 import threading
 import time
 
+import numpy as np
 import torch
 
 from kv_transfer.base import KVTransferError, TransferTicket
@@ -204,7 +205,8 @@ class MappedKVCache:
             os.close(fd)
             raise
         self._fd = fd
-        self._fence = torch.frombuffer(self._mm, dtype=torch.int64, count=num_blocks)
+        self._fence_np = np.frombuffer(self._mm, dtype=np.int64, count=num_blocks)
+        self._last_plan: tuple[tuple, tuple[int, list[tuple[int, int, int]]]] | None = None
         self._layers: torch.Tensor | None = None  # (layers, 2, blocks, ...) view, made at the first write
         self._mutex = threading.Lock()  # a lock held twice by one descriptor is one lock: one writer thread at a time
         self._closed = False
@@ -232,28 +234,38 @@ class MappedKVCache:
         )
         return self._layers
 
+    def _plan(self, ticket: TransferTicket, first_block: int, n: int) -> tuple[int, list[tuple[int, int, int]]] | None:
+        """(tag, runs) for blocks block_ids[first_block : first_block + n], None if they are not
+        blocks of this cache; remembered for the ticket's next layer (every layer has the same)."""
+        key = (ticket.transfer_id, ticket.auth_token, first_block, n)
+        if self._last_plan is not None and self._last_plan[0] == key:
+            return self._last_plan[1]
+        ids = ticket.block_ids[first_block : first_block + n]
+        if len(ids) != n or n == 0 or min(ids) < 0 or max(ids) >= self.num_blocks:
+            return None
+        plan = (fence_tag(ticket), _runs(ids))
+        self._last_plan = (key, plan)
+        return plan
+
     def write(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> bool:
         """Copy `kv` (2, n, ...) into blocks block_ids[first_block : first_block + n] of `layer` if the
         fence still shows this ticket's tag on all of them; False (nothing written) otherwise."""
-        ids = ticket.block_ids[first_block : first_block + kv.shape[1]] if kv.dim() >= 2 else []
-        if not ids or len(ids) != kv.shape[1] or not 0 <= layer < self.num_layers:
+        if kv.dim() < 2 or not 0 <= layer < self.num_layers:
             return False
-        if min(ids) < 0 or max(ids) >= self.num_blocks:
-            return False
-        tag = fence_tag(ticket)
-        lock_block = ticket.block_ids[0]
         with self._mutex:
-            if self._closed:
-                return False
-            view = self._view(kv)
+            plan = self._plan(ticket, first_block, kv.shape[1])
+            view = None if self._closed or plan is None else self._view(kv)
             if view is None:
                 return False
+            tag, runs = plan
+            lock_block = ticket.block_ids[0]
             _lock(self._fd, fcntl.LOCK_SH, lock_block, LOCK_TIMEOUT_S)
             try:
-                if not bool((self._fence[ids] == tag).all()):
+                fence = self._fence_np
+                if not all((fence[first : first + n] == tag).all() for _, first, n in runs):
                     return False
                 dst = view[layer]
-                for pos, first, n in _runs(ids):
+                for pos, first, n in runs:
                     dst[:, first : first + n].copy_(kv[:, pos : pos + n])
             finally:
                 _unlock(self._fd, lock_block)
@@ -264,7 +276,7 @@ class MappedKVCache:
             if self._closed:
                 return
             self._closed = True
-            self._layers = self._fence = None  # type: ignore[assignment]
+            self._layers = self._fence_np = None  # type: ignore[assignment]
             try:
                 self._mm.close()
             except BufferError:  # a view outlived a write (cannot happen normally): unmapped when collected

@@ -108,18 +108,20 @@ class KVLayer(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., compression: _Optional[str] = ..., scales: _Optional[bytes] = ..., first_block: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_nbytes: _Optional[int] = ..., dist_pair: _Optional[str] = ..., dist_tag: _Optional[int] = ..., tcp_conn: _Optional[str] = ..., tcp_tag: _Optional[int] = ..., shm_in_place: _Optional[bool] = ..., shm_checksummed: _Optional[bool] = ...) -> None: ...
 
 class KVCommit(_message.Message):
-    __slots__ = ("transfer_id", "auth_token", "first_token", "num_layers", "first_token_logprob")
+    __slots__ = ("transfer_id", "auth_token", "first_token", "num_layers", "first_token_logprob", "layers")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     auth_token: str
     first_token: int
     num_layers: int
     first_token_logprob: _generate_pb2.TokenLogprob
-    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., first_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    layers: _containers.RepeatedCompositeFieldContainer[KVLayer]
+    def __init__(self, transfer_id: _Optional[str] = ..., auth_token: _Optional[str] = ..., first_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[KVLayer, _Mapping]]] = ...) -> None: ...
 
 class KVAbort(_message.Message):
     __slots__ = ("transfer_id", "auth_token", "reason")

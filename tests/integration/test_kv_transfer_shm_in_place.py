@@ -241,3 +241,27 @@ def test_close_unmaps_the_cache_and_the_receiver_unlinks_it(decode):
     assert s.in_place_endpoints == []
     decode.close()
     assert not os.path.exists(os.path.join("/dev/shm", name))
+
+
+def test_layer_messages_ride_in_the_commit_and_are_checked_there(decode, sender):
+    """Written in place, a layer's message is held back: no SendLayers stream, one Commit carrying
+    them, whose layers the receiver checks as if they had come on a stream."""
+    sender.verify_in_place = True
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    for i in range(decode.num_layers):
+        sender.send_layer(ticket, i, layer(decode, ticket, seed=i))
+    transfer = sender._transfers[ticket.transfer_id]
+    assert not transfer.streams and len(transfer.deferred) == decode.num_layers
+    sender.commit(ticket, 7, None)
+    assert decode.num_reserved == 0 and decode.has_work()
+
+    bad = decode.reserve("r2", list(range(3, 40)), PARAMS)
+    for i in range(decode.num_layers):
+        sender.send_layer(bad, i, layer(decode, bad, seed=i))
+    (_, mapping), = sender._caches.values()
+    mapping._layers[1, 1, bad.block_ids[-1]].reshape(-1).view(torch.uint8)[7] ^= 0x01  # after its checksum
+    with pytest.raises(KVTransferError, match="Commit to .* DATA_LOSS: checksum mismatch for layer 1"):
+        sender.commit(bad, 7, None)
+    assert decode.num_reserved == 1 and decode.receiver.num_pending == 1  # not committed; an abort frees it
+    sender.abort(bad, "corrupt")
+    assert decode.num_reserved == 0 and decode.engine.block_manager.num_used_blocks == 3
