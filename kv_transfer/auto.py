@@ -1,30 +1,37 @@
-"""`auto` backend: per decode worker, shared memory on this node, else a TCP data connection, else gRPC.
+"""`auto` backend: per decode worker, NCCL between two GPU caches, shared memory on this node, else a
+TCP data connection, else gRPC.
 
 The receiver is a tcp receiver that is also a shm receiver (and, as both are, takes inline gRPC
-payloads), so any prefill worker can reach it. The sender decides once per KV endpoint: it tries
-the shm handshake (same node, same /dev/shm, same layout); when that is refused for placement it
-tries the tcp handshake and data connection (the receiver advertises a data port, it can be
-reached from here and takes the token); when that fails too, gRPC. Any other refusal (incompatible
-layout, bad endpoint) is raised as it is. The choice itself is `choose_backend`, a pure function.
+payloads), so any prefill worker can reach it; when its cache is on CUDA it is a torch_distributed
+receiver too (it hosts a TCPStore and builds an NCCL group per sender), else it hosts no process
+groups. The sender decides once per KV endpoint: on a machine with a GPU it first tries the
+torch_distributed handshake and group over NCCL (both caches on CUDA: no host copy); then the shm
+handshake (same node, same /dev/shm, same layout); when that is refused for placement the tcp
+handshake and data connection (the receiver advertises a data port, it can be reached from here and
+takes the token); when that fails too, gRPC. Any other refusal (incompatible layout, bad endpoint)
+is raised as it is. The choice itself is `choose_backend`, a pure function.
 
-Both KV caches on CUDA -> torch_distributed over NCCL is part of the decision but not probed: the
-receiver would have to host a TCPStore and build NCCL groups as well, which nothing here can test
-without GPUs, so `AutoSender` always passes `both_cuda=False`.
+`AutoSender(dist_backend=...)` / `AutoReceiver(dist_backend=...)` name the process group backend
+explicitly ("gloo" joins CPU caches over torch.distributed instead: the same path, testable without
+GPUs; "off": never).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
+import grpc
 import torch
 
 from engine.sequence import TokenLogprobs
-from kv_transfer import shm_backend, tcp_backend
-from kv_transfer.base import KVSender, KVTransferError, TransferTicket
+from kv_transfer import shm_backend, tcp_backend, torch_dist_backend
+from kv_transfer.base import KVSender, KVSink, KVTransferError, TransferTicket
 from kv_transfer.grpc_backend import GrpcSender
 from kv_transfer.shm_backend import ShmReceiver, ShmSender
 from kv_transfer.tcp_backend import TcpReceiver, TcpSender
+from kv_transfer.torch_dist_backend import OFF, TorchDistReceiver, TorchDistSender
 
 
 @dataclass(frozen=True)
@@ -33,13 +40,13 @@ class Placement:
 
     same_node: bool  # the shm handshake proved one node and one /dev/shm
     tcp: bool = False  # the receiver advertised a data port, and connecting + authenticating worked
-    both_cuda: bool = False  # both KV caches on CUDA, and the receiver could build an NCCL group
+    both_cuda: bool = False  # both KV caches on CUDA, and a group with the receiver was built (NCCL)
 
 
 def choose_backend(p: Placement) -> str:
     """The backend for an endpoint: the fastest one that works between the two."""
     if p.both_cuda:
-        return "torch_distributed"  # GPU to GPU, no host copy (not probed yet, see above)
+        return "torch_distributed"  # GPU to GPU, no host copy
     if p.same_node:
         return "shm"
     if p.tcp:
@@ -47,18 +54,36 @@ def choose_backend(p: Placement) -> str:
     return "grpc"
 
 
-class AutoReceiver(TcpReceiver, ShmReceiver):
-    """A data port for tcp senders, shared memory for shm senders, inline payloads for grpc ones."""
+class AutoReceiver(TorchDistReceiver, TcpReceiver, ShmReceiver):
+    """Process groups for torch_distributed senders (a CUDA cache only, unless `dist_backend` says),
+    a data port for tcp senders, shared memory for shm senders, inline payloads for grpc ones."""
+
+    def __init__(self, sink: KVSink, server: grpc.Server | None = None, endpoint: str | None = None, *,
+                 dist_backend: str | None = None, timeout_s: float = 30.0, **kwargs: Any) -> None:
+        if dist_backend is None:
+            dist_backend = "nccl" if self._sink_device(sink).type == "cuda" else OFF
+        super().__init__(sink, server, endpoint, dist_backend=dist_backend, timeout_s=timeout_s, **kwargs)
+        self.timeout_s = timeout_s  # the tcp and torch_distributed parts share it
+
+
+def _default_dist_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else OFF
 
 
 class AutoSender(KVSender):
-    def __init__(self, compat_hash: str, timeout_s: float = 30.0, sender_id: str | None = None) -> None:
+    def __init__(self, compat_hash: str, timeout_s: float = 30.0, sender_id: str | None = None,
+                 dist_backend: str | None = None) -> None:
         super().__init__(compat_hash)
         self.timeout_s = timeout_s
+        dist_backend = _default_dist_backend() if dist_backend is None else dist_backend
+        self.dist = (None if dist_backend == OFF else
+                     TorchDistSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id, dist_backend=dist_backend))
         self.shm = ShmSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
         self.tcp = TcpSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
         self.grpc = GrpcSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
         self._senders: dict[str, GrpcSender] = {"shm": self.shm, "tcp": self.tcp, "grpc": self.grpc}
+        if self.dist is not None:
+            self._senders["torch_distributed"] = self.dist
         for s in self._senders.values():
             s.bytes_sent = self.bytes_sent  # one tally, keyed "shm" / "tcp" / "grpc"
         self._choice: dict[str, str] = {}
@@ -80,12 +105,14 @@ class AutoSender(KVSender):
         return True
 
     def backend_for(self, endpoint: str) -> str:
-        """"shm", "tcp" or "grpc": which one carries transfers to `endpoint` (decided on first use)."""
+        """"torch_distributed", "shm", "tcp" or "grpc": which one carries transfers to `endpoint`
+        (decided on first use)."""
         with self._lock:
             if endpoint not in self._choice:
-                same_node = self._works(self.shm, endpoint, shm_backend.PLACEMENT)
-                tcp = not same_node and self._works(self.tcp, endpoint, tcp_backend.PLACEMENT)
-                self._choice[endpoint] = choose_backend(Placement(same_node, tcp))
+                dist = self.dist is not None and self._works(self.dist, endpoint, torch_dist_backend.PLACEMENT)
+                same_node = not dist and self._works(self.shm, endpoint, shm_backend.PLACEMENT)
+                tcp = not (dist or same_node) and self._works(self.tcp, endpoint, tcp_backend.PLACEMENT)
+                self._choice[endpoint] = choose_backend(Placement(same_node, tcp, both_cuda=dist))
             return self._choice[endpoint]
 
     def connect(self, endpoint: str, timeout: float | None = None) -> None:

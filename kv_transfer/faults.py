@@ -18,7 +18,8 @@ environment variable PDCLUSTER_KV_FAULTS (which wins), e.g.
     seed=N        seed of the random draws (default: unseeded)
 
 The faults are injected by a gRPC client interceptor on the sender's channels, so they apply to
-every backend's control plane (grpc, shm, tcp, torch_distributed, auto); what a receiver sees is exactly
+every backend's control plane (grpc, shm, tcp, torch_distributed, auto; the layers a commit carries
+count as layers); what a receiver sees is exactly
 what a bad network or a hostile peer could send. `FaultInjector.injected` counts what was done.
 """
 
@@ -221,6 +222,8 @@ class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInter
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         method = details.method.rsplit("/", 1)[-1]
+        if isinstance(request, kv_transfer_pb2.KVCommit) and request.layers:
+            request = self._carried_layers(request)
         fault = self.injector.draw(_METHOD_KIND.get(method, ""))
         if fault == "drop":
             if method != "Handshake":  # nobody will answer (a handshake, started under the sender's
@@ -231,6 +234,17 @@ class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInter
         elif fault == "corrupt":
             request = corrupt(request)
         return continuation(details, request)
+
+    def _carried_layers(self, commit: Any) -> Any:
+        """Layer faults for the layers a commit carries (shm in place), as if they came on a stream."""
+        layers = list(self._messages(iter(commit.layers)))
+        if len(layers) == len(commit.layers) and all(a is b for a, b in zip(layers, commit.layers)):
+            return commit
+        changed = type(commit)()
+        changed.CopyFrom(commit)
+        del changed.layers[:]
+        changed.layers.extend(layers)
+        return changed
 
     def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Iterator[Any]) -> Any:
         return continuation(details, self._messages(request_iterator))

@@ -268,7 +268,13 @@ class ShmSender(GrpcSender):
         return None
 
     def _map_cache(self, endpoint: str, name: str, response: kv_transfer_pb2.HandshakeResponse) -> None:
-        """Keep a mapping of the endpoint's shared cache `name` ("": none), replacing an older one."""
+        """Keep a mapping of the endpoint's shared cache `name` ("": none), replacing an older one;
+        only from the endpoint's current handshake (a stream may still check an older one's answer)."""
+        with self._lock:
+            hs = self._handshakes.get(endpoint)
+            f = hs.future if hs is not None else None
+            if f is None or not f.done() or f.cancelled() or f.exception() is not None or f.result() is not response:
+                return
         with self._arena_lock:
             known = self._caches.get(endpoint)
             if self._arena_closed or (known is not None and known[0] == name):

@@ -152,6 +152,12 @@ class _Staged:
     tensor: torch.Tensor
 
 
+OFF = "off"  # a receiver's dist_backend when it hosts no process groups (auto without a GPU cache)
+# phrases of TorchDistSender's refusals that mean "not between these two" (auto falls back on them)
+PLACEMENT = ("does not take the torch_distributed backend", "runs torch_distributed over",
+             "cannot reach the KV receiver's store", "cannot build the")
+
+
 class TorchDistSender(GrpcSender):
     """Pushes layers to `TorchDistReceiver`s over a torch.distributed point-to-point channel. Thread-safe.
 
@@ -401,13 +407,18 @@ class TorchDistReceiver(GrpcReceiver):
     ) -> None:
         if dist_backend is None:
             dist_backend = "nccl" if self._sink_device(sink).type == "cuda" else "gloo"
-        self.dist_backend = _check_dist_backend(dist_backend)
-        self.device = _device_for(self.dist_backend)
         self.timeout_s = timeout_s
-        if store_host is None:
-            store_host = _split_host_port(endpoint)[0] if endpoint else host
         self._pairs_lock = threading.Lock()
         self._pairs: dict[str, _RecvPair] = {}
+        if dist_backend == OFF:  # (auto on a CPU cache) no store, no groups: senders fall back
+            self.dist_backend, self.device, self._store = OFF, torch.device("cpu"), None
+            self.store_host = self.store_address = ""
+            super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers)
+            return
+        self.dist_backend = _check_dist_backend(dist_backend)
+        self.device = _device_for(self.dist_backend)
+        if store_host is None:
+            store_host = _split_host_port(endpoint)[0] if endpoint else host
         try:
             self._store: Any = torch.distributed.TCPStore(
                 store_host, store_port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
@@ -438,16 +449,17 @@ class TorchDistReceiver(GrpcReceiver):
 
     # ------------------------------------------------------------------ pairs
     def handshake_fields(self, request: kv_transfer_pb2.HandshakeRequest) -> dict[str, Any]:
-        if not request.dist_backend:
-            return {}  # a grpc / shm sender: inline payloads only
+        fields = super().handshake_fields(request)  # (auto: the tcp and shm receivers' fields)
+        if not request.dist_backend or self.dist_backend == OFF:
+            return fields  # a grpc / shm / tcp sender, or process groups off here
         if request.dist_backend != self.dist_backend or self.closed:
-            return {"dist_backend": self.dist_backend}  # no store: the sender refuses, naming both
+            return {**fields, "dist_backend": self.dist_backend}  # no store: the sender refuses, naming both
         sender = request.sender_id or "anonymous"
         key = f"{sender}/{secrets.token_hex(6)}"
         pair = _RecvPair(key, sender, self.device)
         with self._pairs_lock:
             if self._store is None:
-                return {"dist_backend": self.dist_backend}
+                return {**fields, "dist_backend": self.dist_backend}
             # a new handshake from a sender means it dropped its earlier pairs with us
             old = [p for p in self._pairs.values() if p.sender_id == sender]
             for p in old:
@@ -459,7 +471,7 @@ class TorchDistReceiver(GrpcReceiver):
             pair.thread.start()
         for p in old:
             self._drop(p)
-        return {"dist_store": self.store_address, "dist_pair": key, "dist_backend": self.dist_backend}
+        return {**fields, "dist_store": self.store_address, "dist_pair": key, "dist_backend": self.dist_backend}
 
     def _build(self, pair: _RecvPair, store: Any) -> None:
         try:

@@ -16,7 +16,10 @@ more so the more tokens per second flow. This probe measures that directly on a 
                  (prompts of P tokens from scratch: sum n(p + n) = n P); a few prompt lengths
                  cannot pin three coefficients, so only the ratio r is fitted (sum over sum)
 
-and fits the decode one as `calibrate` does (least squares on relative error, coefficients >= 0). The
+and fits the decode one as `calibrate` does (least squares on relative error, coefficients >= 0).
+With one stream nothing queues, so the client's TTFT p50 at each prompt length (`idle_ttft_s`) is
+the serving path's fixed share plus a prefill (and, disaggregated, a KV transfer): the planner takes
+the modelled parts from it to get the fixed share (planner.plan.PlanContext.overheads). The
 result goes into the coefficients file as `live`; the planner then uses these step costs for
 `cpu` pools in place of the engine's own plus the zero-load serving probe's per-token cost, and
 lets no other serving CPU compete for the host's cores (the measured steps already paid for it).
@@ -69,19 +72,26 @@ async def _closed_loop(url: str, model: str, prompts: Iterator[str], concurrency
 
     endpoint = EndpointConfig(url, ignore_eos=True, request_timeout_s=max(60.0, 4 * seconds), api_key=api_key)
     tpots: list[float] = []
+    ttfts: list[float] = []
 
+    stop = asyncio.Event()
     async with CompletionsClient(endpoint) as client:
         t0 = time.perf_counter()
 
         async def worker() -> None:
             for i, prompt in enumerate(prompts):  # shared by the streams; each prompt is sent once
+                if stop.is_set():  # (a cancel that lands as a request completes can be lost in wait_for)
+                    return
                 req = Request(i, prompt, 0, output_tokens, None)
                 rec = RequestRecord(i, 0.0, 0, output_tokens)
                 await client.send(req, rec, t0, model)
                 # the client's TPOT of the requests that ran wholly inside the measured window
-                if rec.tpot is not None and rec.start_s is not None and rec.end_s is not None \
+                if rec.start_s is not None and rec.end_s is not None \
                         and warmup_s <= rec.start_s and rec.end_s <= warmup_s + seconds:
-                    tpots.append(rec.tpot)
+                    if rec.tpot is not None:
+                        tpots.append(rec.tpot)
+                    if rec.ttft is not None:
+                        ttfts.append(rec.ttft)
 
         tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
         await asyncio.sleep(warmup_s)
@@ -90,10 +100,11 @@ async def _closed_loop(url: str, model: str, prompts: Iterator[str], concurrency
         await asyncio.sleep(seconds)
         after = await asyncio.to_thread(scrape_steps, url, api_key)
         elapsed = time.perf_counter() - t1
+        stop.set()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return _delta(after, before), {"tpot_s": tpots}, elapsed
+    return _delta(after, before), {"tpot_s": tpots, "ttft_s": ttfts}, elapsed
 
 
 def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = LEVELS,
@@ -110,6 +121,7 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = asyncio.run(fetch_model(EndpointConfig(url, api_key=api_key)))
     samples: list[dict[str, Any]] = []
+    idle_ttft: dict[int, float] = {}  # prompt length -> client TTFT p50 with one stream (nothing queued)
     for p in prompt_lens:
         n = 40 * sum(levels)  # distinct prompts, more than the levels send (no prefix-cache hits)
         w = load_workload(WorkloadConfig("synthetic", n, seed=p, synthetic_input=f"fixed:{p}",
@@ -118,13 +130,15 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
         for b in levels:
             delta, client, elapsed = asyncio.run(
                 _closed_loop(url, name, prompts, b, output_tokens, warmup_s, seconds, api_key))
-            tpot = _median(client["tpot_s"])
+            tpot, ttft = _median(client["tpot_s"]), _median(client["ttft_s"])
+            if b == 1 and ttft is not None:
+                idle_ttft[p] = ttft
             for (role, phase), d in sorted(delta.items()):
                 if d["steps"] <= 0:
                     continue
                 samples.append({"prompt": p, "concurrency": b, "role": role, "phase": phase,
                                 "window_s": elapsed, **{f: d[f] for f in _FIELDS},
-                                "client_tpot_p50_s": tpot})
+                                "client_tpot_p50_s": tpot, "client_ttft_p50_s": ttft})
             dec = delta.get((decode_role, "decode"))
             if dec and dec["steps"]:
                 say(f"prompt {p:5d} x {b:3d} streams: decode {dec['step_seconds'] / dec['steps'] * 1e3:6.2f} ms/step "
@@ -150,6 +164,8 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
                / (s["step_seconds"] / s["steps"]) * 100 for s in prefill]
         out["prefill"] = {"a": r * a, "b": r * b, "c": r * c, "scale": r, "mean_abs_pct_error": sum(err) / len(err),
                           "max_abs_pct_error": max(err), "formula": "scale x the engine's prefill fit"}
+    if idle_ttft:  # the serving path's fixed share of TTFT, which the planner takes the modelled parts from
+        out["idle_ttft_s"] = {str(p): t for p, t in sorted(idle_ttft.items())}
     out.update({
         "levels": list(levels), "prompt_lens": list(prompt_lens), "output_tokens": output_tokens,
         "warmup_s": warmup_s, "seconds": seconds,

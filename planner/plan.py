@@ -16,6 +16,8 @@ Serving overheads (router, HTTP, gRPC): for `cpu` those measured by calibration,
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,9 +100,32 @@ class PlanContext:
     def overheads(self, plan: Plan) -> Overheads:
         if all(self.hardware(p.hardware).is_cpu for p in plan.pools) and self.coefficients:
             s = self.coefficients.get("serving") or {}
-            return Overheads(s.get("router_in_s", 0.0), s.get("first_token_out_s", 0.0), s.get("token_out_s", 0.0),
-                             s.get("kv_latency_s", 1e-3))
+            o = Overheads(s.get("router_in_s", 0.0), s.get("first_token_out_s", 0.0), s.get("token_out_s", 0.0),
+                          s.get("kv_latency_s", 1e-3))
+            fixed = self.idle_ttft_overhead(plan, o)
+            if fixed is not None:  # measured on the running cluster: all of it before the first token's trip out
+                o = dataclasses.replace(o, router_in_s=max(0.0, fixed - o.first_token_out_s))
+            return o
         return self.gpu_overheads
+
+    def idle_ttft_overhead(self, plan: Plan, o: Overheads) -> float | None:
+        """The serving path's fixed share of a request's TTFT on a cpu cluster, from the TTFT a live
+        calibration measured with one stream (planner.calibrate_serving: `idle_ttft_s`) less what
+        the simulator models itself: the prefill step and, disaggregated, the KV transfer. The
+        median over the prompt lengths; None without such a measurement."""
+        live = live_for(self.coefficients or {}, plan.mode if plan.mode == "colocated" else "decode")
+        idle = (live or {}).get("idle_ttft_s")
+        if not idle:
+            return None
+        pool = plan.prefill or plan.decode
+        cost = self.cost(pool, "prefill" if plan.prefill else "colocated")
+        rest = []
+        for prompt, ttft in idle.items():
+            n = int(prompt)
+            transfer = 0.0 if plan.mode == "colocated" else (
+                o.kv_latency_s + n * cost.kv_bytes_per_token / (self.link_gbps(pool) * 1e9))
+            rest.append(ttft - cost.prefill_time(n, n * n, 0, 1) - transfer)
+        return max(0.0, statistics.median(rest))
 
     def link_gbps(self, pool: Pool) -> float:
         hw = self.hardware(pool.hardware)

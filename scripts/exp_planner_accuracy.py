@@ -22,6 +22,11 @@ the script prints, per run, TTFT and TPOT p50 and p90 measured and simulated, ov
 that completed in the measurement, and the error (simulated - measured) / measured. Then the
 ranking of the two systems per rate by each metric, by SLO attainment (the run's SLO), and by the
 highest rate meeting the SLO (>= 90% attainment), measured against simulated.
+
+    python scripts/exp_planner_accuracy.py RUN1/result.json --repeat RUN2/result.json
+
+compares two measurements of the same experiment the same way (no simulation): how far the
+measurement itself moves from one run to the next, the floor under any simulator's error.
 """
 
 from __future__ import annotations
@@ -93,9 +98,39 @@ def _fmt(x: float | None, f: str = ".1f") -> str:
     return "-" if x is None else format(x, f)
 
 
-def error_table(rows: list[dict]) -> list[str]:
+def measured_percentiles(run: dict) -> dict:
+    """A measured run's TTFT / TPOT percentiles (ms) over its completed requests."""
+    ok = [r for r in run["records"] if r["outcome"] == "ok"]
+    out = {"label": run["label"], "rate": run["rate"], "completed": len(ok),
+           "sent": sum(r["outcome"] != "not_sent" for r in run["records"])}
+    for _, key, q in METRICS:
+        xs = [r[f"{key}_s"] for r in ok if r.get(f"{key}_s") is not None and not math.isnan(r[f"{key}_s"])]
+        v = percentile(xs, q)
+        out[f"{key}_p{q}"] = v * 1e3 if v is not None else None
+    return out
+
+
+def repeatability(first: dict, second: dict) -> list[dict]:
+    """Rows for `error_table`: the same experiment measured twice; per (system, rate) run present in
+    both, the second measurement against the first, as a simulation is compared with a measurement."""
+    by_key = {(r["label"], r["rate"]): measured_percentiles(r) for r in second["runs"]}
+    rows = []
+    for run in first["runs"]:
+        a, b = measured_percentiles(run), by_key.get((run["label"], run["rate"]))
+        if b is None:
+            continue
+        row = {k: a[k] for k in ("label", "rate", "completed", "sent")}
+        for _, key, q in METRICS:
+            x, y = a[f"{key}_p{q}"], b[f"{key}_p{q}"]
+            row[f"{key}_p{q}"] = {"measured_ms": x, "simulated_ms": y,
+                                  "error_pct": (y - x) / x * 100 if x and y is not None else None}
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["label"], r["rate"]))
+
+
+def error_table(rows: list[dict], compared: str = "measured / simulated (error)") -> list[str]:
     head = "| system | rate (req/s) | completed | " + " | ".join(
-        f"{n} p{q} ms measured / simulated (error)" for n, _, q in METRICS) + " |"
+        f"{n} p{q} ms {compared}" for n, _, q in METRICS) + " |"
     lines = [head, "|" + "---|" * (3 + len(METRICS))]
     for r in rows:
         cells = []
@@ -108,7 +143,8 @@ def error_table(rows: list[dict]) -> list[str]:
             if r[f"{k}_p{q}"]["error_pct"] is not None]
     if errs:
         within = sum(e <= 10 for e in errs)
-        lines += ["", (f"{within} of {len(errs)} percentiles within 10%; mean absolute error "
+        what = "error" if compared.endswith("(error)") else "difference"
+        lines += ["", (f"{within} of {len(errs)} percentiles within 10%; mean absolute {what} "
                       f"{sum(errs) / len(errs):.1f}%, largest {max(errs):.1f}%")]
     return lines
 
@@ -177,7 +213,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not carry prefix caches from one run to the next (each run starts cold)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--repeat", type=Path, default=None, metavar="RESULT2.json",
+                    help="no simulation: compare the (first) result with a second measurement of the same "
+                         "experiment, run by run, as the simulation is compared (the measurement's own spread)")
     args = ap.parse_args(argv)
+    if args.repeat is not None:
+        first, second = (json.loads(p.read_text()) for p in (args.results[0], args.repeat))
+        rows = repeatability(first, second)
+        text = "\n".join([f"Run 1: {args.results[0]}; run 2: {args.repeat}", "",
+                          *error_table(rows, "run 1 / run 2 (difference)")]) + "\n"
+        print(text)
+        if args.markdown:
+            args.markdown.write_text(text)
+        return 0
     overrides = dict(s.split("=", 1) for s in args.system)
     coeffs = load_coefficients(args.coefficients)
     if args.no_worker_streaming and coeffs.get("serving"):  # a sensitivity check: all serving CPU on the host

@@ -70,6 +70,8 @@ def test_live_probe_fits_both_phases_and_the_planner_uses_it(url, tmp_path):
     assert d["a"] + d["b"] * 100 + d["c"] > 0 and d["mean_abs_pct_error"] < 100
     p = live["prefill"]
     assert p["scale"] > 0 and p["b"] == pytest.approx(ENGINE_PREFILL["b"] * p["scale"])
+    # one stream: the client's TTFT per prompt length, what the planner takes the serving path's fixed share from
+    assert set(live["idle_ttft_s"]) == {"16", "96"} and all(0 < t < 5 for t in live["idle_ttft_s"].values())
     coeffs = {"model": MODEL, "prefill": ENGINE_PREFILL, "decode": {"a": 1.0, "b": 1.0, "c": 1.0},
               "kv_capacity_tokens": 1000, "kv_bytes_per_token": 9216, "serving": {"decode_token_s": 0.5},
               "live": {"decode": live}}

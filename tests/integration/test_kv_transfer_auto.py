@@ -1,5 +1,6 @@
-"""`auto` picks shared memory for a decode worker on this node, a TCP data connection for one on
-another node, and gRPC when neither works."""
+"""`auto` picks a process group when both caches are on GPUs (NCCL; gloo stands in for it here, the
+same path), shared memory for a decode worker on this node, a TCP data connection for one on
+another node, and gRPC when none of them works."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ def receivers(checkpoint):
     path = str(checkpoint("llama-gqa"))
     made = []
 
-    def make(backend: str) -> DecodeEngine:
+    def make(backend: str, **options) -> DecodeEngine:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         port = server.add_insecure_port("127.0.0.1:0")
         engine = Engine(EngineConfig(model=path, num_blocks=32, max_model_len=256), "decode")
-        decode = DecodeEngine(engine, backend=backend, server=server, endpoint=f"127.0.0.1:{port}")
+        decode = DecodeEngine(engine, backend=backend, server=server, endpoint=f"127.0.0.1:{port}", **options)
         server.start()
         made.append((decode, server))
         return decode
@@ -56,6 +57,24 @@ def test_auto_sender_picks_shm_on_this_node_then_tcp_then_grpc(receivers, receiv
         _transfer(decode, sender)
         assert sender.backend_for(decode.receiver.endpoint) == expected
         assert set(sender.bytes_sent) == {expected}
+        if receiver_backend == "auto":  # CPU caches: no process group on either side
+            assert sender.dist is None and not decode.receiver.pairs
+    finally:
+        sender.close()
+
+
+def test_auto_between_two_accelerated_caches_takes_a_process_group(receivers):
+    """Both sides with process groups (NCCL between CUDA caches; gloo stands in on CPUs): auto takes
+    torch_distributed before shm, and falls back to shm when the receiver hosts none."""
+    grouped = receivers("auto", dist_backend="gloo")
+    plain = receivers("auto")  # a CPU cache: no store, no groups
+    sender = create_sender("auto", grouped.compat_hash, timeout_s=10, dist_backend="gloo")
+    try:
+        _transfer(grouped, sender)
+        assert sender.backend_for(grouped.receiver.endpoint) == "torch_distributed"
+        assert set(sender.bytes_sent) == {"torch_distributed"} and len(grouped.receiver.pairs) == 1
+        _transfer(plain, sender)
+        assert sender.backend_for(plain.receiver.endpoint) == "shm" and "shm" in sender.bytes_sent
     finally:
         sender.close()
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from decode_worker import DecodeEngine
-from kv_transfer import KVTransferError
+from kv_transfer import KVFaults, KVTransferError, create_sender
 from kv_transfer.shm_backend import ShmSender
 from kv_transfer.shm_cache import _lock, _unlock, fcntl
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -265,3 +265,23 @@ def test_layer_messages_ride_in_the_commit_and_are_checked_there(decode, sender)
     assert decode.num_reserved == 1 and decode.receiver.num_pending == 1  # not committed; an abort frees it
     sender.abort(bad, "corrupt")
     assert decode.num_reserved == 0 and decode.engine.block_manager.num_used_blocks == 3
+
+
+def test_fault_injection_reaches_the_layers_a_commit_carries(decode):
+    """kv_transfer.faults treats the layers riding in a commit as layers: a corrupted one is refused
+    (DATA_LOSS) and a dropped one leaves the commit short; the transfer is not committed either way."""
+    for spec, refusal in (("corrupt=1,on=layer,count=1", "DATA_LOSS: checksum mismatch for layer 0"),
+                          ("drop=1,on=layer,count=1", r"FAILED_PRECONDITION: commit of .* before layers \[0\]")):
+        s = create_sender("shm", decode.compat_hash, timeout_s=5.0, faults=KVFaults.parse(spec))
+        try:
+            s.connect(decode.receiver.endpoint)
+            ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+            for i in range(decode.num_layers):
+                s.send_layer(ticket, i, layer(decode, ticket, seed=i))
+            with pytest.raises(KVTransferError, match=refusal):
+                s.commit(ticket, 7, None)
+            assert decode.num_reserved == 1
+            s.abort(ticket, "fault")
+            assert decode.num_reserved == 0
+        finally:
+            s.close()

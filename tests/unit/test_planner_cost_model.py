@@ -128,3 +128,36 @@ def test_live_step_costs_replace_the_engine_fit_per_role_and_the_host_share():
     coloc = build_cluster(Plan("colocated", None, Pool("cpu", 2), 2048, 256), ctx)
     assert coloc.decode[0].cost.decode == (0.004, 1e-6, 6e-3)  # no live fit for colocated workers
     assert coloc.host_cpu_per_token_s == pytest.approx(2e-3)
+
+
+def test_the_fixed_ttft_share_comes_from_the_idle_ttft_of_a_live_calibration():
+    """TTFT with one stream = fixed serving share + prefill (+ KV transfer when disaggregated): the
+    planner takes the modelled parts away; the fixed share, less the first token's trip out, is the
+    router-in delay the simulator adds."""
+    from planner.catalog import load_catalog as catalog
+    from planner.models import model_shape
+    from planner.plan import Plan, PlanContext, Pool, build_cluster
+
+    prefill = {"a": 0.02, "b": 4e-4, "c": 0.0}
+    fixed = {"decode": 0.030, "colocated": 0.050}  # what each cluster's serving path adds, by construction
+    kv = {"latency": 0.002, "gbps": 1.0, "bytes": 9216}
+
+    def idle(mode: str) -> dict[str, float]:
+        transfer = (lambda n: 0.0) if mode == "colocated" else (lambda n: kv["latency"] + n * kv["bytes"] / 1e9)
+        return {str(n): fixed[mode] + prefill["a"] + prefill["b"] * n + transfer(n) for n in (64, 256, 768)}
+
+    live = {m: {"decode": {"a": 0.007, "b": 5e-6, "c": 7e-4}, "prefill": prefill, "idle_ttft_s": idle(m)}
+            for m in fixed}
+    coeffs = {"model": "builtin:tiny-llama", "model_shape": {"name": "builtin:tiny-llama"},
+              "prefill": {"a": 0.01, "b": 2e-4, "c": 0.0}, "decode": {"a": 0.004, "b": 1e-6, "c": 5e-3},
+              "kv_capacity_tokens": 1000, "kv_bytes_per_token": kv["bytes"],
+              "serving": {"router_in_s": 0.007, "first_token_out_s": 0.007, "kv_latency_s": kv["latency"],
+                          "kv_gbps": kv["gbps"], "host_cores": 2},
+              "live": live}
+    ctx = PlanContext(model_shape("builtin:tiny-llama"), catalog(), coefficients=coeffs)
+    disagg = build_cluster(Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), 2048, 256), ctx)
+    coloc = build_cluster(Plan("colocated", None, Pool("cpu", 2), 2048, 256), ctx)
+    assert disagg.router_in_s == pytest.approx(0.030 - 0.007) and disagg.first_token_out_s == 0.007
+    assert coloc.router_in_s == pytest.approx(0.050 - 0.007)
+    del live["colocated"]["idle_ttft_s"]  # without the measurement: the zero-load probe's split
+    assert build_cluster(Plan("colocated", None, Pool("cpu", 2), 2048, 256), ctx).router_in_s == 0.007
