@@ -19,7 +19,8 @@ more so the more tokens per second flow. This probe measures that directly on a 
 and fits the decode one as `calibrate` does (least squares on relative error, coefficients >= 0).
 With one stream nothing queues, so the client's TTFT p50 at each prompt length (`idle_ttft_s`) is
 the serving path's fixed share plus a prefill (and, disaggregated, a KV transfer): the planner takes
-the modelled parts from it to get the fixed share (planner.plan.PlanContext.overheads). The
+the fixed share as the intercept of TTFT against the modelled prefill
+(planner.plan.PlanContext.idle_ttft_overhead). The
 result goes into the coefficients file as `live`; the planner then uses these step costs for
 `cpu` pools in place of the engine's own plus the zero-load serving probe's per-token cost, and
 lets no other serving CPU compete for the host's cores (the measured steps already paid for it).

@@ -110,22 +110,26 @@ class PlanContext:
 
     def idle_ttft_overhead(self, plan: Plan, o: Overheads) -> float | None:
         """The serving path's fixed share of a request's TTFT on a cpu cluster, from the TTFT a live
-        calibration measured with one stream (planner.calibrate_serving: `idle_ttft_s`) less what
-        the simulator models itself: the prefill step and, disaggregated, the KV transfer. The
-        median over the prompt lengths; None without such a measurement."""
+        calibration measured with one stream at several prompt lengths (planner.calibrate_serving:
+        `idle_ttft_s`): the intercept of the line through (modelled prefill step, TTFT less the
+        modelled KV transfer). The slope is not taken over: an idle prefill runs faster than the
+        loaded ones the live prefill fit averages. None without such a measurement (or one length)."""
         live = live_for(self.coefficients or {}, plan.mode if plan.mode == "colocated" else "decode")
-        idle = (live or {}).get("idle_ttft_s")
-        if not idle:
+        idle = (live or {}).get("idle_ttft_s") or {}
+        if len(idle) < 2:
             return None
         pool = plan.prefill or plan.decode
         cost = self.cost(pool, "prefill" if plan.prefill else "colocated")
-        rest = []
+        xs, ys = [], []
         for prompt, ttft in idle.items():
             n = int(prompt)
             transfer = 0.0 if plan.mode == "colocated" else (
                 o.kv_latency_s + n * cost.kv_bytes_per_token / (self.link_gbps(pool) * 1e9))
-            rest.append(ttft - cost.prefill_time(n, n * n, 0, 1) - transfer)
-        return max(0.0, statistics.median(rest))
+            xs.append(cost.prefill_time(n, n * n, 0, 1))
+            ys.append(ttft - transfer)
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return max(0.0, my - slope * mx)
 
     def link_gbps(self, pool: Pool) -> float:
         hw = self.hardware(pool.hardware)
