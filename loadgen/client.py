@@ -144,7 +144,7 @@ class CompletionsClient:
         rec.start_s = time.perf_counter() - t0
         rec.outcome = "unfinished"
         try:
-            await asyncio.wait_for(self._stream(req, rec, t0, model), self.endpoint.request_timeout_s)
+            await _within(self._stream(req, rec, t0, model), self.endpoint.request_timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             limit = self.endpoint.request_timeout_s
             rec.fail("timeout", f"no complete answer within --request-timeout-s {limit:g}")
@@ -174,6 +174,17 @@ class CompletionsClient:
                 for p in dec.close():
                     state.take(parse_chunk(p), time.perf_counter() - t0, rec)
             state.finish(rec, time.perf_counter() - t0)
+
+
+async def _within(coro: Any, timeout_s: float) -> None:
+    """Await `coro` for at most `timeout_s` (asyncio.TimeoutError after). On Python 3.11+ with
+    asyncio.timeout, since there `wait_for` can lose a cancellation that arrives as `coro` completes
+    (the caller's task then runs on: a stopped load generator that keeps sending)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout_s):
+            await coro
+    else:  # Python 3.10
+        await asyncio.wait_for(coro, timeout_s)
 
 
 class StreamState:
