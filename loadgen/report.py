@@ -55,6 +55,7 @@ def result_json(config: dict[str, Any], workload: Workload, runs: list[RunReport
                   "rate": r.result.rate,
                   "arrivals": r.result.arrivals, "started_at": r.result.started_at,
                   "stopped_by": r.result.stopped_by, "duration_s": r.result.duration_s,
+                  "server_counters": r.result.server_counters,
                   "summary": r.summary.to_dict(), "records": [x.to_dict() for x in r.result.records]}
                  for r in runs],
     }

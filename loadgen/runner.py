@@ -28,6 +28,9 @@ class RunResult:
     duration_s: float  # start to the last answer (or to the stop)
     stopped_by: str  # "workload done" | "time limit"
     started_at: str = ""
+    # what the server counted during the run ("role/phase" -> counter deltas; loadgen.server_counters),
+    # when the endpoint exports pdcluster's worker counters
+    server_counters: dict[str, dict] | None = None
 
 
 async def run_async(requests: list[Request], offsets: list[float], endpoint: EndpointConfig, model: str,

@@ -35,35 +35,17 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
+from loadgen.server_counters import PREFIX, STEP_FIELDS, delta, scrape_counters
 from planner.calibrate import fit
 
 LEVELS = (1, 2, 4, 8, 16, 32)
 PROMPT_LENS = (64, 256, 768)
-_FIELDS = ("steps", "step_seconds", "step_seqs", "step_tokens", "step_context_tokens")
+_FIELDS = STEP_FIELDS
 
 
 def scrape_steps(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[tuple[str, str], dict]:
     """{(role, phase): {steps, step_seconds, ...}} summed over the workers, from the router's /metrics."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=timeout_s).raise_for_status().text
-    out: dict[tuple[str, str], dict] = {}
-    for family in text_string_to_metric_families(text):
-        name = family.name.removeprefix("pdcluster_worker_")
-        if name not in _FIELDS or family.type != "counter":
-            continue
-        for s in family.samples:
-            if s.name.endswith("_total"):
-                key = (s.labels["role"], s.labels["phase"])
-                row = out.setdefault(key, dict.fromkeys(_FIELDS, 0.0))
-                row[name] += s.value
-    return out
-
-
-def _delta(after: dict, before: dict) -> dict[tuple[str, str], dict]:
-    return {k: {f: v[f] - before.get(k, {}).get(f, 0.0) for f in _FIELDS} for k, v in after.items()}
+    return {k: v for k, v in scrape_counters(url, api_key, timeout_s).items() if k[1] != PREFIX}
 
 
 async def _closed_loop(url: str, model: str, prompts: Iterator[str], concurrency: int, output_tokens: int,
@@ -105,7 +87,7 @@ async def _closed_loop(url: str, model: str, prompts: Iterator[str], concurrency
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return _delta(after, before), {"tpot_s": tpots, "ttft_s": ttfts}, elapsed
+    return delta(after, before), {"tpot_s": tpots, "ttft_s": ttfts}, elapsed
 
 
 def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = LEVELS,

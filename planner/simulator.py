@@ -249,8 +249,8 @@ class Simulator:
         tie = 0
         STEP, COMMIT, RESERVED = 0, 1, 2  # events; RESERVED only waits on a worker's lock
         waiting_reserve: deque[_Seq] = deque()
-        st = {"finished": 0, "ttft_miss": 0, "tpot_miss": 0, "preempt": 0, "psteps": 0, "dsteps": 0,
-              "last": 0.0, "in_system": 0, "area": 0.0}  # area: integral of requests in the system over time
+        st = {"finished": 0, "ttft_miss": 0, "tpot_miss": 0, "preempt": 0, "psteps": 0, "dsteps": 0, "dseqs": 0,
+              "dstep_s": 0.0, "pstep_s": 0.0, "last": 0.0, "in_system": 0, "area": 0.0}  # area: integral of requests in the system over time
         colocated = c.mode == "colocated"
         stop = False
 
@@ -347,6 +347,7 @@ class Simulator:
             w.step_start = now
             w.step_dt = dt
             w.busy_s += dt
+            st["dstep_s" if w.batch is None else "pstep_s"] += dt
             push(now + dt, STEP, w)
 
         def host_slowdown(w: _Worker) -> float:
@@ -402,6 +403,7 @@ class Simulator:
             w.batch = None
             w.max_batch = max(w.max_batch, b)
             st["dsteps"] += 1
+            st["dseqs"] += b
             return w.cost.decode_time(b, w.sum_ctx_term + b * w.k)
 
         def join(w: _Worker, s: _Seq) -> None:
@@ -558,4 +560,5 @@ class Simulator:
             ttft, tpot, e2e, st["finished"], max(0.0, st["last"] - first), stop, st["preempt"], st["psteps"],
             st["dsteps"], max((w.max_batch for w in decode), default=0), events,
             {"busy_s": [w.busy_s for w in workers], "kv_blocks": [w.num_blocks for w in workers],
-             "in_system_area": st["area"], "cached_tokens": [w.cached_tokens for w in workers]})
+             "in_system_area": st["area"], "cached_tokens": [w.cached_tokens for w in workers],
+             "decode_step_s": st["dstep_s"], "decode_seqs": st["dseqs"], "prefill_step_s": st["pstep_s"]})

@@ -84,6 +84,7 @@ def simulate_run(run: dict, sim: Simulator, block_size: int) -> dict:
         out[f"{key}_p{q}"] = {"measured_ms": mv * 1e3 if mv is not None else None,
                               "simulated_ms": sv * 1e3 if sv is not None else None,
                               "error_pct": (sv - mv) / mv * 100 if mv and sv is not None else None}
+    out["server"] = server_view(run.get("server_counters"), res, mode)
     slo = run["summary"].get("slo") or {}
     bound = SLO(slo.get("ttft_ms"), slo.get("tpot_ms"))
     if bound.set:
@@ -92,6 +93,50 @@ def simulate_run(run: dict, sim: Simulator, block_size: int) -> dict:
         sim_met = sum(bound.met(RequestTimes(res.ttft[i], res.tpot[i])) for i in range(len(recs)))
         out["attainment_simulated"] = sim_met / len(recs) if recs else None
     return out
+
+
+def server_view(counters: dict | None, res, mode: str) -> dict:
+    """The server's side of a run, measured (its workers' counters during the run, when bench serve
+    recorded them) and simulated: mean decode step and batch, mean prefill step, prefix-cache hits."""
+    decode_role = "colocated" if mode == "colocated" else "decode"
+    prefill_role = "colocated" if mode == "colocated" else "prefill"
+    sim = res.stats
+    simulated = {
+        "decode_step_ms": sim["decode_step_s"] / res.decode_steps * 1e3 if res.decode_steps else None,
+        "decode_batch": sim["decode_seqs"] / res.decode_steps if res.decode_steps else None,
+        "prefill_step_ms": sim["prefill_step_s"] / res.prefill_steps * 1e3 if res.prefill_steps else None,
+        "prefill_steps": res.prefill_steps, "decode_steps": res.decode_steps,
+        "prefix_hit_tokens": sum(sim["cached_tokens"]),
+    }
+    measured = None
+    if counters:
+        d, p = counters.get(f"{decode_role}/decode") or {}, counters.get(f"{prefill_role}/prefill") or {}
+        x = counters.get(f"{prefill_role}/prefix") or {}
+        measured = {
+            "decode_step_ms": d["step_seconds"] / d["steps"] * 1e3 if d.get("steps") else None,
+            "decode_batch": d["step_seqs"] / d["steps"] if d.get("steps") else None,
+            "prefill_step_ms": p["step_seconds"] / p["steps"] * 1e3 if p.get("steps") else None,
+            "prefill_steps": p.get("steps"), "decode_steps": d.get("steps"),
+            "prefix_hit_tokens": x.get("prefix_cache_hit_tokens"), "prompt_tokens": x.get("prompt_tokens"),
+        }
+    return {"measured": measured, "simulated": simulated}
+
+
+def server_table(rows: list[dict]) -> list[str]:
+    """Per run, the server's side measured / simulated (runs whose result.json has server counters)."""
+    rows = [r for r in rows if r["server"]["measured"]]
+    if not rows:
+        return []
+    head = ("| system | rate (req/s) | decode step ms | decode batch | decode steps | prefill step ms | "
+            "prefill steps | prefix-cache hit tokens |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, s = r["server"]["measured"], r["server"]["simulated"]
+        cells = [f"{_fmt(m[k], f)} / {_fmt(s[k], f)}" for k, f in
+                 (("decode_step_ms", ".1f"), ("decode_batch", ".1f"), ("decode_steps", ".0f"),
+                  ("prefill_step_ms", ".1f"), ("prefill_steps", ".0f"), ("prefix_hit_tokens", ".0f"))]
+        lines.append(f"| {r['label']} | {r['rate']:g} | " + " | ".join(cells) + " |")
+    return ["Server side, measured (the workers' counters during the run) / simulated:", "", *lines]
 
 
 def _fmt(x: float | None, f: str = ".1f") -> str:
@@ -262,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{d['mean_abs_pct_error']:.1f}%)" + (f"; prefill {q['scale']:.2f}x the engine fit" if q else ""))
     table = error_table(rows)
     rank_lines, summary = ranking(rows)
-    text = "\n".join([*head, *table, "", *rank_lines]) + "\n"
+    server = server_table(rows)
+    text = "\n".join([*head, *table, "", *rank_lines, *([""] + server if server else [])]) + "\n"
     print(text)
     if args.markdown:
         args.markdown.write_text(text)

@@ -88,3 +88,24 @@ def test_cli_adds_live_to_the_coefficients_file(url, tmp_path, capsys):
     written = json.loads(path.read_text())
     assert set(written["live"]) == {"decode"} and written["live"]["decode"]["url"] == url
     assert "wrote `live`" in capsys.readouterr().out
+
+
+def test_bench_serve_records_what_the_workers_counted_per_run(url, tmp_path):
+    """bench serve reads the endpoint's worker counters around each run (loadgen.server_counters):
+    steps per phase and the prefix cache's hits, as the planner's accuracy check compares them."""
+    from pdcluster.cli import main
+
+    out = tmp_path / "out"
+    assert main(["bench", "serve", "--endpoint", url, "--workload", "azure-conv", "--num-requests", "6",
+                 "--max-context", "128", "--max-output", "6", "--rates", "20,30", "--ignore-eos",
+                 "--tokenizer", MODEL, "--time-limit-s", "60", "--out", str(out), "--no-progress"]) == 0
+    runs = json.loads((out / "result.json").read_text())["runs"]
+    assert len(runs) == 2
+    for run in runs:
+        c = run["server_counters"]
+        ok = [r for r in run["records"] if r["outcome"] == "ok"]
+        assert c["decode/decode"]["steps"] >= 1 and c["decode/decode"]["step_seconds"] > 0
+        assert c["prefill/prefix"]["prompt_tokens"] == sum(r["prompt_tokens"] for r in ok)
+    # the second run sends the same prompts: the prefill worker's prefix cache serves more of them
+    hits = [run["server_counters"]["prefill/prefix"]["prefix_cache_hit_tokens"] for run in runs]
+    assert hits[1] > hits[0]

@@ -215,6 +215,7 @@ def test_cli_compares_two_systems_over_a_sweep_and_writes_json_markdown_and_plot
     assert all(r["summary"]["completed"] == 4 and len(r["records"]) == 4 for r in result["runs"])
     assert result["scaling"]["max_context"] == 64 and result["workload"]["source"].startswith("Azure")
     assert result["runs"][0]["records"][0]["ttft_s"] >= TTFT_S - 0.005
+    assert all(r["server_counters"] is None for r in result["runs"])  # no pdcluster /metrics there
     md = (out / "summary.md").read_text()
     assert "Azure/AzurePublicDataset" in md and "| A | 8 req/s |" in md and "ttft_cdf.png" in md
     for png in ("ttft_cdf.png", "tpot_cdf.png", "goodput_vs_rate.png", "p99_tpot_vs_rate.png"):

@@ -1,0 +1,56 @@
+"""What the server counted during a run: a pdcluster endpoint's worker counters from its /metrics.
+
+The router exports each worker's cumulative counters (router/metrics.py): engine steps by phase
+(engine/step_stats.py: steps, wall seconds, batch sizes, tokens, tokens attended to) and the prompt
+tokens it prefilled with those served from its prefix cache. Read before and after a run, their
+difference is the server's side of that run: mean step time and batch per phase, the prefix cache's
+hit rate. `bench serve` stores it per run (`server_counters` in result.json) when the endpoint has
+such metrics; other servers have none, and nothing is stored.
+"""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+STEP_FIELDS = ("steps", "step_seconds", "step_seqs", "step_tokens", "step_context_tokens")
+PREFIX_FIELDS = ("prompt_tokens", "prefix_cache_hit_tokens")
+PREFIX = "prefix"  # the phase key of a role's prefix-cache counters
+
+
+def scrape_counters(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[tuple[str, str], dict]:
+    """{(role, phase): {step field: total}} and {(role, "prefix"): {prompt_tokens, prefix_cache_hit_tokens}},
+    summed over the workers, from the router's /metrics at `url`. Raises httpx.HTTPError if unreachable."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=timeout_s).raise_for_status().text
+    out: dict[tuple[str, str], dict] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix("pdcluster_worker_")
+        if family.type != "counter" or name not in (*STEP_FIELDS, *PREFIX_FIELDS):
+            continue
+        for s in family.samples:
+            if not s.name.endswith("_total"):
+                continue
+            key = (s.labels["role"], s.labels["phase"] if name in STEP_FIELDS else PREFIX)
+            fields = STEP_FIELDS if name in STEP_FIELDS else PREFIX_FIELDS
+            row = out.setdefault(key, dict.fromkeys(fields, 0.0))
+            row[name] += s.value
+    return out
+
+
+def delta(after: dict[tuple[str, str], dict], before: dict[tuple[str, str], dict]) -> dict[tuple[str, str], dict]:
+    return {k: {f: v[f] - before.get(k, {}).get(f, 0.0) for f in v} for k, v in after.items()}
+
+
+def try_scrape(url: str, api_key: str | None = None) -> dict[tuple[str, str], dict] | None:
+    """`scrape_counters`, or None for an endpoint without pdcluster's worker counters."""
+    try:
+        counters = scrape_counters(url, api_key, timeout_s=5.0)
+    except (httpx.HTTPError, ValueError):
+        return None
+    return counters or None
+
+
+def as_json(counters: dict[tuple[str, str], dict]) -> dict[str, dict]:
+    """JSON keys "role/phase" (e.g. "decode/decode", "colocated/prefill", "prefill/prefix")."""
+    return {f"{role}/{phase}": v for (role, phase), v in sorted(counters.items())}
