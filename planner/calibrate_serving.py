@@ -22,8 +22,9 @@ the serving path's fixed share plus a prefill (and, disaggregated, a KV transfer
 the fixed share as the intercept of TTFT against the modelled prefill
 (planner.plan.PlanContext.idle_ttft_overhead). The
 result goes into the coefficients file as `live`; the planner then uses these step costs for
-`cpu` pools in place of the engine's own plus the zero-load serving probe's per-token cost, and
-lets no other serving CPU compete for the host's cores (the measured steps already paid for it).
+`cpu` pools in place of the engine's own plus the zero-load serving probe's per-token cost; the
+rest of the serving path's CPU (router, HTTP API, client) still competes for the host's cores, as
+the probe's closed loop asks less of them per step than a trace's arrivals do.
 """
 
 from __future__ import annotations

@@ -301,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     for role, live in sorted((coeffs.get("live") or {}).items()):
         d, q = live["decode"], live.get("prefill") or {}
         head.insert(-1, f"Live step costs of the {'colocated' if role == 'colocated' else 'disaggregated'} cluster "
-                        f"(measured under load {live.get('date')}; these replace the above for its workers, and no "
-                        f"serving CPU is added on the host): decode {d['a'] * 1e3:.2f} ms + {d['b'] * 1e6:.2f} "
+                        f"(measured under load {live.get('date')}; these replace the above for its workers' steps; "
+                        f"the serving path's CPU still floats over the host): decode {d['a'] * 1e3:.2f} ms + {d['b'] * 1e6:.2f} "
                         f"us/context token + {d['c'] * 1e3:.2f} ms/sequence (fit error mean "
                         f"{d['mean_abs_pct_error']:.1f}%)" + (f"; prefill {q['scale']:.2f}x the engine fit" if q else ""))
     table = error_table(rows)

@@ -109,7 +109,7 @@ def test_calibration_fit_recovers_known_coefficients():
     assert min(coef) >= 0
 
 
-def test_live_step_costs_replace_the_engine_fit_per_role_and_the_host_share():
+def test_live_step_costs_replace_the_engine_fit_per_role():
     from planner.catalog import load_catalog as catalog
     from planner.models import model_shape
     from planner.plan import Plan, PlanContext, Pool, build_cluster
@@ -124,7 +124,7 @@ def test_live_step_costs_replace_the_engine_fit_per_role_and_the_host_share():
     disagg = build_cluster(Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), 2048, 256), ctx)
     assert disagg.prefill[0].cost.prefill == (0.02, 4e-4, 2e-7)
     assert disagg.decode[0].cost.decode == (0.007, 5e-6, 7e-4)
-    assert disagg.host_cpu_per_token_s == 0.0  # measured under load: the serving path's share is in the steps
+    assert disagg.host_cpu_per_token_s == pytest.approx(2e-3)  # the serving path's CPU still floats over the host
     coloc = build_cluster(Plan("colocated", None, Pool("cpu", 2), 2048, 256), ctx)
     assert coloc.decode[0].cost.decode == (0.004, 1e-6, 6e-3)  # no live fit for colocated workers
     assert coloc.host_cpu_per_token_s == pytest.approx(2e-3)
