@@ -189,6 +189,9 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         for rate, e in plan:
             bar.set_postfix_str(f"{e.label} @ {'trace' if rate is None else f'{rate:g}/s'}")
             before = try_scrape(e.url, e.api_key)
+            if before is not None:  # counts of requests that ended just before may still be on their way
+                time.sleep(STATS_LAG_S)
+                before = try_scrape(e.url, e.api_key)
             result = run(reqs, arrivals[rate].offsets, e, e.model or "", args.time_limit_s,
                          lambda _rec: bar.update(), rate, arrivals[rate].description)
             if before is not None:  # a pdcluster endpoint: the server's side of the run

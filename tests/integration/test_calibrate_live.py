@@ -105,7 +105,8 @@ def test_bench_serve_records_what_the_workers_counted_per_run(url, tmp_path):
         c = run["server_counters"]
         ok = [r for r in run["records"] if r["outcome"] == "ok"]
         assert c["decode/decode"]["steps"] >= 1 and c["decode/decode"]["step_seconds"] > 0
-        assert c["prefill/prefix"]["prompt_tokens"] == sum(r["prompt_tokens"] for r in ok)
+        # every prompt of the run was counted (a request of an earlier test may still finish meanwhile)
+        assert c["prefill/prefix"]["prompt_tokens"] >= sum(r["prompt_tokens"] for r in ok) > 0
     # the second run sends the same prompts: the prefill worker's prefix cache serves more of them
     hits = [run["server_counters"]["prefill/prefix"]["prefix_cache_hit_tokens"] for run in runs]
     assert hits[1] > hits[0]
