@@ -26,6 +26,7 @@ from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprobs
 from kv_transfer import KVReceiver, KVTransferError, TransferTicket, create_receiver
+from kv_transfer.base import block_runs, copy_runs
 
 
 class DecodeEngine:
@@ -94,14 +95,7 @@ class DecodeEngine:
     def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> None:
         cache = self.engine.runner.kv_caches[layer]
         kv = kv.to(device=cache.device, dtype=cache.dtype)
-        ids = ticket.block_ids[first_block : first_block + kv.shape[1]]
-        # a run of consecutive block ids is one slice copy (a plain memcpy), far cheaper than an
-        # index_copy_; freshly allocated blocks mostly come in a few such runs
-        start = 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[i - 1] + 1:
-                cache[:, ids[start] : ids[i - 1] + 1].copy_(kv[:, start:i])
-                start = i
+        copy_runs(cache, block_runs(ticket.block_ids[first_block : first_block + kv.shape[1]]), kv)
 
     def move_kv_cache(self, place: Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
         """Re-home a CPU cache (its contents too) into the tensor `place(num_layers, layer_shape,

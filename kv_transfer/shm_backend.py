@@ -58,12 +58,11 @@ from kv_transfer.base import KVSink, KVTransferError, TransferTicket
 from kv_transfer.checksum import NAME as CHECKSUM
 from kv_transfer.checksum import checksum, tensor_checksum
 from kv_transfer.grpc_backend import WIRE_DTYPES, GrpcReceiver, GrpcSender, _Corrupt, wire_dtype
-from kv_transfer.shm_cache import MappedKVCache, SharedKVCache
+from kv_transfer.shm_cache import SHM_DIR, MappedKVCache, SharedKVCache, create_segment, remove_segment
 from proto import kv_transfer_pb2
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdkv-"
 _SEGMENT_NAME = re.compile(r"pdkv-[A-Za-z0-9_-]{1,200}")
 ALIGN = 256  # layers start on this byte boundary within a slab
@@ -104,30 +103,10 @@ class _Slab:
         self.path = os.path.join(shm_dir, self.name)
         self.size = size
         self.used = 0
-        self._tracked = os.path.realpath(shm_dir) == os.path.realpath(SHM_DIR)
+        self.shm_dir = shm_dir
         self._gone = False
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise KVTransferError(f"cannot create a KV segment in {shm_dir}: {e.strerror}") from None
-        try:
-            try:  # reserve the pages now: writing into a full tmpfs through a mapping is a SIGBUS
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                raise KVTransferError(
-                    f"no room for a {size}-byte KV segment in {shm_dir}: {e.strerror} "
-                    "(a container's /dev/shm is often small: raise its size, e.g. docker --shm-size)"
-                ) from None
-            self.mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.unlink(self.path)
-            raise
-        finally:
-            os.close(fd)
-        if self._tracked:  # unlinked by the resource tracker if this process dies without close()
-            from multiprocessing import resource_tracker
-
-            resource_tracker.register("/" + self.name, "shared_memory")
+        fd, self.mm, self._tracked = create_segment(shm_dir, self.name, size)
+        os.close(fd)
 
     def write(self, offset: int, kv: torch.Tensor) -> None:
         src = kv.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -150,14 +129,7 @@ class _Slab:
         if self._gone:
             return
         self._gone = True
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        if self._tracked:
-            from multiprocessing import resource_tracker
-
-            resource_tracker.unregister("/" + self.name, "shared_memory")
+        remove_segment(self.shm_dir, self.name, self._tracked)
         try:
             self.mm.close()
         except BufferError:  # a copy or checksum still running (close() racing a send): unmapped when done
@@ -293,18 +265,21 @@ class ShmSender(GrpcSender):
 
     def _cache_for(self, endpoint: str) -> MappedKVCache | None:
         """The endpoint's shared cache once its handshake has completed and named one (never waits:
-        the forward pass does not wait on the network)."""
-        with self._lock:
-            hs = self._handshake(endpoint)
-        f = hs.future
-        if hs.error is not None or not f.done() or f.cancelled() or f.exception() is not None:
-            return None
-        try:
-            self._await_handshake(endpoint, hs, 0.0)
-        except KVTransferError:
-            return None  # the layer's stream reports it
+        the forward pass does not wait on the network). Per layer only a lookup and a stat."""
         with self._arena_lock:
             known = self._caches.get(endpoint)
+        if known is None:  # not mapped yet: the handshake maps it once it has completed
+            with self._lock:
+                hs = self._handshake(endpoint)
+            f = hs.future
+            if hs.error is not None or not f.done() or f.cancelled() or f.exception() is not None:
+                return None
+            try:
+                self._await_handshake(endpoint, hs, 0.0)
+            except KVTransferError:
+                return None  # the layer's stream reports it
+            with self._arena_lock:
+                known = self._caches.get(endpoint)
         mapping = known[1] if known is not None else None
         if mapping is not None and not mapping.is_current():  # the receiver closed or restarted
             with self._arena_lock:

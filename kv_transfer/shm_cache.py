@@ -43,10 +43,11 @@ import time
 import numpy as np
 import torch
 
-from kv_transfer.base import KVTransferError, TransferTicket
+from kv_transfer.base import KVTransferError, TransferTicket, block_runs, copy_runs
 from kv_transfer.checksum import checksum
 
 PAGE = mmap.PAGESIZE
+SHM_DIR = "/dev/shm"
 FENCE_ITEM = 8  # bytes per block's tag (int64)
 LOCK_TIMEOUT_S = 10.0
 _CACHE_NAME = re.compile(r"pdkv-[0-9]+-cache-[0-9a-f]+")  # a write holds its lock for one layer's memcpy; this only bounds a hung writer
@@ -56,16 +57,6 @@ def fence_tag(ticket: TransferTicket) -> int:
     """The transfer's nonzero int64 tag (only a holder of its auth token can compute it)."""
     digest = hashlib.blake2b(f"{ticket.transfer_id}/{ticket.auth_token}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True) or 1
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """(position in ids, first block id, count) of each run of consecutive block ids."""
-    runs, start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            runs.append((start, ids[start], i - start))
-            start = i
-    return runs
 
 
 def _setlk(fd: int, kind: int, block: int) -> None:
@@ -104,6 +95,50 @@ def _unlock(fd: int, block: int) -> None:
     _setlk(fd, fcntl.LOCK_UN, block)
 
 
+def create_segment(shm_dir: str, name: str, size: int, what: str = "KV segment") -> tuple[int, mmap.mmap, bool]:
+    """Create the shared memory file `name` in `shm_dir` (this user only) with all `size` bytes of
+    pages reserved now (a full tmpfs is a KVTransferError here, never a SIGBUS on a later write),
+    mapped read-write. Returns (fd, mapping, tracked): in /dev/shm the segment is registered with
+    multiprocessing's resource tracker, which unlinks it if this process dies without
+    `remove_segment`. The caller closes fd when it no longer needs it."""
+    path = os.path.join(shm_dir, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise KVTransferError(f"cannot create a {what} in {shm_dir}: {e.strerror}") from None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            raise KVTransferError(
+                f"no room for a {size}-byte {what} in {shm_dir}: {e.strerror} "
+                "(a container's /dev/shm is often small: raise its size, e.g. docker --shm-size)"
+            ) from None
+        mm = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    tracked = os.path.realpath(shm_dir) == os.path.realpath(SHM_DIR)
+    if tracked:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.register("/" + name, "shared_memory")
+    return fd, mm, tracked
+
+
+def remove_segment(shm_dir: str, name: str, tracked: bool) -> None:
+    """Unlink a segment made by `create_segment` (gone already: fine) and untrack it."""
+    try:
+        os.unlink(os.path.join(shm_dir, name))
+    except FileNotFoundError:
+        pass
+    if tracked:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister("/" + name, "shared_memory")
+
+
 def _geometry(num_blocks: int) -> int:
     """Byte offset of the cache in the segment (after the fence table)."""
     return -(-num_blocks * FENCE_ITEM // PAGE) * PAGE
@@ -113,7 +148,7 @@ def blocks_digest(layer: torch.Tensor, ids: list[int]) -> int:
     """XXH3-64 of blocks `ids` of a (2, num_blocks, ...) layer, K's then V's, as a contiguous tensor
     of those blocks would hash (the sender hashes the tensor it copied from)."""
     parts = [layer[kv, first : first + n].reshape(-1).view(torch.uint8).numpy()
-             for kv in range(layer.shape[0]) for _, first, n in _runs(ids)]
+             for kv in range(layer.shape[0]) for _, first, n in block_runs(ids)]
     return checksum(*parts)
 
 
@@ -126,25 +161,11 @@ class SharedKVCache:
         self.offset = _geometry(self.num_blocks)
         nbytes = num_layers * math.prod(layer_shape) * dtype.itemsize
         self.size = self.offset + nbytes
+        self.shm_dir = shm_dir
         self.name = f"pdkv-{os.getpid()}-cache-{secrets.token_hex(6)}"
         self.path = os.path.join(shm_dir, self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            try:  # all pages now: a full tmpfs is an error here, never a SIGBUS later
-                os.posix_fallocate(fd, 0, self.size)
-            except OSError as e:
-                raise KVTransferError(f"no room for a {self.size}-byte KV cache in {shm_dir}: {e.strerror}") from None
-            mm = mmap.mmap(fd, self.size)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        self._fd = fd  # kept open for the record locks (closing any fd of the file would drop them)
-        self._tracked = os.path.realpath(shm_dir) == "/dev/shm"
-        if self._tracked:  # unlinked by the resource tracker if this process dies without close()
-            from multiprocessing import resource_tracker
-
-            resource_tracker.register("/" + self.name, "shared_memory")
+        # fd kept open for the record locks (closing any fd of the file would drop them)
+        self._fd, mm, self._tracked = create_segment(shm_dir, self.name, self.size, "KV cache")
         self.fence = torch.frombuffer(mm, dtype=torch.int64, count=self.num_blocks)
         count = nbytes // dtype.itemsize
         self.cache = torch.frombuffer(mm, dtype=dtype, count=count, offset=self.offset).view(num_layers, *layer_shape)
@@ -173,14 +194,7 @@ class SharedKVCache:
         if self._closed:
             return
         self._closed = True
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        if self._tracked:
-            from multiprocessing import resource_tracker
-
-            resource_tracker.unregister("/" + self.name, "shared_memory")
+        remove_segment(self.shm_dir, self.name, self._tracked)
         os.close(self._fd)
 
 
@@ -243,7 +257,7 @@ class MappedKVCache:
         ids = ticket.block_ids[first_block : first_block + n]
         if len(ids) != n or n == 0 or min(ids) < 0 or max(ids) >= self.num_blocks:
             return None
-        plan = (fence_tag(ticket), _runs(ids))
+        plan = (fence_tag(ticket), block_runs(ids))
         self._last_plan = (key, plan)
         return plan
 
@@ -264,9 +278,7 @@ class MappedKVCache:
                 fence = self._fence_np
                 if not all((fence[first : first + n] == tag).all() for _, first, n in runs):
                     return False
-                dst = view[layer]
-                for pos, first, n in runs:
-                    dst[:, first : first + n].copy_(kv[:, pos : pos + n])
+                copy_runs(view[layer], runs, kv)
             finally:
                 _unlock(self._fd, lock_block)
         return True

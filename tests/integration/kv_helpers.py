@@ -181,6 +181,20 @@ class RecvSpy:
         return getattr(self.pg, name)
 
 
+def spy_on_messages(sender) -> list:
+    """The `KVLayer` messages `sender` builds from now on (appended as they are built)."""
+    sent = []
+    original = sender._layer_message
+
+    def spy(*args):
+        msg = original(*args)
+        sent.append(msg)
+        return msg
+
+    sender._layer_message = spy
+    return sent
+
+
 def spy_on_pairs(decode, sender) -> RecvSpy:
     """torch_distributed: connect, and count the recvs the receiver's pair posts from now on."""
     sender.connect(decode.receiver.endpoint)

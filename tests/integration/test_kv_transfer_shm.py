@@ -30,6 +30,7 @@ from tests.integration.kv_helpers import (
     OURS, PARAMS, cache_is_zero as _cache_is_zero, clean, decode_engine as _decode_engine, grpc_server,
     layer as _layer, live_decode, live_sender, mapped_segments as _mapped_segments,
     ours_in_shm as _ours_in_shm,
+    spy_on_messages,
 )
 
 pytestmark = pytest.mark.slow
@@ -100,15 +101,7 @@ def _slabs(sender) -> list[str]:
 
 # ------------------------------------------------------------------------------------ shm only
 def test_only_metadata_crosses_the_control_channel(decode, sender):
-    sent = []
-    original = sender._layer_message
-
-    def spy(*args):
-        msg = original(*args)
-        sent.append(msg)
-        return msg
-
-    sender._layer_message = spy
+    sent = spy_on_messages(sender)
     assert isinstance(sender, ShmSender) and isinstance(decode.receiver, ShmReceiver)
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     kv = _layer(decode, ticket)

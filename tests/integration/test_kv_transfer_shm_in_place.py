@@ -36,6 +36,7 @@ from tests.integration.kv_helpers import (
     live_sender,
     mapped_segments,
     ours_in_shm,
+    spy_on_messages,
 )
 
 pytestmark = pytest.mark.slow
@@ -60,17 +61,14 @@ def sender(decode):
         yield s
 
 
-def _spy(sender) -> list:
-    sent = []
-    original = sender._layer_message
-
-    def spy(*args):
-        msg = original(*args)
-        sent.append(msg)
-        return msg
-
-    sender._layer_message = spy
-    return sent
+def _refused(endpoint: str, msg: kv_transfer_pb2.KVLayer, why: str) -> None:
+    """A hand-built layer message sent on its own stream is refused with `why`."""
+    channel = grpc.insecure_channel(endpoint)
+    try:
+        with pytest.raises(grpc.RpcError, match=why):
+            kv_transfer_pb2_grpc.KVReceiverStub(channel).SendLayers(iter([msg]), timeout=5)
+    finally:
+        channel.close()
 
 
 def test_layers_land_in_place_with_no_segment_and_only_metadata_sent(decode, sender):
@@ -78,7 +76,7 @@ def test_layers_land_in_place_with_no_segment_and_only_metadata_sent(decode, sen
     assert shared is not None and sender.in_place_endpoints == [decode.receiver.endpoint]
     # the engine's cache is the shared segment's memory
     assert decode.engine.runner.kv_caches[0].data_ptr() == shared.cache[0].data_ptr()
-    sent = _spy(sender)
+    sent = spy_on_messages(sender)
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     layers = [layer(decode, ticket, seed=i) for i in range(decode.num_layers)]
     for i, kv in enumerate(layers):
@@ -97,7 +95,7 @@ def test_layers_land_in_place_with_no_segment_and_only_metadata_sent(decode, sen
 
 def test_verified_layers_carry_the_checksum_of_their_blocks(decode, sender):
     sender.verify_in_place = True
-    sent = _spy(sender)
+    sent = spy_on_messages(sender)
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     for i in range(decode.num_layers):
         sender.send_layer(ticket, i, layer(decode, ticket, seed=i))
@@ -173,23 +171,15 @@ def test_a_receiver_without_room_for_its_shared_cache_falls_back_to_segments(che
             assert torch.equal(d.engine.runner.kv_caches[0][:, ticket.block_ids], kv)
 
 
-def test_in_place_messages_to_a_private_cache_are_refused(checkpoint, decode, sender):
-    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
-    sender.send_layer(ticket, 0, layer(decode, ticket))
-    sender.flush(ticket)
+def test_in_place_messages_to_a_private_cache_are_refused(checkpoint, decode):
     with grpc_server() as (srv, endpoint), live_decode(checkpoint, "shm", srv, endpoint, in_place=False) as private:
         t2 = private.reserve("r1", list(range(3, 40)), PARAMS)
         # a message claiming in-place bytes for a receiver that has no shared cache
         msg = kv_transfer_pb2.KVLayer(transfer_id=t2.transfer_id, auth_token=t2.auth_token, layer=0,
                                       dtype="float32", shape=list(private.layer_shape(3)), shm_in_place=True,
                                       shm_name=decode.receiver.shared.name)
-        channel = grpc.insecure_channel(endpoint)
-        try:
-            with pytest.raises(grpc.RpcError, match="not in shared memory"):
-                kv_transfer_pb2_grpc.KVReceiverStub(channel).SendLayers(iter([msg]), timeout=5)
-        finally:
-            channel.close()
-        assert cache_is_zero(private)
+        _refused(endpoint, msg, "not in shared memory")
+        assert cache_is_zero(private) and private.receiver.num_pending == 1
 
 
 def test_a_restarted_receiver_is_mapped_anew(checkpoint):
@@ -202,7 +192,7 @@ def test_a_restarted_receiver_is_mapped_anew(checkpoint):
     with live_sender("shm", d.compat_hash) as s:
         s.connect(endpoint)
         old = d.receiver.shared.name
-        sent = _spy(s)
+        sent = spy_on_messages(s)
         ticket = d.reserve("r1", list(range(3, 40)), PARAMS)
         s.send_layer(ticket, 0, layer(d, ticket))
         s.flush(ticket)
@@ -212,12 +202,7 @@ def test_a_restarted_receiver_is_mapped_anew(checkpoint):
             stale = sent[0]  # what the sender wrote into the old cache, replayed to the new receiver
             t2 = d.reserve("r2", list(range(3, 40)), PARAMS)
             stale.transfer_id, stale.auth_token = t2.transfer_id, t2.auth_token
-            channel = grpc.insecure_channel(endpoint)
-            try:
-                with pytest.raises(grpc.RpcError, match="it restarted"):
-                    kv_transfer_pb2_grpc.KVReceiverStub(channel).SendLayers(iter([stale]), timeout=5)
-            finally:
-                channel.close()
+            _refused(endpoint, stale, "it restarted")
             assert cache_is_zero(d)
             for i in range(d.num_layers):
                 s.send_layer(t2, i, layer(d, t2, seed=i))
@@ -231,16 +216,23 @@ def test_a_restarted_receiver_is_mapped_anew(checkpoint):
 
 
 def test_close_unmaps_the_cache_and_the_receiver_unlinks_it(decode):
+    name = decode.receiver.shared.name
+
+    def mappings() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(name in line for line in f)
+
+    receiver_only = mappings()
     s = ShmSender(decode.compat_hash, timeout_s=5.0)
     s.connect(decode.receiver.endpoint)
-    name = decode.receiver.shared.name
-    assert os.path.exists(os.path.join("/dev/shm", name))
-    with open("/proc/self/maps") as f:
-        assert sum(name in line for line in f) >= 2  # the receiver's and the sender's mappings
+    assert s.in_place_endpoints == [decode.receiver.endpoint] and mappings() > receiver_only
+    ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
+    s.send_layer(ticket, 0, layer(decode, ticket))  # the sender's mapping in use
     s.close()
-    assert s.in_place_endpoints == []
+    assert mappings() == receiver_only  # the sender's mapping is gone
+    assert os.path.exists(os.path.join("/dev/shm", name))
     decode.close()
-    assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert not os.path.exists(os.path.join("/dev/shm", name))  # unlinked; the engine keeps its memory
 
 
 def test_layer_messages_ride_in_the_commit_and_are_checked_there(decode, sender):

@@ -33,6 +33,7 @@ from tests.integration.kv_helpers import (
     grpc_server,
     layer,
     port_is_closed,
+    spy_on_messages,
 )
 
 pytestmark = pytest.mark.slow
@@ -108,15 +109,7 @@ def _answer(s: socket.socket) -> bytes:
 
 # ------------------------------------------------------------------------------------ tcp only
 def test_only_metadata_crosses_grpc(decode, sender):
-    seen = []
-    original = sender._layer_message
-
-    def spy(*args):
-        msg = original(*args)
-        seen.append(msg)
-        return msg
-
-    sender._layer_message = spy
+    seen = spy_on_messages(sender)
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     _send_all(decode, sender, ticket)
     assert len(seen) == decode.num_layers
