@@ -26,7 +26,6 @@ import asyncio
 import math
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,8 @@ from loadgen.client import EndpointConfig, fetch_model
 from loadgen.metrics import SLO, summarize
 from loadgen.report import RunReport, failure_lines, run_notes, text_table, write_all
 from loadgen.runner import run
-from loadgen.server_counters import as_json, delta, try_scrape
+from loadgen.server_counters import counted
 from loadgen.workload import NAMED, Workload, WorkloadConfig, load_workload
-
-STATS_LAG_S = 0.7  # the router reads its workers' counters every 0.5 s
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,17 +185,10 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         for rate, e in plan:
             bar.set_postfix_str(f"{e.label} @ {'trace' if rate is None else f'{rate:g}/s'}")
-            before = try_scrape(e.url, e.api_key)
-            if before is not None:  # counts of requests that ended just before may still be on their way
-                time.sleep(STATS_LAG_S)
-                before = try_scrape(e.url, e.api_key)
-            result = run(reqs, arrivals[rate].offsets, e, e.model or "", args.time_limit_s,
-                         lambda _rec: bar.update(), rate, arrivals[rate].description)
-            if before is not None:  # a pdcluster endpoint: the server's side of the run
-                time.sleep(STATS_LAG_S)
-                after = try_scrape(e.url, e.api_key)
-                if after is not None:
-                    result.server_counters = as_json(delta(after, before))
+            result, result_counters = counted(e.url, e.api_key, lambda e=e, rate=rate: run(
+                reqs, arrivals[rate].offsets, e, e.model or "", args.time_limit_s, lambda _rec: bar.update(),
+                rate, arrivals[rate].description))
+            result.server_counters = result_counters  # what a pdcluster endpoint's workers counted
             left = len(reqs) - sum(1 for r in result.records if r.outcome in ("ok", "failed", "unfinished"))
             bar.update(left)  # not sent: the bar still reaches its end
             rep = RunReport(result, summarize(result.records, result.duration_s, slo))

@@ -10,12 +10,18 @@ such metrics; other servers have none, and nothing is stored.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 STEP_FIELDS = ("steps", "step_seconds", "step_seqs", "step_tokens", "step_context_tokens")
 PREFIX_FIELDS = ("prompt_tokens", "prefix_cache_hit_tokens")
 PREFIX = "prefix"  # the phase key of a role's prefix-cache counters
+STATS_LAG_S = 0.7  # the router reads its workers' counters every 0.5 s
+T = TypeVar("T")
 
 
 def scrape_counters(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[tuple[str, str], dict]:
@@ -54,3 +60,17 @@ def try_scrape(url: str, api_key: str | None = None) -> dict[tuple[str, str], di
 def as_json(counters: dict[tuple[str, str], dict]) -> dict[str, dict]:
     """JSON keys "role/phase" (e.g. "decode/decode", "colocated/prefill", "prefill/prefix")."""
     return {f"{role}/{phase}": v for (role, phase), v in sorted(counters.items())}
+
+
+def counted(url: str, api_key: str | None, run: Callable[[], T]) -> tuple[T, dict[str, dict] | None]:
+    """`run()`, and what the endpoint's workers counted meanwhile (`as_json` of the delta), or None
+    for an endpoint without such counters. Each read waits out the router's polling lag, so counts
+    of requests that ended just before or at the end are not misplaced."""
+    if try_scrape(url, api_key) is None:
+        return run(), None
+    time.sleep(STATS_LAG_S)
+    before = try_scrape(url, api_key)
+    result = run()
+    time.sleep(STATS_LAG_S)
+    after = try_scrape(url, api_key)
+    return result, (as_json(delta(after, before)) if before is not None and after is not None else None)

@@ -41,7 +41,6 @@ from planner.calibrate import fit
 
 LEVELS = (1, 2, 4, 8, 16, 32)
 PROMPT_LENS = (64, 256, 768)
-_FIELDS = STEP_FIELDS
 
 
 def scrape_steps(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[tuple[str, str], dict]:
@@ -121,7 +120,7 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
                 if d["steps"] <= 0:
                     continue
                 samples.append({"prompt": p, "concurrency": b, "role": role, "phase": phase,
-                                "window_s": elapsed, **{f: d[f] for f in _FIELDS},
+                                "window_s": elapsed, **{f: d[f] for f in STEP_FIELDS},
                                 "client_tpot_p50_s": tpot, "client_ttft_p50_s": ttft})
             dec = delta.get((decode_role, "decode"))
             if dec and dec["steps"]:

@@ -77,13 +77,8 @@ def simulate_run(run: dict, sim: Simulator, block_size: int) -> dict:
     measured = {"ttft": [recs[i]["ttft_s"] for i in ok], "tpot": [recs[i]["tpot_s"] for i in ok]}
     simulated = {"ttft": [res.ttft[i] for i in ok], "tpot": [res.tpot[i] for i in ok]}
     out = {"label": run["label"], "rate": run["rate"], "mode": mode, "sent": len(recs), "completed": len(ok)}
-    for name, key, q in METRICS:
-        m = [x for x in measured[key] if x is not None and not math.isnan(x)]
-        s = [x for x in simulated[key] if x is not None and not math.isnan(x)]
-        mv, sv = percentile(m, q), percentile(s, q)
-        out[f"{key}_p{q}"] = {"measured_ms": mv * 1e3 if mv is not None else None,
-                              "simulated_ms": sv * 1e3 if sv is not None else None,
-                              "error_pct": (sv - mv) / mv * 100 if mv and sv is not None else None}
+    for _, key, q in METRICS:
+        out[f"{key}_p{q}"] = _cell(_pct_ms(measured[key], q), _pct_ms(simulated[key], q))
     out["server"] = server_view(run.get("server_counters"), res, mode)
     slo = run["summary"].get("slo") or {}
     bound = SLO(slo.get("ttft_ms"), slo.get("tpot_ms"))
@@ -143,15 +138,26 @@ def _fmt(x: float | None, f: str = ".1f") -> str:
     return "-" if x is None else format(x, f)
 
 
+def _pct_ms(seconds: list, q: float) -> float | None:
+    """The q-th percentile in ms of the values that are there (None and NaN left out)."""
+    v = percentile([x for x in seconds if x is not None and not math.isnan(x)], q)
+    return v * 1e3 if v is not None else None
+
+
+def _cell(reference_ms: float | None, other_ms: float | None) -> dict:
+    """One table cell: a measured percentile, the one compared with it, and the relative error."""
+    return {"measured_ms": reference_ms, "simulated_ms": other_ms,
+            "error_pct": (other_ms - reference_ms) / reference_ms * 100 if reference_ms and other_ms is not None
+            else None}
+
+
 def measured_percentiles(run: dict) -> dict:
     """A measured run's TTFT / TPOT percentiles (ms) over its completed requests."""
     ok = [r for r in run["records"] if r["outcome"] == "ok"]
     out = {"label": run["label"], "rate": run["rate"], "completed": len(ok),
            "sent": sum(r["outcome"] != "not_sent" for r in run["records"])}
     for _, key, q in METRICS:
-        xs = [r[f"{key}_s"] for r in ok if r.get(f"{key}_s") is not None and not math.isnan(r[f"{key}_s"])]
-        v = percentile(xs, q)
-        out[f"{key}_p{q}"] = v * 1e3 if v is not None else None
+        out[f"{key}_p{q}"] = _pct_ms([r.get(f"{key}_s") for r in ok], q)
     return out
 
 
@@ -166,9 +172,7 @@ def repeatability(first: dict, second: dict) -> list[dict]:
             continue
         row = {k: a[k] for k in ("label", "rate", "completed", "sent")}
         for _, key, q in METRICS:
-            x, y = a[f"{key}_p{q}"], b[f"{key}_p{q}"]
-            row[f"{key}_p{q}"] = {"measured_ms": x, "simulated_ms": y,
-                                  "error_pct": (y - x) / x * 100 if x and y is not None else None}
+            row[f"{key}_p{q}"] = _cell(a[f"{key}_p{q}"], b[f"{key}_p{q}"])
         rows.append(row)
     return sorted(rows, key=lambda r: (r["label"], r["rate"]))
 
