@@ -63,10 +63,12 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         request_timeout_s: float = 600.0,
         reservation_ttl_s: float = 120.0,
         cluster_secret: str | None = None,
+        kv_options: dict | None = None,
     ) -> None:
         """`cluster_secret`: required of every RPC to this worker, KV transfers included
         (proto/cluster_auth.py; None: none). `reservation_ttl_s`: the lease of a reservation whose KV
-        has not committed."""
+        has not committed. `kv_options`: more keyword arguments of the backend's receiver (shm/auto:
+        in_place)."""
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:6]}"
         self.colocated = colocated
         self.request_timeout_s = request_timeout_s
@@ -76,7 +78,8 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         self.engine = Engine(engine_cfg, "colocated" if colocated else "decode")
         self.decode: DecodeEngine | None = None
         if not colocated:
-            self.decode = DecodeEngine(self.engine, backend=kv_backend, server=self.server, endpoint=self.address)
+            self.decode = DecodeEngine(self.engine, backend=kv_backend, server=self.server, endpoint=self.address,
+                                       **(kv_options or {}))
         self._lock = threading.RLock()  # engine state (colocated mode; DecodeEngine has its own)
         self._streams: dict[str, _Stream] = {}
         self._queued_tokens = 0

@@ -59,7 +59,9 @@ class AutoReceiver(TorchDistReceiver, TcpReceiver, ShmReceiver):
     a data port for tcp senders, shared memory for shm senders, inline payloads for grpc ones."""
 
     def __init__(self, sink: KVSink, server: grpc.Server | None = None, endpoint: str | None = None, *,
-                 dist_backend: str | None = None, timeout_s: float = 30.0, **kwargs: Any) -> None:
+                 dist_backend: str | None = None, timeout_s: float = 30.0, in_place: bool = True,
+                 **kwargs: Any) -> None:
+        self.in_place = in_place  # read by ShmReceiver.__init__ (the cooperative chain does not pass it)
         if dist_backend is None:
             dist_backend = "nccl" if self._sink_device(sink).type == "cuda" else OFF
         super().__init__(sink, server, endpoint, dist_backend=dist_backend, timeout_s=timeout_s, **kwargs)
@@ -72,13 +74,14 @@ def _default_dist_backend() -> str:
 
 class AutoSender(KVSender):
     def __init__(self, compat_hash: str, timeout_s: float = 30.0, sender_id: str | None = None,
-                 dist_backend: str | None = None) -> None:
+                 dist_backend: str | None = None, in_place: bool = True, verify_in_place: bool = False) -> None:
         super().__init__(compat_hash)
         self.timeout_s = timeout_s
         dist_backend = _default_dist_backend() if dist_backend is None else dist_backend
         self.dist = (None if dist_backend == OFF else
                      TorchDistSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id, dist_backend=dist_backend))
-        self.shm = ShmSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
+        self.shm = ShmSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id, in_place=in_place,
+                             verify_in_place=verify_in_place)
         self.tcp = TcpSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
         self.grpc = GrpcSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
         self._senders: dict[str, GrpcSender] = {"shm": self.shm, "tcp": self.tcp, "grpc": self.grpc}

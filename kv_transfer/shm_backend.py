@@ -473,8 +473,10 @@ class ShmReceiver(GrpcReceiver):
         port: int = 0,
         max_workers: int = 16,
         shm_dir: str = SHM_DIR,
-        in_place: bool = True,
+        in_place: bool | None = None,
     ) -> None:
+        # None: True, unless a subclass (AutoReceiver) set self.in_place before its cooperative __init__
+        self.in_place = getattr(self, "in_place", True) if in_place is None else in_place
         self.shm_dir = shm_dir
         self.node_id = node_id()
         self._maps: dict[str, _Mapping] = {}  # segment name -> mapping, least recently mapped first
@@ -483,7 +485,7 @@ class ShmReceiver(GrpcReceiver):
         self.shared: SharedKVCache | None = None  # the sink's cache, when senders write it in place
         super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers)
         move = getattr(sink, "move_kv_cache", None)
-        if in_place and move is not None:
+        if self.in_place and move is not None:
             try:
                 move(self._shared_cache)
             except KVTransferError as e:

@@ -125,6 +125,8 @@ class KVTransferConfig:
     timeout_s: float = 30.0
     lease_s: float = 120.0  # a decode reservation whose KV has not committed by then is freed
     faults: str | None = None  # fault injection spec (kv_transfer/faults.py); null: off
+    shm_in_place: bool = True  # shm/auto on one node: prefill writes into the decode worker's cache
+    shm_verify: bool = False  # shm in place: an XXH3 checksum per layer, checked by the receiver
 
 
 @dataclass(frozen=True)
@@ -592,6 +594,8 @@ def _parse_kv_transfer(path: str, v: Any) -> KVTransferConfig:
         timeout_s=_get(d, path, KVTransferConfig, "timeout_s", _positive),
         lease_s=_get(d, path, KVTransferConfig, "lease_s", _positive),
         faults=_get(d, path, KVTransferConfig, "faults", _kv_faults),
+        shm_in_place=_get(d, path, KVTransferConfig, "shm_in_place", _bool),
+        shm_verify=_get(d, path, KVTransferConfig, "shm_verify", _bool),
     )
 
 

@@ -268,12 +268,18 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
         engine_kwargs["num_threads"] = len(pool.cpus) if pool.cpus else max(1, int(pool.resources.get("num_cpus", 1)))
     options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s,
                                "cluster_secret": secret}
+    shm = options["kv_backend"] in ("shm", "auto")
     if pool.role == "prefill":
+        if shm:
+            options["kv_options"] = {"in_place": cfg.kv_transfer.shm_in_place,
+                                     "verify_in_place": cfg.kv_transfer.shm_verify}
         options["kv_timeout_s"] = cfg.kv_transfer.timeout_s
         options["kv_compression"] = cfg.kv_transfer.compression
         # the driver's environment wins: Ray workers do not all inherit it
         options["kv_faults"] = os.environ.get(KV_FAULTS_ENV) or cfg.kv_transfer.faults
     else:
+        if shm and pool.role == "decode":
+            options["kv_options"] = {"in_place": cfg.kv_transfer.shm_in_place}
         options["reservation_ttl_s"] = cfg.kv_transfer.lease_s
     actors, pending = [], {}
     for wid in worker_ids:

@@ -61,14 +61,16 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         kv_compression: str = "none",
         kv_faults: str | None = None,
         cluster_secret: str | None = None,
+        kv_options: dict | None = None,
     ) -> None:
         """`kv_faults`: a fault-injection spec for this worker's KV sender (kv_transfer/faults.py;
-        None: off, unless $PDCLUSTER_KV_FAULTS is set). `cluster_secret`: required of every RPC to
+        None: off, unless $PDCLUSTER_KV_FAULTS is set). `kv_options`: more keyword arguments of the
+        backend's sender (shm/auto: in_place, verify_in_place). `cluster_secret`: required of every RPC to
         this worker, and sent with every KV transfer (proto/cluster_auth.py; None: none)."""
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
         self.request_timeout_s = request_timeout_s
         self.engine = Engine(engine_cfg, "prefill")
-        extra = {"compression": kv_compression} if kv_compression != "none" else {}
+        extra = {**(kv_options or {}), **({"compression": kv_compression} if kv_compression != "none" else {})}
         sender = create_sender(kv_backend, self.engine.runner.compat_hash, timeout_s=kv_timeout_s,
                                faults=KVFaults.parse(kv_faults), **extra)
         if cluster_secret:

@@ -26,11 +26,13 @@ MAX_TOKENS = 12
 
 
 def _config(mode: str) -> ClusterConfig:
-    mode, *transfer = mode.split("+")  # e.g. "disaggregated+grpc+int8"
+    mode, *transfer = mode.split("+")  # e.g. "disaggregated+grpc+int8", "disaggregated+shm+segments"
     cfg = load_cluster_config("cluster.yaml")
     if transfer:
+        option = transfer[1] if len(transfer) > 1 else "none"
         kv = dataclasses.replace(cfg.kv_transfer, backend=transfer[0],
-                                 compression=transfer[1] if len(transfer) > 1 else "none")
+                                 compression=option if option in ("none", "int8") else "none",
+                                 shm_in_place=option != "segments")
         cfg = dataclasses.replace(cfg, kv_transfer=kv)
     router = dataclasses.replace(cfg.router, grpc_port=0, http_port=0)
     kv = dataclasses.replace(cfg.kv_cache, memory_mb=64)
@@ -57,11 +59,23 @@ def reference(builtin_path):
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "disaggregated+grpc", "disaggregated+torch_distributed",
-                                        "disaggregated+tcp", "disaggregated+grpc+int8", "colocated"])
+                                        "disaggregated+tcp", "disaggregated+grpc+int8", "disaggregated+shm+segments",
+                                        "colocated"])
 def cluster(request, builtin_path):
     handle = up(_config(request.param), say=lambda _: None)
     yield request.param.partition("+")[0], handle
     handle.stop()
+
+
+def test_the_decode_cache_is_shared_only_where_shm_writes_in_place(cluster, request):
+    """Default (auto on one node): the decode worker's KV cache lives in /dev/shm, where the prefill
+    worker writes it; kv_transfer.shm_in_place: false keeps it private (layers go through segments)."""
+    _, handle = cluster
+    decode_pids = {w["pid"] for w in handle.workers if w["role"] == "decode"}
+    shared = {int(n.split("-")[1]) for n in os.listdir("/dev/shm") if n.startswith("pdkv-") and "-cache-" in n}
+    variant = request.node.callspec.params["cluster"]
+    in_place = variant == "disaggregated"  # auto, shm_in_place: true (cluster.yaml)
+    assert (shared & decode_pids == decode_pids) if in_place else not shared & decode_pids, (variant, shared)
 
 
 def test_the_openai_api_comes_up_with_the_cluster(cluster):

@@ -80,7 +80,8 @@ def test_round_trip():
         "kv_cache": {"block_size": 32, "num_blocks": 100, "memory_mb": None},
         "engine": {"max_num_batched_tokens": 512, "max_num_seqs": 8, "enable_prefix_caching": False,
                    "num_threads": 4},
-        "kv_transfer": {"backend": "shm", "layerwise": False, "compression": "int8", "timeout_s": 2.5},
+        "kv_transfer": {"backend": "shm", "layerwise": False, "compression": "int8", "timeout_s": 2.5,
+                        "shm_in_place": False, "shm_verify": True},
         "timeouts": {"startup_s": 1, "request_s": 0.5},
         "slo": {"ttft_ms": 250, "tpot_ms": 20.5},
     })
@@ -151,6 +152,8 @@ ERRORS = [
     (_with("kv_transfer.compression", "zstd"), "kv_transfer.compression", ["none, int8"]),
     (_with("kv_transfer.compression", False), "kv_transfer.compression", ["none, int8", "quote"]),  # `off`
     (_with("kv_transfer.layerwise", "yes please"), "kv_transfer.layerwise", ["expected true or false"]),
+    (_with("kv_transfer.shm_in_place", "no"), "kv_transfer.shm_in_place", ["expected true or false"]),
+    (_with("kv_transfer.shm_verify", 1), "kv_transfer.shm_verify", ["expected true or false"]),
     (_with("kv_transfer.timeout_s", 0), "kv_transfer.timeout_s", ["out of range", "> 0"]),
     (_with("timeouts.startup_s", -5), "timeouts.startup_s", ["> 0"]),
     (_with("timeouts.request_s", "10m"), "timeouts.request_s", ["expected a number, got '10m'"]),
