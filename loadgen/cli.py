@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import shlex
 import sys
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--tokenizer", default=None,
                    help="builtin:NAME or a local checkpoint dir: prompts hit their token counts exactly")
     w.add_argument("--seed", type=int, default=0, help="prompt text, synthetic lengths and arrival times")
+    w.add_argument("--fresh-prompts", action="store_true",
+                   help="each rate gets its own prompt texts (same lengths; every system at that rate the same "
+                        "ones), so a run reuses no prefix cached by an earlier run of the sweep")
     a = p.add_argument_group("arrivals")
     r = a.add_mutually_exclusive_group()
     r.add_argument("--rate", type=float, default=None, help="requests/s (inf: all at once)")
@@ -136,6 +140,11 @@ def redact(argv: list[str]) -> list[str]:
     return out
 
 
+def prompt_salt(run: int) -> str:
+    """--fresh-prompts: the salt of the prompts of the sweep's run-th rate (the first: none)."""
+    return f"rate{run}" if run else ""
+
+
 def schedule(rates: list[float | None],
              eps: list[EndpointConfig]) -> list[tuple[float | None, EndpointConfig]]:
     """For each rate every system in turn; the order alternates from one rate to the next."""
@@ -161,8 +170,13 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     wcfg = WorkloadConfig(args.workload, args.num_requests, args.sample_seed, args.scale_lengths,
                           args.max_context, args.max_output, args.seed, args.synthetic_input,
                           args.synthetic_output)
-    workload: Workload = load_workload(wcfg, load_tokenizer(args.tokenizer), args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer)
+    workload: Workload = load_workload(wcfg, tokenizer, args.tokenizer)
     reqs = workload.requests
+    # per rate: the same requests, or (--fresh-prompts) the same lengths with texts of their own
+    requests = {rate: reqs if not args.fresh_prompts or k == 0 else load_workload(
+        dataclasses.replace(wcfg, prompt_salt=prompt_salt(k)), tokenizer, args.tokenizer).requests
+        for k, rate in enumerate(rates)}
     stamps = [r.arrival_s for r in reqs] if args.arrival == "trace" else None
     arrivals = {rate: arrival_offsets(ArrivalConfig(args.arrival, rate, args.burstiness, args.time_scale,
                                                     args.seed), len(reqs), stamps) for rate in rates}
@@ -186,7 +200,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         for rate, e in plan:
             bar.set_postfix_str(f"{e.label} @ {'trace' if rate is None else f'{rate:g}/s'}")
             result, result_counters = counted(e.url, e.api_key, lambda e=e, rate=rate: run(
-                reqs, arrivals[rate].offsets, e, e.model or "", args.time_limit_s, lambda _rec: bar.update(),
+                requests[rate], arrivals[rate].offsets, e, e.model or "", args.time_limit_s, lambda _rec: bar.update(),
                 rate, arrivals[rate].description))
             result.server_counters = result_counters  # what a pdcluster endpoint's workers counted
             left = len(reqs) - sum(1 for r in result.records if r.outcome in ("ok", "failed", "unfinished"))

@@ -110,6 +110,8 @@ class WorkloadConfig:
     seed: int = 0  # prompt text and synthetic lengths
     synthetic_input: str = "fixed:256"
     synthetic_output: str = "fixed:64"
+    # salts every prompt's text (not its length): workloads that differ only here share no prefix
+    prompt_salt: str = ""
 
 
 @dataclass
@@ -242,6 +244,8 @@ def load_workload(cfg: WorkloadConfig, tokenizer: Any | None = None,
     requests = []
     for i, (row, p, o) in enumerate(zip(rows, prompts, outputs)):
         segs = mooncake_segments(row.hash_ids or [], p, block) if block else [(f"r{i}", p)]
+        if cfg.prompt_salt:
+            segs = [(f"{cfg.prompt_salt}/{key}", n) for key, n in segs]
         prompt = builder.build(p, segs)
         requests.append(Request(i, prompt.text, p, o, row.timestamp_s if kind != "synthetic" else None,
                                 prompt.tokens, row.hash_ids))

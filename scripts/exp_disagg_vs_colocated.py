@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--time-limit-s", type=float, default=180.0, help="per run")
     p.add_argument("--out", default="bench_results/exp_disagg_vs_colocated")
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="bench serve --fresh-prompts: each rate its own prompt texts (no prefix cached by an "
+                        "earlier rate's run is reused)")
     p.add_argument("--calibrate-live", action="store_true",
                    help="before the sweep, fit each cluster's step costs under load (planner/calibrate_serving.py) "
                         "into OUT/cpu_coefficients_live.json, for scripts/exp_planner_accuracy.py --coefficients")
@@ -232,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                        "--max-context", str(args.max_context), "--max-output", str(args.max_output),
                        "--tokenizer", "builtin:tiny-llama", "--ignore-eos", "--slo-ttft-ms", str(slo.ttft_ms),
                        "--slo-tpot-ms", str(slo.tpot_ms), "--time-limit-s", str(args.time_limit_s), "--out", str(out)]
+        if args.fresh_prompts:
+            argv_serve.append("--fresh-prompts")
         print("pdcluster bench serve " + " ".join(argv_serve), flush=True)
         rc = bench_serve(argv_serve)
         if rc != 0:

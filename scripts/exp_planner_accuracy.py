@@ -62,15 +62,18 @@ def plan_for(mode: str, mnbt: int, mns: int) -> Plan:
     return Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), mnbt, mns)
 
 
-def simulate_run(run: dict, sim: Simulator, block_size: int) -> dict:
-    """One measured run through `sim` (its caches carry over from the system's earlier runs)."""
+def simulate_run(run: dict, sim: Simulator, block_size: int, fresh_prompts: bool = False) -> dict:
+    """One measured run through `sim` (its caches carry over from the system's earlier runs).
+    `fresh_prompts`: the run's prompts were its own (bench serve --fresh-prompts), not the sweep's."""
     recs = [r for r in run["records"] if r["outcome"] != "not_sent" and r.get("start_s") is not None]
     recs.sort(key=lambda r: r["start_s"])
     arrivals = [r["start_s"] for r in recs]
     prompts = [r["prompt_tokens"] or r["expected_prompt_tokens"] for r in recs]
     outputs = [r["expected_output_tokens"] for r in recs]
-    # request i's prompt is the same text in every run (bench serve replays one workload per rate)
-    keys = [[(r["index"], j) for j in range(p // block_size)] for r, p in zip(recs, prompts)]
+    # request i's prompt is the same text in every run (bench serve replays one workload per rate),
+    # unless each rate had prompts of its own
+    run_key = (run["rate"],) if fresh_prompts else ()
+    keys = [[(*run_key, r["index"], j) for j in range(p // block_size)] for r, p in zip(recs, prompts)]
     res = sim.run(arrivals, prompts, outputs, block_keys=keys)
     mode = sim.c.mode
     ok = [i for i, r in enumerate(recs) if r["outcome"] == "ok"]
@@ -290,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             if run["label"] not in sims:
                 cluster = build_cluster(plan_for(mode, args.max_num_batched_tokens, args.max_num_seqs), ctx)
                 sims[run["label"]] = Simulator(cluster, keep_caches=not args.no_prefix_cache)
-            rows.append(simulate_run(run, sims[run["label"]], ctx.block_size))
+            rows.append(simulate_run(run, sims[run["label"]], ctx.block_size,
+                                     bool(result.get("config", {}).get("fresh_prompts"))))
     rows.sort(key=lambda r: (r["mode"], r["rate"] or 0))
     sv = coeffs.get("serving") or {}
     head = [f"Measured: {', '.join(str(p) for p in args.results)}",

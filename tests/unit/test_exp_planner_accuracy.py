@@ -38,3 +38,28 @@ def test_two_measurements_are_compared_run_by_run_as_a_simulation_is(acc):
     assert r["tpot_p50"]["simulated_ms"] == pytest.approx(15.0)  # NaN left out: the median of 10 and 20 ms
     table = acc.error_table(rows, "run 1 / run 2 (difference)")
     assert "run 1 / run 2 (difference)" in table[0] and "mean absolute difference" in table[-1]
+
+
+def test_runs_with_fresh_prompts_share_no_prefix_cache_in_the_simulation(acc):
+    """bench serve --fresh-prompts gives each rate its own prompt texts: the simulated cluster, which
+    keeps its caches from run to run, then finds none of an earlier run's prefixes (without it: all)."""
+    from planner.catalog import load_catalog
+    from planner.cost_model import CPU_COEFFICIENTS, load_coefficients
+    from planner.models import from_checkpoint
+    from planner.plan import PlanContext, build_cluster
+    from planner.simulator import Simulator
+
+    coeffs = load_coefficients(CPU_COEFFICIENTS)
+    ctx = PlanContext(from_checkpoint(coeffs["model"]), load_catalog(), coefficients=coeffs)
+
+    def run(rate: float) -> dict:
+        recs = [{"index": i, "outcome": "ok", "start_s": i * 0.5, "prompt_tokens": 100, "expected_prompt_tokens": 100,
+                 "expected_output_tokens": 4, "ttft_s": 0.1, "tpot_s": 0.01} for i in range(4)]
+        return {"label": "colocated", "rate": rate, "records": recs, "summary": {}}
+
+    for fresh in (False, True):
+        sim = Simulator(build_cluster(acc.plan_for("colocated", 2048, 256), ctx), keep_caches=True)
+        first = acc.simulate_run(run(2.0), sim, ctx.block_size, fresh)
+        second = acc.simulate_run(run(4.0), sim, ctx.block_size, fresh)
+        assert first["server"]["simulated"]["prefix_hit_tokens"] == 0
+        assert (second["server"]["simulated"]["prefix_hit_tokens"] == 0) == fresh

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from loadgen import cli as loadgen_cli
 from loadgen.arrivals import ArrivalConfig, arrival_offsets, gamma_offsets, poisson_offsets
 from loadgen.cli import redact, schedule
 from loadgen.client import EndpointConfig, RequestRecord, StreamState
@@ -20,13 +21,13 @@ from loadgen.scaling import choose_factor, scale_lengths
 from loadgen.sse import SSEDecoder, parse_chunk
 from loadgen.workload import (
     NAMED,
-    workloads_dir,
     LengthDist,
     WorkloadConfig,
     load_workload,
     mooncake_segments,
     read_azure,
     read_mooncake,
+    workloads_dir,
 )
 
 
@@ -126,6 +127,23 @@ def test_mooncake_hash_ids_become_shared_prompt_prefixes(tmp_path):
     assert p[0][64:70] != p[1][64:70]  # 3 vs 4
     assert p[0][:32] != p[2][:32] and p[0][32:64] == p[2][32:64]  # block 2 is the same text wherever it is
     assert p[3] == p[0][:64]  # a prompt that is exactly two blocks
+
+
+def test_a_prompt_salt_changes_the_texts_not_the_lengths_nor_what_they_share(tmp_path):
+    """bench serve --fresh-prompts: each rate's prompts are salted; within a salt the shared prefixes
+    stay shared, across salts nothing is (no prefix cached by an earlier run is reused)."""
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps({"timestamp": 0, "input_length": 1500, "output_length": 4, "hash_ids": ids}) + "\n"
+                         for ids in ([1, 2, 3], [1, 2, 4])))
+    plain, salted, other = (load_workload(WorkloadConfig(str(f), 2, scale_lengths=1 / 16, prompt_salt=s))
+                            for s in ("", "rate1", "rate2"))
+    for w in (salted, other):
+        assert [len(r.prompt.split()) for r in w.requests] == [len(r.prompt.split()) for r in plain.requests]
+        a, b = (r.prompt.split() for r in w.requests)
+        assert a[:64] == b[:64] and a[64:70] != b[64:70]  # ids 1, 2 still shared within the run
+    for x, y in itertools.combinations((plain, salted, other), 2):
+        assert all(p.prompt.split()[:8] != q.prompt.split()[:8] for p, q in zip(x.requests, y.requests))
+    assert loadgen_cli.prompt_salt(0) == "" and loadgen_cli.prompt_salt(1) != loadgen_cli.prompt_salt(2)
 
 
 def test_real_mooncake_prefixes_are_shared_token_for_token(builtin_path):
