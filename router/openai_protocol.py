@@ -262,6 +262,8 @@ _GRPC_STATUS: dict[str, tuple[int, str, str | None]] = {
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error", "resource_exhausted"),
     "UNAVAILABLE": (503, "server_error", "unavailable"),
     "DEADLINE_EXCEEDED": (504, "server_error", "timeout"),
+    # aborted on purpose (the router's Abort, by its id): not a server fault; 499 as for a client that left
+    "CANCELLED": (499, "invalid_request_error", "request_cancelled"),
 }
 _SAMPLING_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
                    "logprobs")

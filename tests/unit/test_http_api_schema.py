@@ -149,6 +149,7 @@ def test_chat_refusals_name_the_field(body, param):
     ("RESOURCE_EXHAUSTED", "no KV capacity before the request deadline", 429, None),
     ("UNAVAILABLE", "no healthy decode worker", 503, None),
     ("DEADLINE_EXCEEDED", "Deadline Exceeded", 504, None),
+    ("CANCELLED", "request abc was aborted", 499, None),
     ("INTERNAL", "boom", 500, None),
 ])
 def test_grpc_status_to_http(code, details, status, param):
