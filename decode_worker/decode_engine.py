@@ -163,14 +163,17 @@ class DecodeEngine:
         return bool(self._committed) or self.engine.has_work()
 
     def step(self) -> list[Sequence]:
-        """Admit committed sequences, run one step; returns the sequences that got a token."""
+        """Admit committed sequences while the batch has room (engine max_num_seqs; preempted
+        sequences waiting to be recomputed count against it, and go first), run one step; returns
+        the sequences that got a token. A sequence beyond the cap keeps its blocks and waits."""
         with self._lock:
-            while self._committed:
+            sched = self.engine.scheduler
+            while self._committed and len(sched.running) + len(sched.waiting) < sched.max_num_seqs:
                 seq = self._committed.popleft()
                 if seq.finish_reason is not None:  # cannot happen via the prefill path; be safe
                     self.engine.block_manager.free(seq)
                     continue
-                self.engine.scheduler.add_running(seq)
+                sched.add_running(seq)
             return self.engine.step()
 
     def close(self) -> None:

@@ -332,9 +332,15 @@ class Simulator:
 
         # ------------------------------------------------------------------ steps
         def start_step(w: _Worker, now: float) -> None:
-            for s in w.committed:  # decode: sequences whose KV arrived join the batch
+            # decode: sequences whose KV arrived join the batch while it has room (max_num_seqs,
+            # preempted ones waiting to be recomputed counted; DecodeEngine.step); the rest wait
+            joined = 0
+            for s in w.committed:
+                if w.n_running + len(w.waiting) >= w.max_seqs:
+                    break
                 join(w, s)
-            w.committed.clear()
+                joined += 1
+            del w.committed[:joined]
             dt = schedule_prefill(w)
             if dt is None:
                 dt = schedule_decode(w, now)

@@ -111,3 +111,31 @@ def test_commit_with_a_token_outside_the_vocabulary_is_refused_and_frees_blocks(
     with pytest.raises(KVTransferError, match="outside"):
         sender.commit(ticket, 10**6, None)
     assert decode.engine.block_manager.num_used_blocks == 0 and not decode.has_work()
+
+
+def test_committed_sequences_beyond_max_num_seqs_wait_for_room(checkpoint):
+    """The decode batch never exceeds engine.max_num_seqs: a committed sequence beyond it keeps its
+    blocks and joins when a running one finishes, and still generates all its tokens."""
+    cfg = EngineConfig(model=str(checkpoint("llama-gqa")), num_blocks=32, max_model_len=256, max_num_seqs=2,
+                       max_num_batched_tokens=64)
+    decode = DecodeEngine(Engine(cfg, "decode"))
+    try:
+        sender = create_sender("inproc", decode.compat_hash)
+        lengths = {"r0": 2, "r1": 6, "r2": 3}
+        for rid, n in lengths.items():
+            ticket = decode.reserve(rid, list(range(3, 20)), dataclasses.replace(PARAMS, max_tokens=n, ignore_eos=True))
+            for layer in range(decode.num_layers):
+                sender.send_layer(ticket, layer, _layer(decode, ticket))
+            sender.commit(ticket, 7, None)
+        got: dict[str, int] = {}
+        batches = []
+        while decode.has_work():
+            seqs = decode.step()
+            batches.append(len(decode.engine.scheduler.running) + sum(s.finish_reason is not None for s in seqs))
+            for s in seqs:
+                got[s.request_id] = len(s.output_token_ids)
+        assert max(batches) == 2 and batches[0] == 2
+        assert got == lengths  # every sequence ran to its length, r2 after r0 made room
+        assert decode.engine.block_manager.num_used_blocks == 0
+    finally:
+        decode.close()

@@ -93,6 +93,18 @@ def test_kv_capacity_limits_decode_concurrency():
     assert max(small.ttft) > max(big.ttft)  # the rest waited for blocks
 
 
+def test_max_num_seqs_caps_the_decode_batch_and_the_rest_wait():
+    """As DecodeEngine.step: committed sequences beyond max_num_seqs keep their blocks and join as
+    running ones finish."""
+    n = 12
+    worker = WorkerSpec(_cost(), max_num_batched_tokens=2048, max_num_seqs=3, block_size=16, link_gbps=2.0)
+    capped = Simulator(ClusterSpec("disaggregated", [worker], [worker])).run([0.0] * n, [64] * n, [30] * n)
+    free = Simulator(_cluster("disaggregated")).run([0.0] * n, [64] * n, [30] * n)
+    assert capped.finished == free.finished == n
+    assert capped.max_decode_batch == 3 and free.max_decode_batch > 3
+    assert max(capped.e2e) > max(free.e2e)
+
+
 def test_an_overfull_colocated_worker_preempts_and_recomputes_yet_finishes_everything():
     n = 40
     res = Simulator(_cluster("colocated", capacity=60 * 16)).run([0.0] * n, [100] * n, [400] * n)
