@@ -72,8 +72,9 @@ class WorkerPool:
             return [w for w in self._workers.values() if role is None or w.role == role]
 
     def pick(self, role: str, exclude: set[str] = frozenset()) -> WorkerHandle | None:
-        """Least-loaded healthy worker: prefill by queued prompt tokens, decode by free KV blocks
-        (then by requests in flight)."""
+        """Least-loaded healthy worker: prefill by queued prompt tokens (then requests in flight);
+        decode and colocated by requests in flight, then the most free KV blocks (as of the last
+        Stats poll); a tie left after that goes to the first worker listed."""
         with self._lock:
             candidates = [w for w in self._workers.values() if w.role == role and w.healthy and w.worker_id not in exclude]
             if not candidates:
