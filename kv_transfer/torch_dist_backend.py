@@ -31,7 +31,10 @@ handshakes again and gets a new pair (the receiver drops older pairs of that sen
 Transfers still in flight on the dropped pair fail. `close()` on either side shuts its groups
 down (and the receiver's store).
 
-Gloo between CPU caches is what is tested. "nccl" (both caches on CUDA) builds a
+Building a pair ends with one element sent from the sender to the receiver (`_first_exchange`):
+groups connect lazily, so a pair that cannot work (NCCL refuses two ranks on one GPU) fails while
+the handshake builds it -- `auto` then falls back to shm on that node -- not at a request's first
+layer. Gloo between CPU caches is what is tested. "nccl" (both caches on CUDA) builds a
 `ProcessGroupNCCL` and keeps the tensors on the GPU, but NCCL ignores tags and matches
 point-to-point operations in order, so it is only safe with one transfer in flight per pair; it
 is untested here. Inline payloads (a grpc sender) are accepted by the receiver too.
@@ -106,6 +109,23 @@ def _make_group(backend: str, store: Any, rank: int, hostname: str, timeout_s: f
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, opts)
     raise KVTransferError(f"unknown torch.distributed backend {backend!r} (expected one of {DIST_BACKENDS})")
+
+
+FIRST_TAG = 1 << 30  # the pair's first exchange (layers count their tags up from 0)
+
+
+def _first_exchange(pg: Any, rank: int, device: torch.device, timeout_s: float) -> None:
+    """One element from the sender (rank 1) to the receiver (rank 0), before any layer: NCCL and gloo
+    set a group up lazily, at its first operation, so a pair that cannot work (e.g. two processes on
+    one GPU: NCCL refuses a duplicate device) fails here, while the pair is being built, and not at
+    a request's first layer. Raises on failure or after `timeout_s`."""
+    t = torch.ones(1, device=device) if rank == 1 else torch.zeros(1, device=device)
+    work = pg.send([t], 0, FIRST_TAG) if rank == 1 else pg.recv([t], 1, FIRST_TAG)
+    work.wait(datetime.timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if rank == 0 and t.item() != 1.0:
+        raise RuntimeError(f"the first exchange carried {t.item()}, not 1.0")
 
 
 def _shutdown(pg: Any) -> None:
@@ -234,6 +254,7 @@ class TorchDistSender(GrpcSender):
                     f"torch_distributed: cannot reach the KV receiver's store at {response.dist_store} "
                     f"(for {endpoint}) from here within {self.timeout_s:g}s: {e}"
                 ) from None
+            pg = None
             try:
                 pg = _make_group(
                     self.dist_backend,
@@ -242,7 +263,10 @@ class TorchDistSender(GrpcSender):
                     _local_address_towards(host, port),
                     self.timeout_s,
                 )
+                _first_exchange(pg, 1, self.device, self.timeout_s)
             except Exception as e:
+                if pg is not None:
+                    _shutdown(pg)
                 del store
                 raise KVTransferError(
                     f"torch_distributed: cannot build the {self.dist_backend} group {key} with the KV "
@@ -474,11 +498,15 @@ class TorchDistReceiver(GrpcReceiver):
         return {**fields, "dist_store": self.store_address, "dist_pair": key, "dist_backend": self.dist_backend}
 
     def _build(self, pair: _RecvPair, store: Any) -> None:
+        pg = None
         try:
             pg = _make_group(
                 self.dist_backend, torch.distributed.PrefixStore(pair.key, store), 0, self.store_host, self.timeout_s
             )
+            _first_exchange(pg, 0, pair.device, self.timeout_s)
         except Exception as e:
+            if pg is not None:
+                _shutdown(pg)
             pair.error = f"torch_distributed group {pair.key} was not built: {e}"
         else:
             with self._pairs_lock:
