@@ -12,9 +12,13 @@ more so the more tokens per second flow. This probe measures that directly on a 
     (engine/step_stats.py) is one sample per phase:
 
         decode   mean step = a + b * mean sum(context) + c * mean batch
-        prefill  mean step = r x the engine's fit (`calibrate`) at mean tokens, mean tokens x P
-                 (prompts of P tokens from scratch: sum n(p + n) = n P); a few prompt lengths
-                 cannot pin three coefficients, so only the ratio r is fitted (sum over sum)
+        prefill  mean step = (r + s x T) x E + o, E = the engine's fit (`calibrate`) at mean tokens,
+                 mean tokens x P (prompts of P tokens from scratch: sum n(p + n) = n P), T = the
+                 decode tokens per second of the same window; a few prompt lengths cannot pin three
+                 new coefficients, so the engine's shape is kept: a scale r, a fixed cost o per
+                 step, and a slope s per streamed token/s (the serving path's CPU per token takes
+                 from the prefill worker's core: 1.2-1.8x the engine with one stream, 1.6-3.6x with
+                 32 on this machine, disaggregated)
 
 and fits the decode one as `calibrate` does (least squares on relative error, coefficients >= 0).
 With one stream nothing queues, so the client's TTFT p50 at each prompt length (`idle_ttft_s`) is
@@ -127,26 +131,7 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
                 say(f"prompt {p:5d} x {b:3d} streams: decode {dec['step_seconds'] / dec['steps'] * 1e3:6.2f} ms/step "
                     f"at batch {dec['step_seqs'] / dec['steps']:5.1f}; client TPOT p50 "
                     f"{(tpot or float('nan')) * 1e3:6.2f} ms")
-    decode = [s for s in samples if s["role"] == decode_role and s["phase"] == "decode"]
-    if len(decode) < 3:
-        raise RuntimeError(f"too few decode samples from {url} ({len(decode)}): is the cluster serving?")
-    dc, derr = fit([[1.0, s["step_context_tokens"] / s["steps"], s["step_seqs"] / s["steps"]] for s in decode],
-                   [s["step_seconds"] / s["steps"] for s in decode])
-    out: dict[str, Any] = {
-        "url": url, "decode_role": decode_role,
-        "decode": {"a": dc[0], "b": dc[1], "c": dc[2], **derr, "formula": "a + b * sum_context + c * batch"},
-    }
-    prefill_role = "prefill" if decode_role == "decode" else decode_role
-    prefill = [s for s in samples if s["role"] == prefill_role and s["phase"] == "prefill"]
-    if prefill and engine_prefill is not None:
-        # a few prompt lengths cannot pin three coefficients: scale the engine's own fit instead
-        a, b, c = (engine_prefill[k] for k in "abc")
-        predicted = sum(a * s["steps"] + b * s["step_tokens"] + c * s["step_tokens"] * s["prompt"] for s in prefill)
-        r = sum(s["step_seconds"] for s in prefill) / predicted
-        err = [abs(r * (a + (b + c * s["prompt"]) * s["step_tokens"] / s["steps"]) - s["step_seconds"] / s["steps"])
-               / (s["step_seconds"] / s["steps"]) * 100 for s in prefill]
-        out["prefill"] = {"a": r * a, "b": r * b, "c": r * c, "scale": r, "mean_abs_pct_error": sum(err) / len(err),
-                          "max_abs_pct_error": max(err), "formula": "scale x the engine's prefill fit"}
+    out: dict[str, Any] = {"url": url, **fit_live(samples, decode_role, engine_prefill)}
     if idle_ttft:  # the serving path's fixed share of TTFT, which the planner takes the modelled parts from
         out["idle_ttft_s"] = {str(p): t for p, t in sorted(idle_ttft.items())}
     out.update({
@@ -158,6 +143,39 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
                   "(mean step time, batch, context, tokens); fitted on relative error, coefficients >= 0",
         "samples": samples,
     })
+    return out
+
+
+def fit_live(samples: list[dict[str, Any]], decode_role: str = "decode",
+             engine_prefill: dict[str, float] | None = None) -> dict[str, Any]:
+    """The step-cost fits of `probe_live`'s samples (see the module docstring): "decode", and
+    "prefill" where there are prefill samples and the engine's own prefill fit to scale."""
+    decode = [s for s in samples if s["role"] == decode_role and s["phase"] == "decode"]
+    if len(decode) < 3:
+        raise RuntimeError(f"too few decode samples ({len(decode)}): is the cluster serving?")
+    dc, derr = fit([[1.0, s["step_context_tokens"] / s["steps"], s["step_seqs"] / s["steps"]] for s in decode],
+                   [s["step_seconds"] / s["steps"] for s in decode])
+    out: dict[str, Any] = {
+        "decode_role": decode_role,
+        "decode": {"a": dc[0], "b": dc[1], "c": dc[2], **derr, "formula": "a + b * sum_context + c * batch"},
+    }
+    prefill_role = "prefill" if decode_role == "decode" else decode_role
+    prefill = [s for s in samples if s["role"] == prefill_role and s["phase"] == "prefill"]
+    if prefill and engine_prefill is not None:
+        # a few prompt lengths cannot pin three coefficients: the engine's own fit, scaled, plus a
+        # fixed cost per step, the scale growing with the decode tokens streamed per second meanwhile
+        # (the serving path's CPU per token shares the prefill worker's core)
+        a, b, c = (engine_prefill[k] for k in "abc")
+        rate = {(s["prompt"], s["concurrency"]): s["step_tokens"] / s["window_s"] for s in decode}
+        engine = [a + (b + c * s["prompt"]) * s["step_tokens"] / s["steps"] for s in prefill]
+        tps = [rate.get((s["prompt"], s["concurrency"]), 0.0) for s in prefill]
+        (r0, r1, o), perr = fit([[e, e * t, 1.0] for e, t in zip(engine, tps)],
+                                [s["step_seconds"] / s["steps"] for s in prefill])
+        r0 = max(r0, 1e-9)
+        out["prefill"] = {"a": r0 * a + o, "b": r0 * b, "c": r0 * c, "scale": r0, "load_slope": r1 / r0,
+                          "overhead_s": o, **perr,
+                          "formula": "(scale x the engine's prefill fit + overhead_s) x (1 + load_slope x "
+                                     "decode tokens/s)"}
     return out
 
 

@@ -325,7 +325,8 @@ def _calibrate_live(args: argparse.Namespace) -> int:
           f"(fit error mean {d['mean_abs_pct_error']:.1f}%, max {d['max_abs_pct_error']:.1f}%)")
     if "prefill" in live:
         q = live["prefill"]
-        print(f"prefill  {q['a'] * 1e3:.3f} ms + {q['b'] * 1e6:.3f} us * sum_new + {q['c'] * 1e9:.4f} ns * sum_attn "
+        print(f"prefill  ({q['a'] * 1e3:.3f} ms + {q['b'] * 1e6:.3f} us * sum_new + {q['c'] * 1e9:.4f} ns * sum_attn) "
+              f"x (1 + {q.get('load_slope', 0.0) * 1e3:.3f}e-3 * decode tokens/s) "
               f"(fit error mean {q['mean_abs_pct_error']:.1f}%, max {q['max_abs_pct_error']:.1f}%)")
     out.write_text(json.dumps(coeffs, indent=1) + "\n")
     print(f"wrote `live` into {out}")

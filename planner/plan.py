@@ -141,8 +141,12 @@ class PlanContext:
 
 def worker_spec(plan: Plan, pool: Pool, ctx: PlanContext, role: str = "decode") -> WorkerSpec:
     """`role`: prefill, decode or colocated (which calibrated step costs a cpu worker gets)."""
+    slope = 0.0
+    if role != "decode" and ctx.hardware(pool.hardware).is_cpu:
+        live = live_for(ctx.coefficients or {}, "colocated" if role == "colocated" else "decode") or {}
+        slope = (live.get("prefill") or {}).get("load_slope", 0.0)
     return WorkerSpec(ctx.cost(pool, role), plan.max_num_batched_tokens, plan.max_num_seqs, ctx.block_size,
-                      ctx.link_gbps(pool), pool.hardware)
+                      ctx.link_gbps(pool), pool.hardware, prefill_load_slope=slope)
 
 
 def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
@@ -154,9 +158,9 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
     serving = ((ctx.coefficients or {}).get("serving") or {}) if cpu else {}
     # the serving path's CPU per token, less the part the decode worker spends on its own core
     # (decode_token_s, in its steps: cost_model.fitted_from); the rest (router, HTTP API, client)
-    # floats over the host's cores. Kept with live step costs too: they were measured in closed
-    # loop, where the serving path asks less of the cores per step than under a trace's arrivals
-    # (the workers' own counters during the accuracy runs show steps slower than the live fit alone)
+    # floats over the host's cores. Kept for decode steps with live step costs too: they were
+    # measured in closed loop, where the serving path asks less of the cores per step than under a
+    # trace's arrivals. A live prefill step has its own fitted share instead (prefill_load_slope).
     host_cpu = max(0.0, serving.get("cpu_per_token_s", 0.0) - serving.get("decode_token_s", 0.0))
     return ClusterSpec(plan.mode, prefill, decode, o.kv_latency_s, layerwise=not cpu, num_layers=ctx.model.num_layers,
                        router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,

@@ -33,7 +33,9 @@ batch / 2 (the expected partial blocks; the engine's exact count differs by at m
 
 Shared host (`host_cores`, for workers that are cores of one machine): each step is stretched by
 max(1, (busy engine threads + serving-path CPU demand) / cores), the demand being the CPU per
-streamed token times the tokens per second the decode workers produce at that moment.
+streamed token times the tokens per second the decode workers produce at that moment. A prefill
+step of a worker with a fitted `prefill_load_slope` (live calibration) is stretched by
+(1 + slope x those tokens per second) x max(1, busy engine threads / cores) instead.
 
 Prefix cache (with `block_keys`: per request, a key per full prompt block that stands for the
 whole prefix up to it, as the engine's chained hash): a prefill or colocated worker computes only
@@ -67,6 +69,10 @@ class WorkerSpec:
     block_size: int = 16
     link_gbps: float = 1.0  # this worker's KV transfer link (NIC or memory path), GB/s
     name: str = ""
+    # a live-calibrated prefill step is this much longer per decode token/s the cluster streams
+    # meanwhile (the serving path's CPU per streamed token lands on the prefill worker's core;
+    # planner.calibrate_serving fits it); 0: the host's processor-sharing model instead
+    prefill_load_slope: float = 0.0
 
 
 @dataclass
@@ -347,7 +353,10 @@ class Simulator:
             if dt is None:
                 w.busy = False
                 return
-            if c.host_cores:
+            if w.batch is not None and w.spec.prefill_load_slope:
+                dt *= (1.0 + w.spec.prefill_load_slope * decode_tokens_per_s()) * (
+                    max(1.0, busy_threads(w) / c.host_cores) if c.host_cores else 1.0)
+            elif c.host_cores:
                 dt *= host_slowdown(w)
             w.busy = w.locked = True
             w.step_start = now
@@ -359,9 +368,15 @@ class Simulator:
         def host_slowdown(w: _Worker) -> float:
             """Processor sharing on the host: busy engine threads plus the serving path's demand
             (CPU per token x tokens streamed per second now) over the host's cores."""
-            busy = 1 + sum(1 for x in workers if x.busy and x is not w)
-            tokens_per_s = sum(len(x.running) / x.step_dt for x in decode if x.running and x.step_dt > 0)
-            return max(1.0, (busy + c.host_cpu_per_token_s * tokens_per_s) / c.host_cores)
+            return max(1.0, (busy_threads(w) + c.host_cpu_per_token_s * decode_tokens_per_s()) / c.host_cores)
+
+        def busy_threads(w: _Worker) -> int:
+            """Engine threads running a step once `w` starts its own."""
+            return 1 + sum(1 for x in workers if x.busy and x is not w)
+
+        def decode_tokens_per_s() -> float:
+            """Tokens per second the decode (or colocated) workers stream at this moment."""
+            return sum(len(x.running) / x.step_dt for x in decode if x.running and x.step_dt > 0)
 
         def schedule_prefill(w: _Worker) -> float | None:
             budget = w.budget

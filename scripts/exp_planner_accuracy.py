@@ -27,6 +27,11 @@ highest rate meeting the SLO (>= 90% attainment), measured against simulated.
 
 compares two measurements of the same experiment the same way (no simulation): how far the
 measurement itself moves from one run to the next, the floor under any simulator's error.
+
+    python scripts/exp_planner_accuracy.py RUN1/result.json RUN2/result.json RUN3/result.json --median
+
+takes several measurements of one experiment (same requests and arrival times): the simulation is
+compared with their median per run and percentile, and each measurement with that median.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -180,6 +186,42 @@ def repeatability(first: dict, second: dict) -> list[dict]:
     return sorted(rows, key=lambda r: (r["label"], r["rate"]))
 
 
+def _median_of(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def median_rows(per_file: list[list[dict]]) -> tuple[list[dict], list[dict]]:
+    """Several measurements of one experiment, each with its simulation (rows of `simulate_run`):
+    rows whose measured cells are the median over the measurements of each (system, rate) run
+    measured in all of them, simulated cells the median of their simulations; and rows comparing
+    each measurement with that median (how far one run strays from it: the spread)."""
+    groups: dict[tuple, list[dict]] = {}
+    for rows in per_file:
+        for r in rows:
+            groups.setdefault((r["label"], r["rate"]), []).append(r)
+    merged, spread = [], []
+    for (label, rate), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        if len(group) < len(per_file):
+            continue
+        row = {"label": label, "rate": rate, "mode": group[0]["mode"], "sent": group[0]["sent"],
+               "completed": int(_median_of([g["completed"] for g in group])),
+               "server": {"measured": None, "simulated": group[0]["server"]["simulated"]}}
+        for _, key, q in METRICS:
+            cells = [g[f"{key}_p{q}"] for g in group]
+            row[f"{key}_p{q}"] = _cell(_median_of([c["measured_ms"] for c in cells]),
+                                       _median_of([c["simulated_ms"] for c in cells]))
+        for k in ("attainment_measured", "attainment_simulated"):
+            if all(k in g for g in group):
+                row[k] = _median_of([g[k] for g in group])
+        merged.append(row)
+        for g in group:
+            spread.append({**{k: g[k] for k in ("label", "rate", "completed", "sent")},
+                           **{f"{key}_p{q}": _cell(row[f"{key}_p{q}"]["measured_ms"], g[f"{key}_p{q}"]["measured_ms"])
+                              for _, key, q in METRICS}})
+    return merged, spread
+
+
 def error_table(rows: list[dict], compared: str = "measured / simulated (error)") -> list[str]:
     head = "| system | rate (req/s) | completed | " + " | ".join(
         f"{n} p{q} ms {compared}" for n, _, q in METRICS) + " |"
@@ -265,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not carry prefix caches from one run to the next (each run starts cold)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--median", action="store_true",
+                    help="the results are repeated measurements of one experiment: compare the simulation "
+                         "with their median per run (and print how far each measurement is from it)")
     ap.add_argument("--repeat", type=Path, default=None, metavar="RESULT2.json",
                     help="no simulation: compare the (first) result with a second measurement of the same "
                          "experiment, run by run, as the simulation is compared (the measurement's own spread)")
@@ -283,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_worker_streaming and coeffs.get("serving"):  # a sensitivity check: all serving CPU on the host
         coeffs["serving"]["decode_token_s"] = 0.0
     ctx = PlanContext(from_checkpoint(coeffs["model"]), load_catalog(), coefficients=coeffs)
-    rows = []
+    per_file = []
     for path in args.results:
+        rows: list[dict] = []
+        per_file.append(rows)
         result = json.loads(path.read_text())
         runs = [r for r in result["runs"] if isinstance(r["rate"], (int, float))]
         sims: dict[str, Simulator] = {}  # one cluster per label, prefix caches kept from run to run
@@ -295,9 +342,17 @@ def main(argv: list[str] | None = None) -> int:
                 sims[run["label"]] = Simulator(cluster, keep_caches=not args.no_prefix_cache)
             rows.append(simulate_run(run, sims[run["label"]], ctx.block_size,
                                      bool(result.get("config", {}).get("fresh_prompts"))))
+    spread_lines: list[str] = []
+    if args.median and len(per_file) > 1:
+        rows, spread = median_rows(per_file)
+        spread_lines = ["", f"Each of the {len(per_file)} measurements against their median (the measurement's "
+                        "own spread):", "", *error_table(spread, "median / this run (difference)")]
+    else:
+        rows = [r for rs in per_file for r in rs]
     rows.sort(key=lambda r: (r["mode"], r["rate"] or 0))
     sv = coeffs.get("serving") or {}
-    head = [f"Measured: {', '.join(str(p) for p in args.results)}",
+    head = [f"Measured: {', '.join(str(p) for p in args.results)}"
+            + (" (median per run; the simulation's median likewise)" if spread_lines else ""),
             (f"Simulated with {args.coefficients.name} (calibrated {coeffs.get('date')}, {coeffs['model']}; "
             f"prefill {coeffs['prefill']['a'] * 1e3:.2f} ms + {coeffs['prefill']['b'] * 1e6:.1f} us/token + "
             f"{coeffs['prefill']['c'] * 1e9:.1f} ns/pair; decode {coeffs['decode']['a'] * 1e3:.2f} ms + "
@@ -312,11 +367,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"(measured under load {live.get('date')}; these replace the above for its workers' steps; "
                         f"the serving path's CPU still floats over the host): decode {d['a'] * 1e3:.2f} ms + {d['b'] * 1e6:.2f} "
                         f"us/context token + {d['c'] * 1e3:.2f} ms/sequence (fit error mean "
-                        f"{d['mean_abs_pct_error']:.1f}%)" + (f"; prefill {q['scale']:.2f}x the engine fit" if q else ""))
+                        f"{d['mean_abs_pct_error']:.1f}%)" + (
+                            f"; prefill {q['scale']:.2f}x the engine fit + {q.get('overhead_s', 0.0) * 1e3:.1f} ms, "
+                            f"x (1 + {q.get('load_slope', 0.0) * 1e3:.2f}e-3 x decode tokens/s) (fit error mean "
+                            f"{q.get('mean_abs_pct_error', float('nan')):.1f}%)" if q else ""))
     table = error_table(rows)
     rank_lines, summary = ranking(rows)
     server = server_table(rows)
-    text = "\n".join([*head, *table, "", *rank_lines, *([""] + server if server else [])]) + "\n"
+    text = "\n".join([*head, *table, *spread_lines, "", *rank_lines, *([""] + server if server else [])]) + "\n"
     print(text)
     if args.markdown:
         args.markdown.write_text(text)

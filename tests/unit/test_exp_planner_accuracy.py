@@ -63,3 +63,20 @@ def test_runs_with_fresh_prompts_share_no_prefix_cache_in_the_simulation(acc):
         second = acc.simulate_run(run(4.0), sim, ctx.block_size, fresh)
         assert first["server"]["simulated"]["prefix_hit_tokens"] == 0
         assert (second["server"]["simulated"]["prefix_hit_tokens"] == 0) == fresh
+
+
+def test_the_median_of_repeated_measurements_is_what_the_simulation_is_compared_with(acc):
+    def row(ttft_p50: float, sim: float, label: str = "colocated", rate: float = 2.0) -> dict:
+        cell = acc._cell(ttft_p50, sim)
+        return {"label": label, "rate": rate, "mode": "colocated", "sent": 10, "completed": 10,
+                "server": {"measured": None, "simulated": {}}, "attainment_measured": ttft_p50 / 1000,
+                "attainment_simulated": 0.5, **{f"{k}_p{q}": dict(cell) for _, k, q in acc.METRICS}}
+
+    files = [[row(100.0, 90.0), row(5.0, 5.0, rate=4.0)], [row(120.0, 92.0)], [row(80.0, 91.0)]]
+    merged, spread = acc.median_rows(files)
+    assert len(merged) == 1  # the 4 req/s run was measured once only
+    m = merged[0]
+    assert m["ttft_p50"] == {"measured_ms": 100.0, "simulated_ms": 91.0, "error_pct": pytest.approx(-9.0)}
+    assert m["attainment_measured"] == pytest.approx(0.1)
+    assert sorted(r["ttft_p90"]["error_pct"] for r in spread) == [pytest.approx(-20.0), 0.0, pytest.approx(20.0)]
+    assert "mean absolute difference 13.3%" in acc.error_table(spread, "median / this run (difference)")[-1]

@@ -105,6 +105,24 @@ def test_max_num_seqs_caps_the_decode_batch_and_the_rest_wait():
     assert max(capped.e2e) > max(free.e2e)
 
 
+def test_a_live_prefill_slope_stretches_prefill_steps_by_the_tokens_streamed_meanwhile():
+    """WorkerSpec.prefill_load_slope (live calibration): a prefill step takes (1 + slope x decode
+    tokens/s at its start) times its cost; with nothing decoding it costs just the model's."""
+    c = _cost()
+    slow = WorkerSpec(c, max_num_batched_tokens=2048, max_num_seqs=256, block_size=16, link_gbps=2.0,
+                      prefill_load_slope=0.01)
+    plain = WorkerSpec(c, max_num_batched_tokens=2048, max_num_seqs=256, block_size=16, link_gbps=2.0)
+    alone = Simulator(ClusterSpec("disaggregated", [slow], [plain], host_cores=2)).run([0.0], [300], [5])
+    assert alone.ttft[0] == pytest.approx(Simulator(_cluster("disaggregated")).run([0.0], [300], [5]).ttft[0])
+    # a second prompt arrives while the first one decodes: its prefill step is stretched
+    arrivals, prompts, outputs = [0.0, 0.5], [300, 300], [200, 5]
+    base = Simulator(ClusterSpec("disaggregated", [plain], [plain], host_cores=2)).run(arrivals, prompts, outputs)
+    res = Simulator(ClusterSpec("disaggregated", [slow], [plain], host_cores=2)).run(arrivals, prompts, outputs)
+    tps = 1 / c.decode_time(1, 301 + 90)  # one sequence decoding, about 90 steps in
+    step = c.prefill_time(300, 300 * 300)
+    assert res.ttft[1] - base.ttft[1] == pytest.approx(step * 0.01 * tps, rel=0.05)
+
+
 def test_an_overfull_colocated_worker_preempts_and_recomputes_yet_finishes_everything():
     n = 40
     res = Simulator(_cluster("colocated", capacity=60 * 16)).run([0.0] * n, [100] * n, [400] * n)
