@@ -31,7 +31,8 @@ measurement itself moves from one run to the next, the floor under any simulator
     python scripts/exp_planner_accuracy.py RUN1/result.json RUN2/result.json RUN3/result.json --median
 
 takes several measurements of one experiment (same requests and arrival times): the simulation is
-compared with their median per run and percentile, and each measurement with that median.
+compared with their median per run and percentile, and each measurement with the median of the
+others (the spread a simulation cannot be expected to beat).
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def median_rows(per_file: list[list[dict]]) -> tuple[list[dict], list[dict]]:
     """Several measurements of one experiment, each with its simulation (rows of `simulate_run`):
     rows whose measured cells are the median over the measurements of each (system, rate) run
     measured in all of them, simulated cells the median of their simulations; and rows comparing
-    each measurement with that median (how far one run strays from it: the spread)."""
+    each measurement with the median of the others (how far a run strays: the spread)."""
     groups: dict[tuple, list[dict]] = {}
     for rows in per_file:
         for r in rows:
@@ -215,10 +216,11 @@ def median_rows(per_file: list[list[dict]]) -> tuple[list[dict], list[dict]]:
             if all(k in g for g in group):
                 row[k] = _median_of([g[k] for g in group])
         merged.append(row)
-        for g in group:
+        for i, g in enumerate(group):  # against the median of the others (with itself in, it is often the median)
+            others = group[:i] + group[i + 1:]
             spread.append({**{k: g[k] for k in ("label", "rate", "completed", "sent")},
-                           **{f"{key}_p{q}": _cell(row[f"{key}_p{q}"]["measured_ms"], g[f"{key}_p{q}"]["measured_ms"])
-                              for _, key, q in METRICS}})
+                           **{f"{key}_p{q}": _cell(_median_of([o[f"{key}_p{q}"]["measured_ms"] for o in others]),
+                                                   g[f"{key}_p{q}"]["measured_ms"]) for _, key, q in METRICS}})
     return merged, spread
 
 
@@ -345,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     spread_lines: list[str] = []
     if args.median and len(per_file) > 1:
         rows, spread = median_rows(per_file)
-        spread_lines = ["", f"Each of the {len(per_file)} measurements against their median (the measurement's "
-                        "own spread):", "", *error_table(spread, "median / this run (difference)")]
+        spread_lines = ["", f"Each of the {len(per_file)} measurements against the median of the others (the "
+                        "measurement's own spread):", "", *error_table(spread, "others / this run (difference)")]
     else:
         rows = [r for rs in per_file for r in rs]
     rows.sort(key=lambda r: (r["mode"], r["rate"] or 0))
