@@ -7,6 +7,7 @@ that holds membership so `pdcluster status` / `down` can find everything later.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -39,6 +40,18 @@ def pin_process(cpus: list[int]) -> None:
             pass
 
 
+def freeze_startup_heap() -> int:
+    """Take everything alive once a server has started (torch, transformers, the model, the
+    tokenizer: ~370k objects in a worker) out of the cyclic garbage collector's scans; returns how
+    many. A full collection walks every tracked object with the interpreter lock held: 185-205 ms
+    on this machine for a worker's heap, a stall of every thread of the process, due every so often
+    under load (one within 20 s of serving six streams) -- a TTFT / TPOT tail. Frozen, a full
+    collection scans only what was made since."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 @ray.remote(num_cpus=0)
 class WorkerActor:
     """Hosts a prefill, decode or colocated worker server."""
@@ -63,6 +76,7 @@ class WorkerActor:
             from decode_worker.server import DecodeWorkerServer
 
             self.server = DecodeWorkerServer(cfg, worker_id, colocated=role == "colocated", **options)
+        self.gc_frozen = freeze_startup_heap()
         self._rejoin()
 
     def _rejoin(self) -> None:
@@ -92,6 +106,7 @@ class WorkerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "gc_frozen": self.gc_frozen,  # objects kept out of the garbage collector's scans
         }
 
     def connect_kv(self, endpoints: list[str], timeout_s: float) -> dict[str, str]:
@@ -133,6 +148,10 @@ class RouterActor:
             except BaseException:
                 self.server.stop()
                 raise
+        self.gc_frozen = freeze_startup_heap()
+
+    def gc_frozen_objects(self) -> int:
+        return self.gc_frozen
 
     def _rejoin(self) -> None:
         """After Ray restarted the router (its process died): take the workers from the controller."""

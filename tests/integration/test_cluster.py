@@ -67,6 +67,16 @@ def cluster(request, builtin_path):
     handle.stop()
 
 
+def test_every_server_process_froze_its_startup_heap(cluster):
+    """Workers and the router take their startup objects (torch, transformers, the model) out of the
+    garbage collector's scans: a full collection of them stalls the process for ~200 ms."""
+    import ray
+
+    _, handle = cluster
+    assert all(w["gc_frozen"] > 50_000 for w in handle.workers), [w["gc_frozen"] for w in handle.workers]
+    assert ray.get(ray.get_actor("router", namespace="pdcluster").gc_frozen_objects.remote(), timeout=30) > 10_000
+
+
 def test_the_decode_cache_is_shared_only_where_shm_writes_in_place(cluster, request):
     """Default (auto on one node): the decode worker's KV cache lives in /dev/shm, where the prefill
     worker writes it; kv_transfer.shm_in_place: false keeps it private (layers go through segments)."""
