@@ -59,9 +59,8 @@ class AutoReceiver(TorchDistReceiver, TcpReceiver, ShmReceiver):
     a data port for tcp senders, shared memory for shm senders, inline payloads for grpc ones."""
 
     def __init__(self, sink: KVSink, server: grpc.Server | None = None, endpoint: str | None = None, *,
-                 dist_backend: str | None = None, timeout_s: float = 30.0, in_place: bool = True,
-                 **kwargs: Any) -> None:
-        self.in_place = in_place  # read by ShmReceiver.__init__ (the cooperative chain does not pass it)
+                 dist_backend: str | None = None, timeout_s: float = 30.0, **kwargs: Any) -> None:
+        """`kwargs` go down the chain to the tcp and shm receivers (e.g. in_place)."""
         if dist_backend is None:
             dist_backend = "nccl" if self._sink_device(sink).type == "cuda" else OFF
         super().__init__(sink, server, endpoint, dist_backend=dist_backend, timeout_s=timeout_s, **kwargs)

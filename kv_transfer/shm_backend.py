@@ -473,10 +473,9 @@ class ShmReceiver(GrpcReceiver):
         port: int = 0,
         max_workers: int = 16,
         shm_dir: str = SHM_DIR,
-        in_place: bool | None = None,
+        in_place: bool = True,
     ) -> None:
-        # None: True, unless a subclass (AutoReceiver) set self.in_place before its cooperative __init__
-        self.in_place = getattr(self, "in_place", True) if in_place is None else in_place
+        self.in_place = in_place
         self.shm_dir = shm_dir
         self.node_id = node_id()
         self._maps: dict[str, _Mapping] = {}  # segment name -> mapping, least recently mapped first

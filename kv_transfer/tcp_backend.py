@@ -401,7 +401,9 @@ class TcpReceiver(GrpcReceiver):
         max_workers: int = 16,
         timeout_s: float = 30.0,
         max_buffered_bytes: int = 1 << 30,
+        **kwargs: Any,
     ) -> None:
+        """`kwargs`: for the next receiver in a cooperative subclass (auto: the shm one)."""
         self.timeout_s = timeout_s
         self.max_buffered_bytes = max_buffered_bytes
         self._cv = threading.Condition()  # guards the connections, their frames and the buffered bytes
@@ -411,7 +413,7 @@ class TcpReceiver(GrpcReceiver):
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._socks: set[socket.socket] = set()  # accepted, authenticated or not
-        super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers)
+        super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers, **kwargs)
         data_host = _split_host_port(self.endpoint)[0]
         family = socket.AF_INET6 if ":" in data_host else socket.AF_INET
         try:

@@ -428,7 +428,9 @@ class TorchDistReceiver(GrpcReceiver):
         store_port: int = 0,
         dist_backend: str | None = None,
         timeout_s: float = 30.0,
+        **kwargs: Any,
     ) -> None:
+        """`kwargs`: for the next receiver in a cooperative subclass (auto: the tcp and shm ones)."""
         if dist_backend is None:
             dist_backend = "nccl" if self._sink_device(sink).type == "cuda" else "gloo"
         self.timeout_s = timeout_s
@@ -437,7 +439,7 @@ class TorchDistReceiver(GrpcReceiver):
         if dist_backend == OFF:  # (auto on a CPU cache) no store, no groups: senders fall back
             self.dist_backend, self.device, self._store = OFF, torch.device("cpu"), None
             self.store_host = self.store_address = ""
-            super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers)
+            super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers, **kwargs)
             return
         self.dist_backend = _check_dist_backend(dist_backend)
         self.device = _device_for(self.dist_backend)
@@ -452,7 +454,7 @@ class TorchDistReceiver(GrpcReceiver):
         self.store_host = store_host
         self.store_address = f"{store_host}:{self._store.port}"
         try:
-            super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers)
+            super().__init__(sink, server, endpoint, host=host, port=port, max_workers=max_workers, **kwargs)
         except BaseException:
             self._store = None
             raise

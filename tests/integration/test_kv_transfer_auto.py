@@ -63,6 +63,22 @@ def test_auto_sender_picks_shm_on_this_node_then_tcp_then_grpc(receivers, receiv
         sender.close()
 
 
+def test_auto_passes_in_place_down_to_its_shm_part(receivers):
+    """AutoReceiver hands keywords down its cooperative chain (torch_distributed -> tcp -> shm):
+    in_place=False keeps the decode cache private, so an auto sender on this node copies through
+    its segments; the default shares it and writes in place."""
+    private, shared = receivers("auto", in_place=False), receivers("auto")
+    assert private.receiver.shared is None and shared.receiver.shared is not None
+    sender = create_sender("auto", shared.compat_hash, timeout_s=10)
+    try:
+        for decode in (private, shared):
+            _transfer(decode, sender)
+            assert sender.backend_for(decode.receiver.endpoint) == "shm"
+        assert sender.shm.in_place_endpoints == [shared.receiver.endpoint]
+    finally:
+        sender.close()
+
+
 def test_auto_between_two_accelerated_caches_takes_a_process_group(receivers):
     """Both sides with process groups (NCCL between CUDA caches; gloo stands in on CPUs): auto takes
     torch_distributed before shm, and falls back to shm when the receiver hosts none."""
