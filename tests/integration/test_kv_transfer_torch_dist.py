@@ -30,7 +30,7 @@ from kv_transfer.grpc_backend import GrpcReceiver
 from kv_transfer.torch_dist_backend import TorchDistReceiver, TorchDistSender
 from tests.integration.kv_helpers import (
     PARAMS, cache_is_zero as _cache_is_zero, clean, decode_engine as _decode_engine, grpc_server,
-    layer as _layer, live_decode, live_sender, spy_on_pairs as _spy_on_pairs,
+    layer as _layer, live_decode, live_sender, spy_on_messages, spy_on_pairs as _spy_on_pairs,
 )
 
 pytestmark = pytest.mark.slow
@@ -60,15 +60,7 @@ def sender(decode):
 # ------------------------------------------------------------------------------------ torch_distributed only
 def test_only_metadata_crosses_grpc(decode, sender):
     assert isinstance(sender, TorchDistSender) and isinstance(decode.receiver, TorchDistReceiver)
-    sent = []
-    original = sender._layer_message
-
-    def spy(*args):
-        msg = original(*args)
-        sent.append(msg)
-        return msg
-
-    sender._layer_message = spy
+    sent = spy_on_messages(sender)
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     layers = [_layer(decode, ticket, seed=layer) for layer in range(decode.num_layers)]
     for layer, kv in enumerate(layers):
