@@ -353,11 +353,7 @@ class Simulator:
             if dt is None:
                 w.busy = False
                 return
-            if w.batch is not None and w.spec.prefill_load_slope:
-                dt *= (1.0 + w.spec.prefill_load_slope * decode_tokens_per_s()) * (
-                    max(1.0, busy_threads(w) / c.host_cores) if c.host_cores else 1.0)
-            elif c.host_cores:
-                dt *= host_slowdown(w)
+            dt *= host_slowdown(w)
             w.busy = w.locked = True
             w.step_start = now
             w.step_dt = dt
@@ -366,17 +362,18 @@ class Simulator:
             push(now + dt, STEP, w)
 
         def host_slowdown(w: _Worker) -> float:
-            """Processor sharing on the host: busy engine threads plus the serving path's demand
-            (CPU per token x tokens streamed per second now) over the host's cores."""
-            return max(1.0, (busy_threads(w) + c.host_cpu_per_token_s * decode_tokens_per_s()) / c.host_cores)
-
-        def busy_threads(w: _Worker) -> int:
-            """Engine threads running a step once `w` starts its own."""
-            return 1 + sum(1 for x in workers if x.busy and x is not w)
-
-        def decode_tokens_per_s() -> float:
-            """Tokens per second the decode (or colocated) workers stream at this moment."""
-            return sum(len(x.running) / x.step_dt for x in decode if x.running and x.step_dt > 0)
+            """The factor `w`'s step starting now is stretched by: processor sharing on the host, the
+            engine threads then busy plus the serving path's demand (CPU per token x the tokens per
+            second the decode workers stream now) over its cores; for a prefill step with a fitted
+            load slope, that slope's share of the streamed tokens in place of the demand."""
+            slope = w.spec.prefill_load_slope if w.batch is not None else 0.0
+            if not (c.host_cores or slope):
+                return 1.0
+            tokens_per_s = sum(len(x.running) / x.step_dt for x in decode if x.running and x.step_dt > 0)
+            busy = 1 + sum(1 for x in workers if x.busy and x is not w)
+            if slope:
+                return (1.0 + slope * tokens_per_s) * (max(1.0, busy / c.host_cores) if c.host_cores else 1.0)
+            return max(1.0, (busy + c.host_cpu_per_token_s * tokens_per_s) / c.host_cores)
 
         def schedule_prefill(w: _Worker) -> float | None:
             budget = w.budget
