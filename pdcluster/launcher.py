@@ -253,6 +253,26 @@ def _check_kv_pairs(workers: list[dict[str, Any]], timeout_s: float) -> None:
         raise LaunchError("KV transfer between these prefill and decode workers cannot work:\n" + "\n".join(problems))
 
 
+def worker_options(cfg: ClusterConfig, role: str, host: str, secret: str | None = None) -> dict[str, Any]:
+    """The keyword arguments of a `role` worker's server (PrefillWorkerServer / DecodeWorkerServer)."""
+    kv = cfg.kv_transfer
+    options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s,
+                               "cluster_secret": secret}
+    shm = options["kv_backend"] in ("shm", "auto")  # the backends with a shm part: its writer's options
+    if role == "prefill":
+        if shm:
+            options["kv_options"] = {"in_place": kv.shm_in_place, "verify_in_place": kv.shm_verify}
+        options["kv_timeout_s"] = kv.timeout_s
+        options["kv_compression"] = kv.compression
+        # the driver's environment wins: Ray workers do not all inherit it
+        options["kv_faults"] = os.environ.get(KV_FAULTS_ENV) or kv.faults
+        return options
+    if shm and role == "decode":
+        options["kv_options"] = {"in_place": kv.shm_in_place}
+    options["reservation_ttl_s"] = kv.lease_s
+    return options
+
+
 def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime: str | None,
                    log_level: str, host: str, log_format: str = "text",
                    secret: str | None = None) -> tuple[list[Any], dict[Any, str]]:
@@ -266,21 +286,7 @@ def _start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetim
     engine_kwargs = cfg.engine_kwargs(pool)
     if engine_kwargs.get("num_threads") is None:  # one torch thread per pinned CPU, else per Ray CPU
         engine_kwargs["num_threads"] = len(pool.cpus) if pool.cpus else max(1, int(pool.resources.get("num_cpus", 1)))
-    options: dict[str, Any] = {"host": host, "kv_backend": _kv_backend(cfg), "request_timeout_s": cfg.timeouts.request_s,
-                               "cluster_secret": secret}
-    shm = options["kv_backend"] in ("shm", "auto")
-    if pool.role == "prefill":
-        if shm:
-            options["kv_options"] = {"in_place": cfg.kv_transfer.shm_in_place,
-                                     "verify_in_place": cfg.kv_transfer.shm_verify}
-        options["kv_timeout_s"] = cfg.kv_transfer.timeout_s
-        options["kv_compression"] = cfg.kv_transfer.compression
-        # the driver's environment wins: Ray workers do not all inherit it
-        options["kv_faults"] = os.environ.get(KV_FAULTS_ENV) or cfg.kv_transfer.faults
-    else:
-        if shm and pool.role == "decode":
-            options["kv_options"] = {"in_place": cfg.kv_transfer.shm_in_place}
-        options["reservation_ttl_s"] = cfg.kv_transfer.lease_s
+    options = worker_options(cfg, pool.role, host, secret)
     actors, pending = [], {}
     for wid in worker_ids:
         actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources,

@@ -312,3 +312,22 @@ def test_the_ray_command_is_the_one_beside_this_interpreter(tmp_path, monkeypatc
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(RuntimeError, match="no `ray` command"):
         ray_cli()
+
+
+@pytest.mark.parametrize("backend, in_place, verify", [("auto", True, False), ("shm", False, True), ("grpc", True, True)])
+def test_the_shm_writer_options_reach_the_workers_that_use_them(backend, in_place, verify, monkeypatch):
+    """kv_transfer.shm_in_place / shm_verify become the prefill worker's sender options and the
+    decode worker's receiver option, for the backends with a shm part only."""
+    from pdcluster.launcher import KV_FAULTS_ENV, worker_options
+
+    monkeypatch.delenv(KV_FAULTS_ENV, raising=False)
+    cfg = ClusterConfig.from_dict({"kv_transfer": {"backend": backend, "shm_in_place": in_place,
+                                                   "shm_verify": verify}})
+    prefill, decode = (worker_options(cfg, role, "127.0.0.1") for role in ("prefill", "decode"))
+    if backend == "grpc":
+        assert "kv_options" not in prefill and "kv_options" not in decode
+    else:
+        assert prefill["kv_options"] == {"in_place": in_place, "verify_in_place": verify}
+        assert decode["kv_options"] == {"in_place": in_place}
+    assert prefill["kv_backend"] == decode["kv_backend"] == backend
+    assert "kv_options" not in worker_options(cfg, "colocated", "127.0.0.1")
