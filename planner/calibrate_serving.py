@@ -151,32 +151,41 @@ def fit_live(samples: list[dict[str, Any]], decode_role: str = "decode",
     """The step-cost fits of `probe_live`'s samples (see the module docstring): "decode", and
     "prefill" where there are prefill samples and the engine's own prefill fit to scale."""
     decode = [s for s in samples if s["role"] == decode_role and s["phase"] == "decode"]
+    out: dict[str, Any] = {"decode_role": decode_role, "decode": fit_decode(decode)}
+    prefill_role = "prefill" if decode_role == "decode" else decode_role
+    prefill = [s for s in samples if s["role"] == prefill_role and s["phase"] == "prefill"]
+    if prefill and engine_prefill is not None:
+        a, b, c = (engine_prefill[k] for k in "abc")
+        rate = {(s["prompt"], s["concurrency"]): s["step_tokens"] / s["window_s"] for s in decode}
+        # prompts of P tokens from scratch: sum n(p + n) over a step = its tokens x P
+        engine = [a + (b + c * s["prompt"]) * s["step_tokens"] / s["steps"] for s in prefill]
+        tps = [rate.get((s["prompt"], s["concurrency"]), 0.0) for s in prefill]
+        out["prefill"] = fit_prefill(prefill, engine, tps, engine_prefill)
+    return out
+
+
+def fit_decode(decode: list[dict[str, Any]]) -> dict[str, Any]:
+    """Windows of decode step counters -> mean step = a + b * mean sum(context) + c * mean batch."""
     if len(decode) < 3:
         raise RuntimeError(f"too few decode samples ({len(decode)}): is the cluster serving?")
     dc, derr = fit([[1.0, s["step_context_tokens"] / s["steps"], s["step_seqs"] / s["steps"]] for s in decode],
                    [s["step_seconds"] / s["steps"] for s in decode])
-    out: dict[str, Any] = {
-        "decode_role": decode_role,
-        "decode": {"a": dc[0], "b": dc[1], "c": dc[2], **derr, "formula": "a + b * sum_context + c * batch"},
-    }
-    prefill_role = "prefill" if decode_role == "decode" else decode_role
-    prefill = [s for s in samples if s["role"] == prefill_role and s["phase"] == "prefill"]
-    if prefill and engine_prefill is not None:
-        # a few prompt lengths cannot pin three coefficients: the engine's own fit, scaled, plus a
-        # fixed cost per step, the scale growing with the decode tokens streamed per second meanwhile
-        # (the serving path's CPU per token shares the prefill worker's core)
-        a, b, c = (engine_prefill[k] for k in "abc")
-        rate = {(s["prompt"], s["concurrency"]): s["step_tokens"] / s["window_s"] for s in decode}
-        engine = [a + (b + c * s["prompt"]) * s["step_tokens"] / s["steps"] for s in prefill]
-        tps = [rate.get((s["prompt"], s["concurrency"]), 0.0) for s in prefill]
-        (r0, r1, o), perr = fit([[e, e * t, 1.0] for e, t in zip(engine, tps)],
-                                [s["step_seconds"] / s["steps"] for s in prefill])
-        r0 = max(r0, 1e-9)
-        out["prefill"] = {"a": r0 * a + o, "b": r0 * b, "c": r0 * c, "scale": r0, "load_slope": r1 / r0,
-                          "overhead_s": o, **perr,
-                          "formula": "(scale x the engine's prefill fit + overhead_s) x (1 + load_slope x "
-                                     "decode tokens/s)"}
-    return out
+    return {"a": dc[0], "b": dc[1], "c": dc[2], **derr, "formula": "a + b * sum_context + c * batch"}
+
+
+def fit_prefill(prefill: list[dict[str, Any]], engine: list[float], tps: list[float],
+                engine_prefill: dict[str, float]) -> dict[str, Any]:
+    """Windows of prefill step counters, with the engine fit's mean step (`engine`) and the decode
+    tokens per second (`tps`) of each window -> mean step = (r + s x T) x E + o. A few prompt
+    lengths cannot pin three coefficients: the engine's shape is kept, scaled, plus a fixed cost per
+    step, the scale growing with the decode tokens streamed per second meanwhile (the serving path's
+    CPU per token shares the prefill worker's core)."""
+    a, b, c = (engine_prefill[k] for k in "abc")
+    (r0, r1, o), perr = fit([[e, e * t, 1.0] for e, t in zip(engine, tps)],
+                            [s["step_seconds"] / s["steps"] for s in prefill])
+    r0 = max(r0, 1e-9)
+    return {"a": r0 * a + o, "b": r0 * b, "c": r0 * c, "scale": r0, "load_slope": r1 / r0, "overhead_s": o,
+            **perr, "formula": "(scale x the engine's prefill fit + overhead_s) x (1 + load_slope x decode tokens/s)"}
 
 
 def add_live(coeffs: dict[str, Any], url: str, role: str = "decode", **kwargs: Any) -> dict[str, Any]:

@@ -6,6 +6,7 @@
                                                               one cluster, one rate: its latencies
     pdcluster plan calibrate                                  time the engine here, write cpu coefficients
     pdcluster plan calibrate --serving-url http://HOST:PORT   fit a running cluster's step costs under load
+    pdcluster plan calibrate --from-bench RESULT.json         fit them to `bench serve` runs' worker counters
 """
 
 from __future__ import annotations
@@ -297,11 +298,52 @@ def _calibrate(argv: list[str]) -> int:
     live.add_argument("--seconds", type=float, default=8.0, help="measured window per sample (after 3 s warm-up)")
     live.add_argument("--decode-role", choices=("decode", "colocated"), default="decode",
                       help="whose decode steps to fit: decode workers, or colocated ones")
+    p.add_argument("--from-bench", nargs="+", default=None, metavar="RESULT.json",
+                   help="instead: fit each cluster's step costs to the worker counters of `pdcluster bench serve` "
+                        "runs (one window per run), added to --out as `live` (planner/calibrate_bench.py)")
     args = p.parse_args(argv)
+    if args.from_bench:
+        return _calibrate_bench(args)
     if args.serving_url is None:
         calibrate(args.model, args.cpu, args.repeats, args.steps, Path(args.out), quick=args.quick)
         return 0
     return _calibrate_live(args)
+
+
+def _calibrate_bench(args: argparse.Namespace) -> int:
+    from planner.calibrate_bench import add_bench
+
+    out = Path(args.out)
+    if not out.is_file():
+        raise SystemExit(f"{out}: no coefficients to add to; run `pdcluster plan calibrate` first")
+    coeffs = json.loads(out.read_text())
+    results = []
+    for path in args.from_bench:
+        try:
+            results.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--from-bench {path}: {e}") from e
+    try:
+        fitted = add_bench(coeffs, results, [str(p) for p in args.from_bench])
+    except (RuntimeError, KeyError) as e:
+        raise SystemExit(f"calibration from bench runs failed: {e}") from e
+    for cluster, live in fitted.items():
+        print(f"{'colocated' if cluster == 'colocated' else 'disaggregated'} cluster, {live['runs']} runs:")
+        _print_live(live)
+    out.write_text(json.dumps(coeffs, indent=1) + "\n")
+    print(f"wrote `live` into {out}")
+    return 0
+
+
+def _print_live(live: dict) -> None:
+    d = live["decode"]
+    print(f"decode   {d['a'] * 1e3:.3f} ms + {d['b'] * 1e6:.4f} us * sum_context + {d['c'] * 1e3:.3f} ms * batch "
+          f"(fit error mean {d['mean_abs_pct_error']:.1f}%, max {d['max_abs_pct_error']:.1f}%)")
+    if "prefill" in live:
+        q = live["prefill"]
+        print(f"prefill  ({q['a'] * 1e3:.3f} ms + {q['b'] * 1e6:.3f} us * sum_new + {q['c'] * 1e9:.4f} ns * sum_attn) "
+              f"x (1 + {q.get('load_slope', 0.0) * 1e3:.3f}e-3 * decode tokens/s) "
+              f"(fit error mean {q['mean_abs_pct_error']:.1f}%, max {q['max_abs_pct_error']:.1f}%)")
 
 
 def _calibrate_live(args: argparse.Namespace) -> int:
@@ -320,14 +362,7 @@ def _calibrate_live(args: argparse.Namespace) -> int:
                         api_key=args.api_key)
     except (RuntimeError, httpx.HTTPError) as e:
         raise SystemExit(f"live calibration failed: {e}") from e
-    d = live["decode"]
-    print(f"decode   {d['a'] * 1e3:.3f} ms + {d['b'] * 1e6:.4f} us * sum_context + {d['c'] * 1e3:.3f} ms * batch "
-          f"(fit error mean {d['mean_abs_pct_error']:.1f}%, max {d['max_abs_pct_error']:.1f}%)")
-    if "prefill" in live:
-        q = live["prefill"]
-        print(f"prefill  ({q['a'] * 1e3:.3f} ms + {q['b'] * 1e6:.3f} us * sum_new + {q['c'] * 1e9:.4f} ns * sum_attn) "
-              f"x (1 + {q.get('load_slope', 0.0) * 1e3:.3f}e-3 * decode tokens/s) "
-              f"(fit error mean {q['mean_abs_pct_error']:.1f}%, max {q['max_abs_pct_error']:.1f}%)")
+    _print_live(live)
     out.write_text(json.dumps(coeffs, indent=1) + "\n")
     print(f"wrote `live` into {out}")
     return 0

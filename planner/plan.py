@@ -161,7 +161,11 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
     # floats over the host's cores. Kept for decode steps with live step costs too: they were
     # measured in closed loop, where the serving path asks less of the cores per step than under a
     # trace's arrivals. A live prefill step has its own fitted share instead (prefill_load_slope).
+    # Step costs fitted to a trace's own runs (calibrate_bench: source "bench") have that share in them.
     host_cpu = max(0.0, serving.get("cpu_per_token_s", 0.0) - serving.get("decode_token_s", 0.0))
+    live = live_for(ctx.coefficients or {}, plan.mode if plan.mode == "colocated" else "decode") if cpu else None
+    if (live or {}).get("source") == "bench":
+        host_cpu = 0.0
     return ClusterSpec(plan.mode, prefill, decode, o.kv_latency_s, layerwise=not cpu, num_layers=ctx.model.num_layers,
                        router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,
                        host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu)

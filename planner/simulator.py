@@ -301,12 +301,12 @@ class Simulator:
                 if need + len(w.running) > w.free_blocks():
                     continue
                 s.d = w
+                w.inflight += 1  # the router counts it on w as it chooses (WorkerPool.take)
                 if not colocated:
                     s.need = need
                     w.reserved += need
                 # the Reserve RPC returns once it has the worker's engine lock, which a step holds
-                # (DecodeEngine.step, the colocated server's loop); only then does the router count
-                # the request on that worker (WorkerPool.acquire after Reserve)
+                # (DecodeEngine.step, the colocated server's loop)
                 if w.locked:
                     w.lock_waiters.append((RESERVED, s))
                 else:
@@ -316,7 +316,6 @@ class Simulator:
 
         def reserved(s: _Seq, now: float) -> None:
             w = s.d
-            w.inflight += 1
             if colocated:
                 w.waiting.append(s)
                 wake(w, now)

@@ -325,12 +325,13 @@ class RouterServer(gen_grpc.PDClusterServicer):
         while True:
             tried: set[str] = set()
             full, failed, last = False, [], ""
-            while (w := self.pool.pick(role, tried | avoid) or self.pool.pick(role, tried)) is not None:
+            while (w := self.pool.take(role, tried, avoid)) is not None:  # counted on w from here
                 tried.add(w.worker_id)
                 try:
                     resp = w.stub.Reserve(req, timeout=max(0.1, min(deadline - time.monotonic(), 30.0)))
                     return w, resp.ticket
                 except grpc.RpcError as e:
+                    self.pool.release(w)
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise RequestError(e.code(), e.details()) from None
                     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -415,13 +416,12 @@ class RouterServer(gen_grpc.PDClusterServicer):
         if offset >= run.params.max_tokens or len(prompt) >= self.max_model_len:  # nothing left to generate
             return "length", gen.GenerateResponse(request_id=rid)
         params = run.params if not offset else dataclasses.replace(run.params, max_tokens=run.params.max_tokens - offset)
-        decode, ticket = self._reserve(active, wrid, prompt, params, offset, deadline, avoid)
-        active.metrics.running()
-        log.debug("reserved KV on %s", decode.worker_id)
-        active.add_worker(decode, wrid, self)
-        self.pool.acquire(decode)
+        decode, ticket = self._reserve(active, wrid, prompt, params, offset, deadline, avoid)  # counted on decode
         stream = None
         try:
+            active.metrics.running()
+            log.debug("reserved KV on %s", decode.worker_id)
+            active.add_worker(decode, wrid, self)
             if not run.attempts:
                 run.timing.router_queue_ms = (time.monotonic() - arrival) * 1e3
             stream = decode.stub.Stream(wk.StreamRequest(request_id=wrid), timeout=max(0.1, deadline - time.monotonic()))
@@ -498,13 +498,12 @@ class RouterServer(gen_grpc.PDClusterServicer):
     def _prefill(self, active: _Active, rid: str, ids: list[int], params: SamplingParams, offset: int,
                  ticket: wk.TransferTicket, deadline: float, avoid: set[str], decode: WorkerHandle,
                  ) -> wk.PrefillResponse:
-        prefill = self.pool.pick("prefill", avoid) or self.pool.pick("prefill")
+        prefill = self.pool.take("prefill", avoid=avoid, tokens=len(ids))
         if prefill is None:
             raise _Retry("no healthy prefill worker", [])
-        active.add_worker(prefill, rid, self)
-        log.debug("prefill on %s", prefill.worker_id)
-        self.pool.acquire(prefill, len(ids))
         try:
+            active.add_worker(prefill, rid, self)
+            log.debug("prefill on %s", prefill.worker_id)
             return prefill.stub.Prefill(
                 wk.PrefillRequest(request_id=rid, token_ids=ids, sampling=sampling_to_proto(params), ticket=ticket,
                                   resume_offset=offset),

@@ -71,22 +71,30 @@ class WorkerPool:
         with self._lock:
             return [w for w in self._workers.values() if role is None or w.role == role]
 
-    def pick(self, role: str, exclude: set[str] = frozenset()) -> WorkerHandle | None:
-        """Least-loaded healthy worker: prefill by queued prompt tokens (then requests in flight);
-        decode and colocated by requests in flight, then the most free KV blocks (as of the last
-        Stats poll); a tie left after that goes to the first worker listed."""
+    def take(self, role: str, exclude: set[str] = frozenset(), avoid: set[str] = frozenset(),
+             tokens: int = 0) -> WorkerHandle | None:
+        """The least-loaded healthy worker of `role` not in `exclude` (those in `avoid` only when no
+        other is left), counted as carrying one more request (and `tokens` prompt tokens) at once,
+        in the same step as the choice and before any RPC to it: a request that arrives while an
+        earlier one still waits for its Reserve or Prefill then sees that one's load instead of the
+        same tie. Load: prefill by queued prompt tokens, then requests in flight; decode and
+        colocated by requests in flight, then the most free KV blocks (as of the last Stats poll);
+        a tie left after that goes to the first worker listed. The caller `release`s it, also
+        when the RPC fails."""
         with self._lock:
-            candidates = [w for w in self._workers.values() if w.role == role and w.healthy and w.worker_id not in exclude]
-            if not candidates:
-                return None
-            if role == "prefill":
-                return min(candidates, key=lambda w: (w.inflight_tokens, w.inflight))
-            return min(candidates, key=lambda w: (w.inflight, -w.kv_blocks_free))
+            w = self._least_loaded(role, exclude | avoid) or self._least_loaded(role, exclude)
+            if w is not None:
+                w.inflight += 1
+                w.inflight_tokens += tokens
+            return w
 
-    def acquire(self, w: WorkerHandle, tokens: int = 0) -> None:
-        with self._lock:
-            w.inflight += 1
-            w.inflight_tokens += tokens
+    def _least_loaded(self, role: str, exclude: set[str]) -> WorkerHandle | None:
+        candidates = [w for w in self._workers.values() if w.role == role and w.healthy and w.worker_id not in exclude]
+        if not candidates:
+            return None
+        if role == "prefill":
+            return min(candidates, key=lambda w: (w.inflight_tokens, w.inflight))
+        return min(candidates, key=lambda w: (w.inflight, -w.kv_blocks_free))
 
     def release(self, w: WorkerHandle, tokens: int = 0) -> None:
         with self._lock:

@@ -204,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh-prompts", action="store_true",
                    help="bench serve --fresh-prompts: each rate its own prompt texts (no prefix cached by an "
                         "earlier rate's run is reused)")
+    p.add_argument("--seed", type=int, default=0, help="bench serve --seed: prompt texts and arrival times")
+    p.add_argument("--sample-seed", type=int, default=None,
+                   help="bench serve --sample-seed: a seeded sample of the trace's rows instead of the first ones "
+                        "(a run to calibrate from, held out from the runs the planner is checked against)")
     p.add_argument("--calibrate-live", action="store_true",
                    help="before the sweep, fit each cluster's step costs under load (planner/calibrate_serving.py) "
                         "into OUT/cpu_coefficients_live.json, for scripts/exp_planner_accuracy.py --coefficients")
@@ -237,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                        "--slo-tpot-ms", str(slo.tpot_ms), "--time-limit-s", str(args.time_limit_s), "--out", str(out)]
         if args.fresh_prompts:
             argv_serve.append("--fresh-prompts")
+        argv_serve += ["--seed", str(args.seed)]
+        if args.sample_seed is not None:
+            argv_serve += ["--sample-seed", str(args.sample_seed)]
         print("pdcluster bench serve " + " ".join(argv_serve), flush=True)
         rc = bench_serve(argv_serve)
         if rc != 0:

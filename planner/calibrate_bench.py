@@ -1,0 +1,109 @@
+"""`pdcluster plan calibrate --from-bench RESULT.json`: step costs fitted to a `bench serve` run's counters.
+
+The closed-loop probe (calibrate_serving.py) holds B streams of one prompt length busy: every
+window is a steady state, but not the one a trace makes. Under a trace's Poisson arrivals the decode
+batch comes and goes, prefills of many lengths meet decode steps of any size, and the serving path
+(router, HTTP API, client) asks the host's cores for a share that moves with them. `bench serve`
+stores, per run (one rate, one endpoint), the difference of the workers' step counters over the
+run (`server_counters`, loadgen/server_counters.py). Each such run is one window here:
+
+    decode   mean step = a + b * mean sum(context) + c * mean batch
+    prefill  mean step = (r + s x T) x E + o, E = the engine's fit (`calibrate`) over the run's
+             prompts: a + (b * tokens + c * sum n^2) / steps, sum n^2 from the prompts sent
+             (scaled to the tokens the workers prefilled); T = the run's decode tokens per second
+
+fitted as calibrate_serving.fit_live fits its windows (least squares on relative error,
+coefficients >= 0). The cluster of a run is read from its counters: `colocated/decode` -> the
+colocated cluster, `decode/decode` -> the disaggregated one. Several result files pool their runs.
+
+What goes into the coefficients file is `live` as the probe writes it, with `source: "bench"`:
+these step costs were measured under a trace's load with the serving path running, so the
+simulator adds no processor sharing of its own on top (planner/plan.py build_cluster). The runs
+fitted here should not be the runs the planner is then checked against (scripts/exp_planner_accuracy.py):
+use a different sample of the trace and different arrivals (`bench serve --sample-seed S --seed S`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from planner.calibrate_serving import fit_decode, fit_prefill
+
+ROLES = {"decode": ("decode", "prefill"), "colocated": ("colocated", "colocated")}  # cluster -> (decode, prefill) worker role
+
+
+def cluster_of(counters: dict[str, dict]) -> str | None:
+    """"colocated" or "decode" (the disaggregated cluster, by its decode role), from a run's counters."""
+    if (counters.get("colocated/decode") or {}).get("steps"):
+        return "colocated"
+    if (counters.get("decode/decode") or {}).get("steps"):
+        return "decode"
+    return None
+
+
+def run_samples(run: dict[str, Any], engine_prefill: dict[str, float]) -> tuple[str, list[dict[str, Any]]] | None:
+    """One bench serve run as windows of step counters: (cluster, [decode sample, prefill sample])."""
+    counters = run.get("server_counters") or {}
+    cluster = cluster_of(counters)
+    if cluster is None or not run.get("duration_s"):
+        return None
+    decode_role, prefill_role = ROLES[cluster]
+    window = float(run["duration_s"])
+    base = {"label": run.get("label"), "rate": run.get("rate"), "window_s": window}
+    d = counters[f"{decode_role}/decode"]
+    samples = [{**base, "role": decode_role, "phase": "decode", **d}]
+    p = counters.get(f"{prefill_role}/prefill") or {}
+    prompts = [r.get("prompt_tokens") or r.get("expected_prompt_tokens") or 0 for r in run.get("records", [])
+               if r.get("outcome") != "not_sent"]
+    if p.get("steps") and sum(prompts):
+        a, b, c = (engine_prefill[k] for k in "abc")
+        squares = sum(n * n for n in prompts) * p["step_tokens"] / sum(prompts)  # prefix hits scale it down
+        samples.append({**base, "role": prefill_role, "phase": "prefill", **p,
+                        "engine_s": a + (b * p["step_tokens"] + c * squares) / p["steps"],
+                        "decode_tokens_per_s": d["step_tokens"] / window})
+    return cluster, samples
+
+
+def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
+              sources: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """{cluster: live entry} for each cluster the results' runs measured ("decode": the
+    disaggregated one, "colocated"), as calibrate_serving.probe_live writes it plus `source`."""
+    by_cluster: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        for run in result.get("runs", []):
+            got = run_samples(run, engine_prefill)
+            if got is not None:
+                by_cluster.setdefault(got[0], []).extend(got[1])
+    if not by_cluster:
+        raise RuntimeError("no run with worker step counters (server_counters): was it a pdcluster endpoint?")
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    out = {}
+    for cluster, samples in sorted(by_cluster.items()):
+        decode_role = ROLES[cluster][0]
+        decode = [s for s in samples if s["phase"] == "decode"]
+        prefill = [s for s in samples if s["phase"] == "prefill"]
+        entry: dict[str, Any] = {"source": "bench", "decode_role": decode_role, "decode": fit_decode(decode)}
+        if len(prefill) >= 3:
+            entry["prefill"] = fit_prefill(prefill, [s["engine_s"] for s in prefill],
+                                           [s["decode_tokens_per_s"] for s in prefill], engine_prefill)
+        entry.update({"results": sources or [], "runs": len(decode), "date": date,
+                      "method": "one window per bench serve run (rate, endpoint): the workers' step counters "
+                                "over the run; fitted on relative error, coefficients >= 0 "
+                                "(planner/calibrate_bench.py)",
+                      "samples": samples})
+        out[cluster] = entry
+    return out
+
+
+def add_bench(coeffs: dict[str, Any], results: list[dict[str, Any]], sources: list[str] | None = None,
+              ) -> dict[str, dict[str, Any]]:
+    """Fit `results` (fit_bench, prefill as a ratio to coeffs' engine fit) into coeffs["live"]; a
+    cluster's earlier entry keeps only its `idle_ttft_s` (the serving path's fixed share of TTFT,
+    which a trace cannot separate from queueing). Returns the new entries."""
+    fitted = fit_bench(results, coeffs["prefill"], sources)
+    live = coeffs.setdefault("live", {})
+    for cluster, entry in fitted.items():
+        idle = (live.get(cluster) or {}).get("idle_ttft_s")
+        live[cluster] = {**entry, **({"idle_ttft_s": idle} if idle else {})}
+    return fitted
