@@ -1,0 +1,103 @@
+"""planner.calibrate_bench: step costs fitted to the worker counters `bench serve` stored per run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.calibrate_bench import add_bench, cluster_of, fit_bench
+
+ENGINE = {"a": 0.007, "b": 2e-4, "c": 1e-7}
+DECODE = (0.008, 5e-6, 0.002)
+SCALE, SLOPE, OVERHEAD = 1.3, 0.004, 0.011  # prefill step = (SCALE + SLOPE x decode tok/s) x engine + OVERHEAD
+
+
+def _run(label: str, decode_role: str, prefill_role: str, rate: float, prompts: list[int]) -> dict:
+    """One bench serve run with the counters a cluster of known step costs would have counted."""
+    duration = len(prompts) / rate + 5.0
+    batch, ctx, steps = 1.0 + rate / 2, 150.0 * (1.0 + rate / 2) + 30.0 * rate**2, 1000.0 * (1 + rate / 10)
+    tokens = 60.0 * len(prompts)
+    decode = {"steps": steps, "step_seqs": batch * steps, "step_tokens": tokens, "step_context_tokens": ctx * steps,
+              "step_seconds": steps * (DECODE[0] + DECODE[1] * ctx + DECODE[2] * batch)}
+    p_steps = len(prompts) * (1 - rate / 40)  # more prompts per step at higher rates
+    engine = ENGINE["a"] + (ENGINE["b"] * sum(prompts) + ENGINE["c"] * sum(n * n for n in prompts)) / p_steps
+    step = (SCALE + SLOPE * tokens / duration) * engine + OVERHEAD
+    prefill = {"steps": p_steps, "step_seqs": len(prompts), "step_tokens": sum(prompts),
+               "step_context_tokens": sum(prompts), "step_seconds": p_steps * step}
+    records = [{"outcome": "ok", "prompt_tokens": n} for n in prompts] + [{"outcome": "not_sent", "prompt_tokens": 9999}]
+    return {"label": label, "rate": rate, "duration_s": duration, "records": records,
+            "server_counters": {f"{decode_role}/decode": decode, f"{prefill_role}/prefill": prefill,
+                                f"{prefill_role}/prefix": {"prompt_tokens": sum(prompts), "prefix_cache_hit_tokens": 0}}}
+
+
+def _result() -> dict:
+    prompts = [40, 90, 300, 1000, 120, 64] * 10
+    runs = []
+    for rate in (1.0, 2.0, 4.0, 6.0, 8.0):
+        runs.append(_run("disaggregated", "decode", "prefill", rate, prompts[: 20 + int(rate) * 5]))
+        runs.append(_run("colocated", "colocated", "colocated", rate, prompts[: 20 + int(rate) * 5]))
+    runs.append({"label": "other", "rate": 1.0, "duration_s": 10.0, "records": [], "server_counters": None})
+    return {"runs": runs}
+
+
+def test_each_cluster_is_told_by_its_counters():
+    assert cluster_of({"colocated/decode": {"steps": 3}}) == "colocated"
+    assert cluster_of({"decode/decode": {"steps": 3}, "prefill/prefill": {"steps": 1}}) == "decode"
+    assert cluster_of({"decode/decode": {"steps": 0}}) is None
+
+
+def test_the_fits_recover_the_step_costs_each_cluster_ran_with():
+    fitted = fit_bench([_result()], ENGINE, ["r.json"])
+    assert set(fitted) == {"decode", "colocated"}
+    for entry in fitted.values():
+        d, q = entry["decode"], entry["prefill"]
+        assert entry["source"] == "bench" and entry["runs"] == 5 and entry["results"] == ["r.json"]
+        assert (d["a"], d["b"], d["c"]) == pytest.approx(DECODE, rel=1e-5)
+        assert q["scale"] == pytest.approx(SCALE, rel=1e-5) and q["overhead_s"] == pytest.approx(OVERHEAD, rel=1e-5)
+        assert q["load_slope"] == pytest.approx(SLOPE / SCALE, rel=1e-5)
+        assert q["mean_abs_pct_error"] < 1e-4
+
+
+def test_no_counters_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="server_counters"):
+        fit_bench([{"runs": [{"label": "x", "rate": 1.0, "duration_s": 5.0, "server_counters": None}]}], ENGINE)
+
+
+def test_add_bench_replaces_the_live_fits_but_keeps_the_idle_ttft_and_the_host_share_goes():
+    from planner.catalog import load_catalog
+    from planner.models import model_shape
+    from planner.plan import Plan, PlanContext, Pool, build_cluster
+
+    coeffs = {"model": "builtin:tiny-llama", "model_shape": {"name": "builtin:tiny-llama"},
+              "prefill": ENGINE, "decode": {"a": 0.004, "b": 1e-6, "c": 5e-3},
+              "kv_capacity_tokens": 100000, "kv_bytes_per_token": 9216,
+              "serving": {"decode_token_s": 1e-3, "cpu_per_token_s": 3e-3, "host_cores": 2},
+              "live": {"decode": {"decode": {"a": 1, "b": 1, "c": 1}, "idle_ttft_s": {"64": 0.05, "768": 0.3}}}}
+    ctx = PlanContext(model_shape("builtin:tiny-llama"), load_catalog(), coefficients=coeffs)
+    disagg = Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), 2048, 256)
+    assert build_cluster(disagg, ctx).host_cpu_per_token_s == pytest.approx(2e-3)
+    add_bench(coeffs, [_result()])
+    live = coeffs["live"]["decode"]
+    assert live["idle_ttft_s"] == {"64": 0.05, "768": 0.3} and "idle_ttft_s" not in coeffs["live"]["colocated"]
+    assert (live["decode"]["a"], live["decode"]["c"]) == pytest.approx((DECODE[0], DECODE[2]), rel=1e-5)
+    cluster = build_cluster(disagg, ctx)
+    assert cluster.host_cpu_per_token_s == 0.0  # the runs' step costs have the serving path's share in them
+    assert cluster.decode[0].cost.decode == pytest.approx(DECODE, rel=1e-5)
+    assert cluster.prefill[0].prefill_load_slope == pytest.approx(SLOPE / SCALE, rel=1e-5)
+    json.dumps(coeffs)  # what the CLI writes back
+
+
+def test_the_command_writes_live_into_the_coefficients_file(tmp_path, capsys):
+    from planner.cli import main
+
+    coeffs = tmp_path / "c.json"
+    coeffs.write_text(json.dumps({"model": "builtin:tiny-llama", "prefill": ENGINE}))
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps(_result()))
+    assert main(["calibrate", "--from-bench", str(result), "--out", str(coeffs)]) == 0
+    written = json.loads(coeffs.read_text())["live"]
+    assert set(written) == {"decode", "colocated"} and written["decode"]["results"] == [str(result)]
+    assert "disaggregated cluster, 5 runs" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="missing.json"):
+        main(["calibrate", "--from-bench", str(tmp_path / "missing.json"), "--out", str(coeffs)])
