@@ -10,10 +10,14 @@ run (`server_counters`, loadgen/server_counters.py). Each such run is one window
     decode   mean step = a + b * mean sum(context) + c * mean batch
     prefill  mean step = (r + s x T) x E + o, E = the engine's fit (`calibrate`) over the run's
              prompts: a + (b * tokens + c * sum n^2) / steps, sum n^2 from the prompts sent
-             (scaled to the tokens the workers prefilled); T = the run's decode tokens per second
+             (scaled to the tokens the workers prefilled); T = the run's decode tokens per second.
 
-fitted as calibrate_serving.fit_live fits its windows (least squares on relative error,
-coefficients >= 0). The cluster of a run is read from its counters: `colocated/decode` -> the
+Where the coefficients have a closed-loop probe's fits for the cluster, what one trace's runs cannot
+tell apart is taken from them (every run mixes the same lengths: context per sequence and prompt
+lengths are the same in every window): decode a + k x (b x context + c x batch) with its b : c, and
+prefill k x (r E + o) x (1 + s x T) with its r : o; the rest is fitted here. Fitted as
+calibrate_serving.fit_live fits its windows (least squares on relative error, coefficients >= 0).
+The cluster of a run is read from its counters: `colocated/decode` -> the
 colocated cluster, `decode/decode` -> the disaggregated one. Several result files pool their runs.
 
 What goes into the coefficients file is `live` as the probe writes it, with `source: "bench"`:
@@ -28,6 +32,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+from planner.calibrate import fit
 from planner.calibrate_serving import fit_decode, fit_prefill
 
 ROLES = {"decode": ("decode", "prefill"), "colocated": ("colocated", "colocated")}  # cluster -> (decode, prefill) worker role
@@ -66,9 +71,12 @@ def run_samples(run: dict[str, Any], engine_prefill: dict[str, float]) -> tuple[
 
 
 def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
-              sources: list[str] | None = None) -> dict[str, dict[str, Any]]:
+              sources: list[str] | None = None,
+              shapes: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, Any]]:
     """{cluster: live entry} for each cluster the results' runs measured ("decode": the
-    disaggregated one, "colocated"), as calibrate_serving.probe_live writes it plus `source`."""
+    disaggregated one, "colocated"), as calibrate_serving.probe_live writes it plus `source`.
+    `shapes[cluster]` (`shapes_of`: a closed-loop probe's fits) fixes how a step grows with its
+    batch against its context, and a prefill step with its prompt (`_fit_decode`, `_fit_prefill`)."""
     by_cluster: dict[str, list[dict[str, Any]]] = {}
     for result in results:
         for run in result.get("runs", []):
@@ -83,10 +91,11 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
         decode_role = ROLES[cluster][0]
         decode = [s for s in samples if s["phase"] == "decode"]
         prefill = [s for s in samples if s["phase"] == "prefill"]
-        entry: dict[str, Any] = {"source": "bench", "decode_role": decode_role, "decode": fit_decode(decode)}
+        shape = (shapes or {}).get(cluster) or {}
+        entry: dict[str, Any] = {"source": "bench", "decode_role": decode_role,
+                                 "decode": _fit_decode(decode, shape.get("decode"))}
         if len(prefill) >= 3:
-            entry["prefill"] = fit_prefill(prefill, [s["engine_s"] for s in prefill],
-                                           [s["decode_tokens_per_s"] for s in prefill], engine_prefill)
+            entry["prefill"] = _fit_prefill(prefill, engine_prefill, shape.get("prefill"))
         entry.update({"results": sources or [], "runs": len(decode), "date": date,
                       "method": "one window per bench serve run (rate, endpoint): the workers' step counters "
                                 "over the run; fitted on relative error, coefficients >= 0 "
@@ -96,13 +105,61 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
     return out
 
 
+def _fit_decode(decode: list[dict[str, Any]], shape: dict[str, float] | None) -> dict[str, Any]:
+    """Every window of one trace has the same context per sequence, so batch and context move
+    together. With a closed-loop probe's fit (prompts of 64, 256 and 768 tokens apart) their ratio
+    is taken from it: a + k x (its b x context + its c x batch), a and k fitted here."""
+    if not shape:
+        return fit_decode(decode)
+    b, c = shape["b"], shape["c"]
+    (a, k), err = fit([[1.0, (b * s["step_context_tokens"] + c * s["step_seqs"]) / s["steps"]] for s in decode],
+                      [s["step_seconds"] / s["steps"] for s in decode])
+    return {"a": a, "b": k * b, "c": k * c, "shape_from": {"b": b, "c": c}, **err,
+            "formula": "a + b * sum_context + c * batch; b : c as in shape_from (a closed-loop probe's)"}
+
+
+def _fit_prefill(prefill: list[dict[str, Any]], engine_prefill: dict[str, float],
+                 shape: dict[str, float] | None) -> dict[str, Any]:
+    """The runs of one trace all mix the same prompt lengths, so their windows cannot tell a
+    per-step cost from a per-token one (scale and overhead_s move together). With a closed-loop
+    probe's fit (prompts of 64, 256 and 768 tokens apart) that split is taken from it: the step is
+    k x (its scale x E + its overhead_s) x (1 + s x T), k and s fitted here."""
+    tps = [s["decode_tokens_per_s"] for s in prefill]
+    if not shape:
+        return fit_prefill(prefill, [s["engine_s"] for s in prefill], tps, engine_prefill)
+    r, o = shape["scale"], shape["overhead_s"]
+    shaped = [r * s["engine_s"] + o for s in prefill]
+    (k, ks), err = fit([[e, e * t] for e, t in zip(shaped, tps)], [s["step_seconds"] / s["steps"] for s in prefill])
+    k = max(k, 1e-9)
+    a, b, c = (engine_prefill[x] for x in "abc")
+    return {"a": k * (r * a + o), "b": k * r * b, "c": k * r * c, "scale": k * r, "load_slope": ks / k,
+            "overhead_s": k * o, "shape_from": {"scale": r, "overhead_s": o}, **err,
+            "formula": "(scale x the engine's prefill fit + overhead_s) x (1 + load_slope x decode tokens/s); "
+                       "scale / overhead_s as in shape_from (a closed-loop probe's), times one factor"}
+
+
+def shapes_of(live: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per cluster, {"decode": {b, c}, "prefill": {scale, overhead_s}} as a closed-loop probe
+    fitted them (or as an earlier bench fit took them from one: `shape_from`)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for cluster, entry in live.items():
+        bench = (entry or {}).get("source") == "bench"
+        for phase, keys in (("decode", ("b", "c")), ("prefill", ("scale", "overhead_s"))):
+            q = (entry or {}).get(phase) or {}
+            if "shape_from" in q:
+                out.setdefault(cluster, {})[phase] = q["shape_from"]
+            elif not bench and all(k in q for k in keys):
+                out.setdefault(cluster, {})[phase] = {k: q[k] for k in keys}
+    return out
+
+
 def add_bench(coeffs: dict[str, Any], results: list[dict[str, Any]], sources: list[str] | None = None,
               ) -> dict[str, dict[str, Any]]:
     """Fit `results` (fit_bench, prefill as a ratio to coeffs' engine fit) into coeffs["live"]; a
     cluster's earlier entry keeps only its `idle_ttft_s` (the serving path's fixed share of TTFT,
     which a trace cannot separate from queueing). Returns the new entries."""
-    fitted = fit_bench(results, coeffs["prefill"], sources)
     live = coeffs.setdefault("live", {})
+    fitted = fit_bench(results, coeffs["prefill"], sources, shapes_of(live))
     for cluster, entry in fitted.items():
         idle = (live.get(cluster) or {}).get("idle_ttft_s")
         live[cluster] = {**entry, **({"idle_ttft_s": idle} if idle else {})}

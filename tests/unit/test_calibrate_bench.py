@@ -13,7 +13,15 @@ DECODE = (0.008, 5e-6, 0.002)
 SCALE, SLOPE, OVERHEAD = 1.3, 0.004, 0.011  # prefill step = (SCALE + SLOPE x decode tok/s) x engine + OVERHEAD
 
 
-def _run(label: str, decode_role: str, prefill_role: str, rate: float, prompts: list[int]) -> dict:
+def _step(engine: float, tps: float) -> float:
+    return (SCALE + SLOPE * tps) * engine + OVERHEAD
+
+
+def _shaped_step(engine: float, tps: float) -> float:  # the form a shaped fit has: all of it stretched
+    return (SCALE * engine + OVERHEAD) * (1 + SLOPE / SCALE * tps)
+
+
+def _run(label: str, decode_role: str, prefill_role: str, rate: float, prompts: list[int], step_of=_step) -> dict:
     """One bench serve run with the counters a cluster of known step costs would have counted."""
     duration = len(prompts) / rate + 5.0
     batch, ctx, steps = 1.0 + rate / 2, 150.0 * (1.0 + rate / 2) + 30.0 * rate**2, 1000.0 * (1 + rate / 10)
@@ -22,7 +30,7 @@ def _run(label: str, decode_role: str, prefill_role: str, rate: float, prompts: 
               "step_seconds": steps * (DECODE[0] + DECODE[1] * ctx + DECODE[2] * batch)}
     p_steps = len(prompts) * (1 - rate / 40)  # more prompts per step at higher rates
     engine = ENGINE["a"] + (ENGINE["b"] * sum(prompts) + ENGINE["c"] * sum(n * n for n in prompts)) / p_steps
-    step = (SCALE + SLOPE * tokens / duration) * engine + OVERHEAD
+    step = step_of(engine, tokens / duration)
     prefill = {"steps": p_steps, "step_seqs": len(prompts), "step_tokens": sum(prompts),
                "step_context_tokens": sum(prompts), "step_seconds": p_steps * step}
     records = [{"outcome": "ok", "prompt_tokens": n} for n in prompts] + [{"outcome": "not_sent", "prompt_tokens": 9999}]
@@ -31,12 +39,12 @@ def _run(label: str, decode_role: str, prefill_role: str, rate: float, prompts: 
                                 f"{prefill_role}/prefix": {"prompt_tokens": sum(prompts), "prefix_cache_hit_tokens": 0}}}
 
 
-def _result() -> dict:
+def _result(step_of=_step) -> dict:
     prompts = [40, 90, 300, 1000, 120, 64] * 10
     runs = []
     for rate in (1.0, 2.0, 4.0, 6.0, 8.0):
-        runs.append(_run("disaggregated", "decode", "prefill", rate, prompts[: 20 + int(rate) * 5]))
-        runs.append(_run("colocated", "colocated", "colocated", rate, prompts[: 20 + int(rate) * 5]))
+        runs.append(_run("disaggregated", "decode", "prefill", rate, prompts[: 20 + int(rate) * 5], step_of))
+        runs.append(_run("colocated", "colocated", "colocated", rate, prompts[: 20 + int(rate) * 5], step_of))
     runs.append({"label": "other", "rate": 1.0, "duration_s": 10.0, "records": [], "server_counters": None})
     return {"runs": runs}
 
@@ -59,6 +67,20 @@ def test_the_fits_recover_the_step_costs_each_cluster_ran_with():
         assert q["mean_abs_pct_error"] < 1e-4
 
 
+def test_with_a_closed_loop_fit_its_split_of_what_the_trace_cannot_tell_apart_is_kept():
+    # a probe's fits with the right ratios (b : c for decode, scale : overhead for prefill), but
+    # measured on a machine 20% slower than the trace's runs
+    shapes = {"decode": {"decode": {"b": 2 * DECODE[1], "c": 2 * DECODE[2]},
+                         "prefill": {"scale": SCALE / 2, "overhead_s": OVERHEAD / 2}}}
+    fitted = fit_bench([_result(_shaped_step)], ENGINE, shapes=shapes)
+    d, q = fitted["decode"]["decode"], fitted["decode"]["prefill"]
+    assert (d["a"], d["b"], d["c"]) == pytest.approx(DECODE, rel=1e-5)
+    assert d["shape_from"] == shapes["decode"]["decode"]
+    assert (q["scale"], q["overhead_s"], q["load_slope"]) == pytest.approx((SCALE, OVERHEAD, SLOPE / SCALE), rel=1e-5)
+    assert q["shape_from"] == shapes["decode"]["prefill"]
+    assert "shape_from" not in fitted["colocated"]["decode"]  # no probe of that cluster: fitted whole
+
+
 def test_no_counters_is_a_clear_error():
     with pytest.raises(RuntimeError, match="server_counters"):
         fit_bench([{"runs": [{"label": "x", "rate": 1.0, "duration_s": 5.0, "server_counters": None}]}], ENGINE)
@@ -73,14 +95,22 @@ def test_add_bench_replaces_the_live_fits_but_keeps_the_idle_ttft_and_the_host_s
               "prefill": ENGINE, "decode": {"a": 0.004, "b": 1e-6, "c": 5e-3},
               "kv_capacity_tokens": 100000, "kv_bytes_per_token": 9216,
               "serving": {"decode_token_s": 1e-3, "cpu_per_token_s": 3e-3, "host_cores": 2},
-              "live": {"decode": {"decode": {"a": 1, "b": 1, "c": 1}, "idle_ttft_s": {"64": 0.05, "768": 0.3}}}}
+              "live": {"decode": {"decode": {"a": 1, "b": DECODE[1], "c": DECODE[2]},
+                                  "prefill": {"a": 0.02, "b": 4e-4, "c": 2e-7, "scale": 2 * SCALE,
+                                              "overhead_s": 2 * OVERHEAD},
+                                  "idle_ttft_s": {"64": 0.05, "768": 0.3}}}}
     ctx = PlanContext(model_shape("builtin:tiny-llama"), load_catalog(), coefficients=coeffs)
     disagg = Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), 2048, 256)
     assert build_cluster(disagg, ctx).host_cpu_per_token_s == pytest.approx(2e-3)
-    add_bench(coeffs, [_result()])
+    add_bench(coeffs, [_result(_shaped_step)])
     live = coeffs["live"]["decode"]
     assert live["idle_ttft_s"] == {"64": 0.05, "768": 0.3} and "idle_ttft_s" not in coeffs["live"]["colocated"]
     assert (live["decode"]["a"], live["decode"]["c"]) == pytest.approx((DECODE[0], DECODE[2]), rel=1e-5)
+    assert live["prefill"]["shape_from"] == {"scale": 2 * SCALE, "overhead_s": 2 * OVERHEAD}
+    refit = json.loads(json.dumps(coeffs))
+    add_bench(refit, [_result(_shaped_step)])  # a second fit takes the same shapes (shape_from), not its own
+    assert refit["live"]["decode"]["prefill"]["shape_from"] == live["prefill"]["shape_from"]
+    assert refit["live"]["decode"]["prefill"]["scale"] == pytest.approx(live["prefill"]["scale"], rel=1e-9)
     cluster = build_cluster(disagg, ctx)
     assert cluster.host_cpu_per_token_s == 0.0  # the runs' step costs have the serving path's share in them
     assert cluster.decode[0].cost.decode == pytest.approx(DECODE, rel=1e-5)
