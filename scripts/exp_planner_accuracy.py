@@ -307,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                          "= 0); all of the serving path's CPU then competes for the host's cores")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="do not carry prefix caches from one run to the next (each run starts cold)")
+    ap.add_argument("--calibrate-from", type=Path, nargs="+", default=None, metavar="RESULT.json",
+                    help="first fit each cluster's step costs to these bench serve runs' worker counters "
+                         "(`pdcluster plan calibrate --from-bench`, into a copy of --coefficients): runs other "
+                         "than the ones compared (another --sample-seed / --seed)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--median", action="store_true",
@@ -327,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     overrides = dict(s.split("=", 1) for s in args.system)
     coeffs = load_coefficients(args.coefficients)
+    if args.calibrate_from:
+        from planner.calibrate_bench import add_bench
+
+        add_bench(coeffs, [json.loads(p.read_text()) for p in args.calibrate_from], [str(p) for p in args.calibrate_from])
     if args.no_worker_streaming and coeffs.get("serving"):  # a sensitivity check: all serving CPU on the host
         coeffs["serving"]["decode_token_s"] = 0.0
     ctx = PlanContext(from_checkpoint(coeffs["model"]), load_catalog(), coefficients=coeffs)
@@ -365,9 +373,13 @@ def main(argv: list[str] | None = None) -> int:
             f"on {sv.get('host_cores')} shared cores)"), ""]
     for role, live in sorted((coeffs.get("live") or {}).items()):
         d, q = live["decode"], live.get("prefill") or {}
+        where = (f"fitted to the worker counters of bench serve runs {', '.join(live.get('results') or [])}; these "
+                 f"replace the above for its workers' steps, no host processor sharing on top"
+                 if live.get("source") == "bench" else
+                 f"measured under load {live.get('date')}; these replace the above for its workers' steps; "
+                 f"the serving path's CPU still floats over the host")
         head.insert(-1, f"Live step costs of the {'colocated' if role == 'colocated' else 'disaggregated'} cluster "
-                        f"(measured under load {live.get('date')}; these replace the above for its workers' steps; "
-                        f"the serving path's CPU still floats over the host): decode {d['a'] * 1e3:.2f} ms + {d['b'] * 1e6:.2f} "
+                        f"({where}): decode {d['a'] * 1e3:.2f} ms + {d['b'] * 1e6:.2f} "
                         f"us/context token + {d['c'] * 1e3:.2f} ms/sequence (fit error mean "
                         f"{d['mean_abs_pct_error']:.1f}%)" + (
                             f"; prefill {q['scale']:.2f}x the engine fit + {q.get('overhead_s', 0.0) * 1e3:.1f} ms, "

@@ -82,3 +82,41 @@ def test_the_median_of_repeated_measurements_is_what_the_simulation_is_compared_
     assert sorted(r["ttft_p90"]["error_pct"] for r in spread) == [
         pytest.approx(-100 * 30 / 110), 0.0, pytest.approx(100 * 30 / 90)]
     assert "mean absolute difference 20.2%" in acc.error_table(spread, "others / this run (difference)")[-1]
+
+
+def test_calibrate_from_fits_the_step_costs_to_other_runs_before_simulating(acc, tmp_path, capsys):
+    import json
+
+    def counters(rate: float) -> dict:  # colocated workers: decode 10 ms + 20 us/context token; prefill 2x engine
+        steps, batch = 1000.0, 1.0 + rate / 2
+        ctx = 150.0 * batch + 30.0 * rate**2
+        prefill = {"steps": 40.0, "step_seqs": 40.0, "step_tokens": 4000.0, "step_context_tokens": 4000.0}
+        engine = 0.00748 + (0.0002316 * 4000 + 9.5e-8 * 40 * 100**2) / 40
+        prefill["step_seconds"] = 40 * 2 * engine
+        return {"colocated/decode": {"steps": steps, "step_seqs": batch * steps, "step_tokens": 5000.0,
+                                     "step_context_tokens": ctx * steps,
+                                     "step_seconds": steps * (0.010 + 20e-6 * ctx)},
+                "colocated/prefill": prefill}
+
+    calib = {"runs": [{"label": "colocated", "rate": r, "duration_s": 30.0,
+                       "records": [{"outcome": "ok", "prompt_tokens": 100}] * 40, "server_counters": counters(r)}
+                      for r in (1.0, 2.0, 4.0, 8.0)]}
+    recs = [{"index": i, "outcome": "ok", "start_s": i * 0.5, "prompt_tokens": 100, "expected_prompt_tokens": 100,
+             "expected_output_tokens": 8, "ttft_s": 0.1, "tpot_s": 0.01} for i in range(6)]
+    measured = {"config": {"fresh_prompts": True},
+                "runs": [{"label": "colocated", "rate": 2.0, "records": recs, "summary": {},
+                          "started_at": "2026-11-30T00:00:00"}]}
+    from planner.cost_model import CPU_COEFFICIENTS
+
+    engine_only = {k: v for k, v in json.loads(CPU_COEFFICIENTS.read_text()).items() if k != "live"}
+    (tmp_path / "coeffs.json").write_text(json.dumps(engine_only))
+    (tmp_path / "calib.json").write_text(json.dumps(calib))
+    (tmp_path / "measured.json").write_text(json.dumps(measured))
+    assert acc.main([str(tmp_path / "measured.json"), "--calibrate-from", str(tmp_path / "calib.json"),
+                     "--coefficients", str(tmp_path / "coeffs.json"), "--json", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"fitted to the worker counters of bench serve runs {tmp_path / 'calib.json'}" in out
+    assert "no host processor sharing on top" in out
+    row = json.loads((tmp_path / "rows.json").read_text())["rows"][0]
+    # 6 requests, one at a time: a decode step of one sequence is about 10 ms + 20 us x 108 tokens
+    assert 11.0 < row["tpot_p50"]["simulated_ms"] < 14.0
