@@ -320,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="no simulation: compare the (first) result with a second measurement of the same "
                          "experiment, run by run, as the simulation is compared (the measurement's own spread)")
     args = ap.parse_args(argv)
+    if args.median and len(args.results) < 2:
+        ap.error("--median compares the simulation with the median of several measurements: give two or more "
+                 "result files")
     if args.repeat is not None:
         first, second = (json.loads(p.read_text()) for p in (args.results[0], args.repeat))
         rows = repeatability(first, second)
@@ -353,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(simulate_run(run, sims[run["label"]], ctx.block_size,
                                      bool(result.get("config", {}).get("fresh_prompts"))))
     spread_lines: list[str] = []
-    if args.median and len(per_file) > 1:
+    if args.median:
         rows, spread = median_rows(per_file)
         spread_lines = ["", f"Each of the {len(per_file)} measurements against the median of the others (the "
                         "measurement's own spread):", "", *error_table(spread, "others / this run (difference)")]

@@ -120,3 +120,8 @@ def test_calibrate_from_fits_the_step_costs_to_other_runs_before_simulating(acc,
     row = json.loads((tmp_path / "rows.json").read_text())["rows"][0]
     # 6 requests, one at a time: a decode step of one sequence is about 10 ms + 20 us x 108 tokens
     assert 11.0 < row["tpot_p50"]["simulated_ms"] < 14.0
+
+
+def test_median_of_one_measurement_is_refused(acc, tmp_path):
+    with pytest.raises(SystemExit):
+        acc.main([str(tmp_path / "only.json"), "--median"])
