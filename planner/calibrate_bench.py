@@ -20,6 +20,10 @@ calibrate_serving.fit_live fits its windows (least squares on relative error, co
 The cluster of a run is read from its counters: `colocated/decode` -> the
 colocated cluster, `decode/decode` -> the disaggregated one. Several result files pool their runs.
 
+The serving path's fixed share of TTFT comes, as the probe's single stream gives it, from the
+requests of the lowest-rate run that arrived with none other in flight (`idle_ttft_s`: their median
+TTFT per prompt length; PlanContext.idle_ttft_overhead takes the intercept).
+
 What goes into the coefficients file is `live` as the probe writes it, with `source: "bench"`:
 these step costs were measured under a trace's load with the serving path running, so the
 simulator adds no processor sharing of its own on top (planner/plan.py build_cluster). The runs
@@ -29,6 +33,7 @@ use a different sample of the trace and different arrivals (`bench serve --sampl
 
 from __future__ import annotations
 
+import statistics
 from datetime import datetime, timezone
 from typing import Any
 
@@ -78,11 +83,14 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
     `shapes[cluster]` (`shapes_of`: a closed-loop probe's fits) fixes how a step grows with its
     batch against its context, and a prefill step with its prompt (`_fit_decode`, `_fit_prefill`)."""
     by_cluster: dict[str, list[dict[str, Any]]] = {}
+    slowest: dict[str, dict[str, Any]] = {}  # per cluster, its run at the lowest rate
     for result in results:
         for run in result.get("runs", []):
             got = run_samples(run, engine_prefill)
             if got is not None:
                 by_cluster.setdefault(got[0], []).extend(got[1])
+                if got[0] not in slowest or (run.get("rate") or 0) < (slowest[got[0]].get("rate") or 0):
+                    slowest[got[0]] = run
     if not by_cluster:
         raise RuntimeError("no run with worker step counters (server_counters): was it a pdcluster endpoint?")
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -96,6 +104,11 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
                                  "decode": _fit_decode(decode, shape.get("decode"))}
         if len(prefill) >= 3:
             entry["prefill"] = _fit_prefill(prefill, engine_prefill, shape.get("prefill"))
+        idle = idle_ttft(slowest[cluster])
+        if len(idle) >= 2:
+            entry["idle_ttft_s"] = idle
+            entry["idle_ttft_from"] = (f"{sum(len(v) for v in _isolated(slowest[cluster]).values())} requests of the "
+                                       f"{slowest[cluster].get('rate')} req/s run that arrived with none in flight")
         entry.update({"results": sources or [], "runs": len(decode), "date": date,
                       "method": "one window per bench serve run (rate, endpoint): the workers' step counters "
                                 "over the run; fitted on relative error, coefficients >= 0 "
@@ -103,6 +116,27 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
                       "samples": samples})
         out[cluster] = entry
     return out
+
+
+def _isolated(run: dict[str, Any]) -> dict[int, list[float]]:
+    """{prompt tokens: TTFTs} of the run's requests that arrived while no other was in flight (the
+    one before had its last token already)."""
+    recs = sorted((r for r in run.get("records", []) if r.get("start_s") is not None), key=lambda r: r["start_s"])
+    out: dict[int, list[float]] = {}
+    busy_until = float("-inf")
+    for r in recs:
+        if r.get("outcome") == "ok" and r.get("ttft_s") and r["start_s"] > busy_until:
+            out.setdefault(int(r.get("prompt_tokens") or r.get("expected_prompt_tokens") or 0), []).append(r["ttft_s"])
+        end = r.get("end_s")
+        busy_until = max(busy_until, end if end is not None else float("inf"))
+    return out
+
+
+def idle_ttft(run: dict[str, Any]) -> dict[str, float]:
+    """{prompt tokens: median TTFT} over the run's requests that arrived with none in flight: the
+    serving path's fixed share plus one prefill (and KV transfer) at each length, as the
+    closed-loop probe's single stream measures it (planner.plan.PlanContext.idle_ttft_overhead)."""
+    return {str(n): statistics.median(v) for n, v in sorted(_isolated(run).items()) if n > 0}
 
 
 def _fit_decode(decode: list[dict[str, Any]], shape: dict[str, float] | None) -> dict[str, Any]:
@@ -155,12 +189,12 @@ def shapes_of(live: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
 
 def add_bench(coeffs: dict[str, Any], results: list[dict[str, Any]], sources: list[str] | None = None,
               ) -> dict[str, dict[str, Any]]:
-    """Fit `results` (fit_bench, prefill as a ratio to coeffs' engine fit) into coeffs["live"]; a
-    cluster's earlier entry keeps only its `idle_ttft_s` (the serving path's fixed share of TTFT,
-    which a trace cannot separate from queueing). Returns the new entries."""
+    """Fit `results` (fit_bench, prefill as a ratio to coeffs' engine fit) into coeffs["live"]; of
+    a cluster's earlier entry only its `idle_ttft_s` is kept, where the runs had too few requests
+    that arrived with none in flight to take it from. Returns the new entries."""
     live = coeffs.setdefault("live", {})
     fitted = fit_bench(results, coeffs["prefill"], sources, shapes_of(live))
     for cluster, entry in fitted.items():
         idle = (live.get(cluster) or {}).get("idle_ttft_s")
-        live[cluster] = {**entry, **({"idle_ttft_s": idle} if idle else {})}
+        live[cluster] = {**({"idle_ttft_s": idle} if idle else {}), **entry}
     return fitted

@@ -131,3 +131,21 @@ def test_the_command_writes_live_into_the_coefficients_file(tmp_path, capsys):
     assert "disaggregated cluster, 5 runs" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="missing.json"):
         main(["calibrate", "--from-bench", str(tmp_path / "missing.json"), "--out", str(coeffs)])
+
+
+def test_the_fixed_ttft_share_comes_from_requests_that_arrived_with_none_in_flight():
+    from planner.calibrate_bench import idle_ttft
+
+    def rec(start: float, end: float, prompt: int, ttft: float) -> dict:
+        return {"outcome": "ok", "start_s": start, "end_s": end, "prompt_tokens": prompt, "ttft_s": ttft}
+
+    run = {"rate": 1.0, "records": [
+        rec(0.0, 0.5, 64, 0.05), rec(1.0, 1.5, 64, 0.07),   # alone: both count (median 0.06)
+        rec(2.0, 3.0, 768, 0.30), rec(2.5, 3.2, 256, 0.90),  # the second arrived while the first ran
+        rec(4.0, 4.4, 256, 0.12), {"outcome": "failed", "start_s": 5.0, "end_s": 5.1, "prompt_tokens": 32},
+        rec(6.0, 6.5, 32, 0.04)]}
+    assert idle_ttft(run) == {"32": 0.04, "64": pytest.approx(0.06), "256": 0.12, "768": 0.30}
+    fitted = fit_bench([_result(), {"runs": [{**_run("colocated", "colocated", "colocated", 0.5, [64] * 20),
+                                              "records": run["records"]}]}], ENGINE)
+    assert fitted["colocated"]["idle_ttft_s"] == idle_ttft(run)  # from the lowest-rate run
+    assert "idle_ttft_s" not in fitted["decode"]  # its runs' records have no times: nothing to take
