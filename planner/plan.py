@@ -121,9 +121,10 @@ class PlanContext:
         pool = plan.prefill or plan.decode
         cost = self.cost(pool, "prefill" if plan.prefill else "colocated")
         xs, ys = [], []
+        in_step = bool((live or {}).get("prefill"))  # the live prefill step has the KV transfer in it
         for prompt, ttft in idle.items():
             n = int(prompt)
-            transfer = 0.0 if plan.mode == "colocated" else (
+            transfer = 0.0 if plan.mode == "colocated" or in_step else (
                 o.kv_latency_s + n * cost.kv_bytes_per_token / (self.link_gbps(pool) * 1e9))
             xs.append(cost.prefill_time(n, n * n, 0, 1))
             ys.append(ttft - transfer)
@@ -166,9 +167,12 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
     live = live_for(ctx.coefficients or {}, plan.mode if plan.mode == "colocated" else "decode") if cpu else None
     if (live or {}).get("source") == "bench":
         host_cpu = 0.0
+    # a live prefill fit is of the prefill workers' step counters, which include sending the KV and
+    # the commit (PrefillEngine.step): the simulator must not add them again
+    in_step = plan.mode == "disaggregated" and bool((live or {}).get("prefill"))
     return ClusterSpec(plan.mode, prefill, decode, o.kv_latency_s, layerwise=not cpu, num_layers=ctx.model.num_layers,
                        router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,
-                       host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu)
+                       host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu, transfer_in_step=in_step)
 
 
 def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:

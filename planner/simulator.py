@@ -15,7 +15,9 @@ real code, with step times from a cost model (cost_model.py) instead of forward 
         layer may leave after 1/L of the step, the last one after the step. The prefill worker
         commits each finished prompt's transfer before its next step (PrefillEngine.step does).
         Commit = the first token (TTFT ends first_token_out_s later) and the sequence joins the
-        decode worker's batch at its next step.
+        decode worker's batch at its next step. With `transfer_in_step` (prefill step costs
+        measured on serving workers, whose step counters include the sends and the commit) a
+        prompt is committed when its step ends, nothing added.
     engine lock: a decode (or colocated) worker holds its engine's lock for a whole step, and a
         Reserve and a KV commit need it: they complete when the step in progress ends. The router
         counts a request on a worker only once its Reserve returned, so requests that arrive
@@ -90,6 +92,9 @@ class ClusterSpec:
     # None = no sharing (accelerators; the host has cores to spare)
     host_cores: int | None = None
     host_cpu_per_token_s: float = 0.0  # serving-path CPU per streamed token
+    # The prefill step costs were measured on serving workers, whose step counters include sending
+    # the KV and the commit (PrefillEngine.step): a prompt is committed when its step ends.
+    transfer_in_step: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -511,6 +516,9 @@ class Simulator:
                 if waiting_reserve:
                     retry_reservations(now)
                 return
+            if c.transfer_in_step:  # measured within the step: the commit's wait for the decode lock too
+                commit(s, now, in_step=True)
+                return
             nbytes = s.prompt * w.cost.kv_bytes_per_token
             gbps = min(w.spec.link_gbps, d.spec.link_gbps)
             dur = nbytes / (gbps * 1e9)
@@ -525,9 +533,10 @@ class Simulator:
             w.pending_commits += 1
             push(end + c.kv_latency_s, COMMIT, s)
 
-        def commit(s: _Seq, now: float) -> None:
+        def commit(s: _Seq, now: float, in_step: bool = False) -> None:
+            """`in_step`: done by the prefill step that just ended (transfer_in_step), lock wait included."""
             p, d = s.p, s.d
-            if d.locked:  # the decode worker is in a step: the commit waits for its engine lock
+            if d.locked and not in_step:  # the decode worker is in a step: the commit waits for its engine lock
                 d.lock_waiters.append((COMMIT, s))
                 return
             p.inflight -= 1
@@ -539,6 +548,8 @@ class Simulator:
             else:
                 d.committed.append(s)
                 wake(d, now)
+            if in_step:
+                return
             p.pending_commits -= 1
             if not p.pending_commits:  # the prefill engine thread goes on
                 start_step(p, now)

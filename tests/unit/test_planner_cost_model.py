@@ -131,9 +131,10 @@ def test_live_step_costs_replace_the_engine_fit_per_role():
 
 
 def test_the_fixed_ttft_share_comes_from_the_idle_ttft_of_a_live_calibration():
-    """TTFT with one stream = fixed serving share + prefill (+ KV transfer when disaggregated): the
-    planner takes the modelled parts away; the fixed share, less the first token's trip out, is the
-    router-in delay the simulator adds."""
+    """TTFT with one stream = fixed serving share + prefill: the planner takes the modelled part away;
+    the fixed share, less the first token's trip out, is the router-in delay the simulator adds. A
+    live prefill step (the worker's own step counters) has the KV transfer and commit in it, so
+    nothing is taken for a transfer, and the simulator adds none (transfer_in_step)."""
     from planner.catalog import load_catalog as catalog
     from planner.models import model_shape
     from planner.plan import Plan, PlanContext, Pool, build_cluster
@@ -143,8 +144,7 @@ def test_the_fixed_ttft_share_comes_from_the_idle_ttft_of_a_live_calibration():
     kv = {"latency": 0.002, "gbps": 1.0, "bytes": 9216}
 
     def idle(mode: str) -> dict[str, float]:
-        transfer = (lambda n: 0.0) if mode == "colocated" else (lambda n: kv["latency"] + n * kv["bytes"] / 1e9)
-        return {str(n): fixed[mode] + prefill["a"] + prefill["b"] * n + transfer(n) for n in (64, 256, 768)}
+        return {str(n): fixed[mode] + prefill["a"] + prefill["b"] * n for n in (64, 256, 768)}
 
     live = {m: {"decode": {"a": 0.007, "b": 5e-6, "c": 7e-4}, "prefill": prefill, "idle_ttft_s": idle(m)}
             for m in fixed}
@@ -159,5 +159,6 @@ def test_the_fixed_ttft_share_comes_from_the_idle_ttft_of_a_live_calibration():
     coloc = build_cluster(Plan("colocated", None, Pool("cpu", 2), 2048, 256), ctx)
     assert disagg.router_in_s == pytest.approx(0.030 - 0.007) and disagg.first_token_out_s == 0.007
     assert coloc.router_in_s == pytest.approx(0.050 - 0.007)
+    assert disagg.transfer_in_step and not coloc.transfer_in_step
     del live["colocated"]["idle_ttft_s"]  # without the measurement: the zero-load probe's split
     assert build_cluster(Plan("colocated", None, Pool("cpu", 2), 2048, 256), ctx).router_in_s == 0.007

@@ -47,6 +47,27 @@ def test_a_single_disaggregated_request_costs_the_sum_of_its_steps():
     assert (res.prefill_steps, res.decode_steps, res.finished) == (1, 19, 1)
 
 
+def test_a_prefill_step_measured_with_its_kv_transfer_in_it_is_not_charged_the_transfer_again():
+    """Live step costs come from the prefill worker's own step counters, which include sending the KV
+    and the commit (PrefillEngine.step): the prompt is committed when its step ends, also while the
+    decode worker is in a step (that wait was inside the measured step too)."""
+    c = _cost()
+    cluster = _cluster("disaggregated", kv_latency_s=0.002, layerwise=False, router_in_s=0.003,
+                       first_token_out_s=0.004, token_out_s=0.001, transfer_in_step=True)
+    res = Simulator(cluster).run([5.0], [300], [20])
+    prefill = c.prefill_time(300, 300 * 300)
+    assert res.ttft[0] == pytest.approx(0.003 + prefill + 0.004, rel=1e-9)
+    decode = sum(c.decode_time(1, 301 + i) for i in range(19))
+    assert res.e2e[0] == pytest.approx(0.003 + prefill + decode + 0.001, rel=1e-9)
+    # a second prompt finishing while the decode worker runs the first one's steps: no lock wait added
+    # the second arrives (at the router at t) inside the first one's 4th decode step: its Reserve
+    # waits for that step's end (T4), its prefill step then commits it at once
+    t = 0.003 + prefill + sum(c.decode_time(1, 301 + i) for i in range(3)) + 1e-4
+    t4 = 0.003 + prefill + sum(c.decode_time(1, 301 + i) for i in range(4))
+    two = Simulator(cluster).run([0.0, t - 0.003], [300, 10], [50, 2])
+    assert two.ttft[1] == pytest.approx(t4 + c.prefill_time(10, 10 * 10) + 0.004 - (t - 0.003), rel=1e-9)
+
+
 def test_a_single_colocated_request_costs_the_sum_of_its_steps_and_long_prompts_are_chunked():
     c = _cost()
     res = Simulator(_cluster("colocated")).run([0.0], [3000], [5])
