@@ -194,10 +194,15 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
           f"{len(reqs)} requests per run; SLO: {slo}", flush=True)
 
     plan = schedule(rates, eps)
+    from pdcluster.heap import freeze_startup_heap
+
     bar = tqdm(total=len(plan) * len(reqs), desc="bench serve", unit="req", disable=args.no_progress)
     reports: list[RunReport] = []
     try:
         for rate, e in plan:
+            # the tokenizer, the workloads and the earlier runs' records out of the collector's scans:
+            # a full collection over them (150 ms here) stalls every stream the client times
+            freeze_startup_heap()
             bar.set_postfix_str(f"{e.label} @ {'trace' if rate is None else f'{rate:g}/s'}")
             result, result_counters = counted(e.url, e.api_key, lambda e=e, rate=rate: run(
                 requests[rate], arrivals[rate].offsets, e, e.model or "", args.time_limit_s, lambda _rec: bar.update(),

@@ -7,13 +7,14 @@ that holds membership so `pdcluster status` / `down` can find everything later.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
 from typing import Any
 
 import ray
+
+from pdcluster.heap import freeze_startup_heap
 
 NAMESPACE = "pdcluster"
 CONTROLLER_NAME = "controller"
@@ -38,18 +39,6 @@ def pin_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except OSError:  # a thread that ended meanwhile
             pass
-
-
-def freeze_startup_heap() -> int:
-    """Take everything alive once a server has started (torch, transformers, the model, the
-    tokenizer: ~370k objects in a worker) out of the cyclic garbage collector's scans; returns how
-    many. A full collection walks every tracked object with the interpreter lock held: 185-205 ms
-    on this machine for a worker's heap, a stall of every thread of the process, due every so often
-    under load (one within 20 s of serving six streams) -- a TTFT / TPOT tail. Frozen, a full
-    collection scans only what was made since."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 @ray.remote(num_cpus=0)

@@ -107,6 +107,8 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
 
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = asyncio.run(fetch_model(EndpointConfig(url, api_key=api_key)))
+    from pdcluster.heap import freeze_startup_heap
+
     samples: list[dict[str, Any]] = []
     idle_ttft: dict[int, float] = {}  # prompt length -> client TTFT p50 with one stream (nothing queued)
     for p in prompt_lens:
@@ -115,6 +117,7 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
                                          synthetic_output=f"fixed:{output_tokens}"), tok, model)
         prompts = iter([r.prompt for r in w.requests])
         for b in levels:
+            freeze_startup_heap()  # a full collection over the client's heap would stall its streams
             delta, client, elapsed = asyncio.run(
                 _closed_loop(url, name, prompts, b, output_tokens, warmup_s, seconds, api_key))
             tpot, ttft = _median(client["tpot_s"]), _median(client["ttft_s"])

@@ -9,6 +9,7 @@ cluster stack (router + prefill + decode workers + router/http_api.py) in this p
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import threading
@@ -198,6 +199,7 @@ def test_cli_compares_two_systems_over_a_sweep_and_writes_json_markdown_and_plot
 
     out = tmp_path / "out"
     first = len(server.bodies)
+    gc.unfreeze()
     rc = main(["bench", "serve", "--endpoint", server.url("ok"), "--endpoint-label", "A",
                "--endpoint", server.url("multi"), "--endpoint-label", "B",
                "--workload", "azure-conv", "--num-requests", "4", "--max-context", "64", "--max-output", "4",
@@ -205,6 +207,8 @@ def test_cli_compares_two_systems_over_a_sweep_and_writes_json_markdown_and_plot
                "--time-limit-s", "30", "--out", str(out), "--no-progress"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
+    assert gc.get_freeze_count() > 0  # the client's setup heap is kept out of the collector's scans
+    gc.unfreeze()
     assert "Azure/AzurePublicDataset" in printed and "factor = min(1, max_context 64" in printed
     assert "prompt before" in printed and "prompt after" in printed
     # interleaved: rate 8 -> A then B, rate 16 -> B then A (each run's requests all come before the next's)
