@@ -82,8 +82,12 @@ def start(name: str, config: Path, out: Path, timeout_s: float = 300.0) -> tuple
     """`pdcluster up -c config` in the foreground; returns (process, http base URL) once healthy."""
     log = (out / f"{name}.log").open("w")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # its own process group (stopped as one), but this session: Linux's autogroup scheduler shares
+    # the CPU between sessions first, so a cluster in a session of its own took an equal share with
+    # the load generator whatever the niceness (Ray runs its workers at nice 15), and on 2 busy
+    # cores the client fell 0.3-1 s behind its arrival schedule and saw the same gaps in its streams
     proc = subprocess.Popen([sys.executable, "-m", "pdcluster.cli", "up", "-c", str(config), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, process_group=0)
     deadline = time.monotonic() + timeout_s
     url = None
     while time.monotonic() < deadline and proc.poll() is None:
