@@ -98,7 +98,9 @@ def run_notes(runs: list[RunReport]) -> list[str]:
         lag = r.summary.send_lag_ms.p99
         if lag is not None and lag > LAG_WARN_MS:
             out.append(f"{r.name}: p99 send lag {lag:.0f} ms: the client fell behind its arrival schedule "
-                       "(a busy machine?), so the offered load was lower than asked for")
+                       "(a busy machine?), so the offered load was lower than asked for, and its times of "
+                       "the answers are late by as much (on the server's machine: run the client in the "
+                       "server's login session, see docs/bench_serve.md)")
     if any(r.summary.tokens_per_chunk_assumed for r in runs):
         out.append("some chunks carried no token count (no logprobs, and the chunk count differs from the usage): "
                    "each chunk was counted as one token for ITL; TPOT uses the server's usage")
