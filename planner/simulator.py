@@ -20,8 +20,8 @@ real code, with step times from a cost model (cost_model.py) instead of forward 
         prompt is committed when its step ends, nothing added.
     engine lock: a decode (or colocated) worker holds its engine's lock for a whole step, and a
         Reserve and a KV commit need it: they complete when the step in progress ends. The router
-        counts a request on a worker only once its Reserve returned, so requests that arrive
-        meanwhile see the old counts (as WorkerPool.acquire after Reserve).
+        counts a request on a worker as it chooses it (WorkerPool.take), so requests that arrive
+        while its Reserve waits see it.
     decode worker: a decode step runs every running sequence, one token each (cost.decode_time);
         preempted sequences (out of blocks: the newest goes) are recomputed by a prefill step on
         that worker (prefill first: no mixed steps), which samples their next token.
