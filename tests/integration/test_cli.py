@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.ports import fixed_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,9 +22,7 @@ def _pdcluster(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return fixed_port()  # not an ephemeral port: nothing binding port 0 meanwhile can take it
 
 
 def test_up_detach_status_generate_down_from_a_shell(tmp_path):

@@ -14,7 +14,6 @@ import concurrent.futures as cf
 import dataclasses
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -30,6 +29,7 @@ from pdcluster.launcher import up
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import with_secret
+from tests.integration.ports import fixed_port
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +64,7 @@ def reference(builtin_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return fixed_port()  # not an ephemeral port: nothing binding port 0 meanwhile can take it
 
 
 def _stub(w: dict, secret: str | None):
