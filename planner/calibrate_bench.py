@@ -37,7 +37,6 @@ import statistics
 from datetime import datetime, timezone
 from typing import Any
 
-from planner.calibrate import fit
 from planner.calibrate_serving import fit_decode, fit_prefill
 
 ROLES = {"decode": ("decode", "prefill"), "colocated": ("colocated", "colocated")}  # cluster -> (decode, prefill) worker role
@@ -81,7 +80,7 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
     """{cluster: live entry} for each cluster the results' runs measured ("decode": the
     disaggregated one, "colocated"), as calibrate_serving.probe_live writes it plus `source`.
     `shapes[cluster]` (`shapes_of`: a closed-loop probe's fits) fixes how a step grows with its
-    batch against its context, and a prefill step with its prompt (`_fit_decode`, `_fit_prefill`)."""
+    batch against its context, and a prefill step with its prompt (`shape` of fit_decode / fit_prefill)."""
     by_cluster: dict[str, list[dict[str, Any]]] = {}
     slowest: dict[str, dict[str, Any]] = {}  # per cluster, its run at the lowest rate
     for result in results:
@@ -101,14 +100,16 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
         prefill = [s for s in samples if s["phase"] == "prefill"]
         shape = (shapes or {}).get(cluster) or {}
         entry: dict[str, Any] = {"source": "bench", "decode_role": decode_role,
-                                 "decode": _fit_decode(decode, shape.get("decode"))}
+                                 "decode": fit_decode(decode, shape.get("decode"))}
         if len(prefill) >= 3:
-            entry["prefill"] = _fit_prefill(prefill, engine_prefill, shape.get("prefill"))
-        idle = idle_ttft(slowest[cluster])
+            entry["prefill"] = fit_prefill(prefill, [s["engine_s"] for s in prefill],
+                                           [s["decode_tokens_per_s"] for s in prefill], engine_prefill,
+                                           shape.get("prefill"))
+        idle, alone = idle_ttft(slowest[cluster])
         if len(idle) >= 2:
             entry["idle_ttft_s"] = idle
-            entry["idle_ttft_from"] = (f"{sum(len(v) for v in _isolated(slowest[cluster]).values())} requests of the "
-                                       f"{slowest[cluster].get('rate')} req/s run that arrived with none in flight")
+            entry["idle_ttft_from"] = (f"{alone} requests of the {slowest[cluster].get('rate')} req/s run that "
+                                       "arrived with none in flight")
         entry.update({"results": sources or [], "runs": len(decode), "date": date,
                       "method": "one window per bench serve run (rate, endpoint): the workers' step counters "
                                 "over the run; fitted on relative error, coefficients >= 0 "
@@ -132,44 +133,12 @@ def _isolated(run: dict[str, Any]) -> dict[int, list[float]]:
     return out
 
 
-def idle_ttft(run: dict[str, Any]) -> dict[str, float]:
-    """{prompt tokens: median TTFT} over the run's requests that arrived with none in flight: the
-    serving path's fixed share plus one prefill (and KV transfer) at each length, as the
-    closed-loop probe's single stream measures it (planner.plan.PlanContext.idle_ttft_overhead)."""
-    return {str(n): statistics.median(v) for n, v in sorted(_isolated(run).items()) if n > 0}
-
-
-def _fit_decode(decode: list[dict[str, Any]], shape: dict[str, float] | None) -> dict[str, Any]:
-    """Every window of one trace has the same context per sequence, so batch and context move
-    together. With a closed-loop probe's fit (prompts of 64, 256 and 768 tokens apart) their ratio
-    is taken from it: a + k x (its b x context + its c x batch), a and k fitted here."""
-    if not shape:
-        return fit_decode(decode)
-    b, c = shape["b"], shape["c"]
-    (a, k), err = fit([[1.0, (b * s["step_context_tokens"] + c * s["step_seqs"]) / s["steps"]] for s in decode],
-                      [s["step_seconds"] / s["steps"] for s in decode])
-    return {"a": a, "b": k * b, "c": k * c, "shape_from": {"b": b, "c": c}, **err,
-            "formula": "a + b * sum_context + c * batch; b : c as in shape_from (a closed-loop probe's)"}
-
-
-def _fit_prefill(prefill: list[dict[str, Any]], engine_prefill: dict[str, float],
-                 shape: dict[str, float] | None) -> dict[str, Any]:
-    """The runs of one trace all mix the same prompt lengths, so their windows cannot tell a
-    per-step cost from a per-token one (scale and overhead_s move together). With a closed-loop
-    probe's fit (prompts of 64, 256 and 768 tokens apart) that split is taken from it: the step is
-    k x (its scale x E + its overhead_s) x (1 + s x T), k and s fitted here."""
-    tps = [s["decode_tokens_per_s"] for s in prefill]
-    if not shape:
-        return fit_prefill(prefill, [s["engine_s"] for s in prefill], tps, engine_prefill)
-    r, o = shape["scale"], shape["overhead_s"]
-    shaped = [r * s["engine_s"] + o for s in prefill]
-    (k, ks), err = fit([[e, e * t] for e, t in zip(shaped, tps)], [s["step_seconds"] / s["steps"] for s in prefill])
-    k = max(k, 1e-9)
-    a, b, c = (engine_prefill[x] for x in "abc")
-    return {"a": k * (r * a + o), "b": k * r * b, "c": k * r * c, "scale": k * r, "load_slope": ks / k,
-            "overhead_s": k * o, "shape_from": {"scale": r, "overhead_s": o}, **err,
-            "formula": "(scale x the engine's prefill fit + overhead_s) x (1 + load_slope x decode tokens/s); "
-                       "scale / overhead_s as in shape_from (a closed-loop probe's), times one factor"}
+def idle_ttft(run: dict[str, Any]) -> tuple[dict[str, float], int]:
+    """({prompt tokens: median TTFT}, how many requests) over the run's requests that arrived with
+    none in flight: the serving path's fixed share plus one prefill (and KV transfer) at each length,
+    as the closed-loop probe's single stream measures it (planner.plan.PlanContext.idle_ttft_overhead)."""
+    alone = {n: v for n, v in _isolated(run).items() if n > 0}
+    return {str(n): statistics.median(v) for n, v in sorted(alone.items())}, sum(map(len, alone.values()))
 
 
 def shapes_of(live: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:

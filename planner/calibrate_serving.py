@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from loadgen.server_counters import PREFIX, STEP_FIELDS, delta, scrape_counters
+from pdcluster.heap import freeze_startup_heap
 from planner.calibrate import fit
 
 LEVELS = (1, 2, 4, 8, 16, 32)
@@ -107,8 +108,6 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
 
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = asyncio.run(fetch_model(EndpointConfig(url, api_key=api_key)))
-    from pdcluster.heap import freeze_startup_heap
-
     samples: list[dict[str, Any]] = []
     idle_ttft: dict[int, float] = {}  # prompt length -> client TTFT p50 with one stream (nothing queued)
     for p in prompt_lens:
@@ -167,28 +166,49 @@ def fit_live(samples: list[dict[str, Any]], decode_role: str = "decode",
     return out
 
 
-def fit_decode(decode: list[dict[str, Any]]) -> dict[str, Any]:
-    """Windows of decode step counters -> mean step = a + b * mean sum(context) + c * mean batch."""
+def fit_decode(decode: list[dict[str, Any]], shape: dict[str, float] | None = None) -> dict[str, Any]:
+    """Windows of decode step counters -> mean step = a + b * mean sum(context) + c * mean batch.
+    `shape` ({b, c}, another fit's): where the windows cannot tell batch from context (one trace:
+    the same context per sequence in every window), their ratio is taken from it and only a and a
+    factor k on both are fitted (recorded as `shape_from`)."""
     if len(decode) < 3:
         raise RuntimeError(f"too few decode samples ({len(decode)}): is the cluster serving?")
-    dc, derr = fit([[1.0, s["step_context_tokens"] / s["steps"], s["step_seqs"] / s["steps"]] for s in decode],
-                   [s["step_seconds"] / s["steps"] for s in decode])
-    return {"a": dc[0], "b": dc[1], "c": dc[2], **derr, "formula": "a + b * sum_context + c * batch"}
+    y = [s["step_seconds"] / s["steps"] for s in decode]
+    ctx = [s["step_context_tokens"] / s["steps"] for s in decode]
+    batch = [s["step_seqs"] / s["steps"] for s in decode]
+    if shape:
+        (a, k), err = fit([[1.0, shape["b"] * x + shape["c"] * n] for x, n in zip(ctx, batch)], y)
+        b, c, extra = k * shape["b"], k * shape["c"], {"shape_from": dict(shape)}
+    else:
+        (a, b, c), err = fit([[1.0, x, n] for x, n in zip(ctx, batch)], y)
+        extra = {}
+    return {"a": a, "b": b, "c": c, **extra, **err, "formula": "a + b * sum_context + c * batch"}
 
 
 def fit_prefill(prefill: list[dict[str, Any]], engine: list[float], tps: list[float],
-                engine_prefill: dict[str, float]) -> dict[str, Any]:
+                engine_prefill: dict[str, float], shape: dict[str, float] | None = None) -> dict[str, Any]:
     """Windows of prefill step counters, with the engine fit's mean step (`engine`) and the decode
     tokens per second (`tps`) of each window -> mean step = (r + s x T) x E + o. A few prompt
     lengths cannot pin three coefficients: the engine's shape is kept, scaled, plus a fixed cost per
     step, the scale growing with the decode tokens streamed per second meanwhile (the serving path's
-    CPU per token shares the prefill worker's core)."""
+    CPU per token shares the prefill worker's core). `shape` ({scale, overhead_s}, another fit's):
+    where the windows cannot tell a per-step cost from a per-token one (one trace: the same prompt
+    mix in every window), that split is taken from it: k x (r E + o) x (1 + s x T), k and s fitted."""
+    y = [s["step_seconds"] / s["steps"] for s in prefill]
+    if shape:
+        shaped = [shape["scale"] * e + shape["overhead_s"] for e in engine]
+        (k, ks), err = fit([[x, x * t] for x, t in zip(shaped, tps)], y)
+        k = max(k, 1e-9)
+        scale, overhead, slope = k * shape["scale"], k * shape["overhead_s"], ks / k
+        extra = {"shape_from": dict(shape)}
+    else:
+        (scale, r1, overhead), err = fit([[e, e * t, 1.0] for e, t in zip(engine, tps)], y)
+        scale = max(scale, 1e-9)
+        slope, extra = r1 / scale, {}
     a, b, c = (engine_prefill[k] for k in "abc")
-    (r0, r1, o), perr = fit([[e, e * t, 1.0] for e, t in zip(engine, tps)],
-                            [s["step_seconds"] / s["steps"] for s in prefill])
-    r0 = max(r0, 1e-9)
-    return {"a": r0 * a + o, "b": r0 * b, "c": r0 * c, "scale": r0, "load_slope": r1 / r0, "overhead_s": o,
-            **perr, "formula": "(scale x the engine's prefill fit + overhead_s) x (1 + load_slope x decode tokens/s)"}
+    return {"a": scale * a + overhead, "b": scale * b, "c": scale * c, "scale": scale, "load_slope": slope,
+            "overhead_s": overhead, **extra, **err,
+            "formula": "(scale x the engine's prefill fit + overhead_s) x (1 + load_slope x decode tokens/s)"}
 
 
 def add_live(coeffs: dict[str, Any], url: str, role: str = "decode", **kwargs: Any) -> dict[str, Any]:

@@ -144,8 +144,9 @@ def test_the_fixed_ttft_share_comes_from_requests_that_arrived_with_none_in_flig
         rec(2.0, 3.0, 768, 0.30), rec(2.5, 3.2, 256, 0.90),  # the second arrived while the first ran
         rec(4.0, 4.4, 256, 0.12), {"outcome": "failed", "start_s": 5.0, "end_s": 5.1, "prompt_tokens": 32},
         rec(6.0, 6.5, 32, 0.04)]}
-    assert idle_ttft(run) == {"32": 0.04, "64": pytest.approx(0.06), "256": 0.12, "768": 0.30}
+    assert idle_ttft(run) == ({"32": 0.04, "64": pytest.approx(0.06), "256": 0.12, "768": 0.30}, 5)
     fitted = fit_bench([_result(), {"runs": [{**_run("colocated", "colocated", "colocated", 0.5, [64] * 20),
                                               "records": run["records"]}]}], ENGINE)
-    assert fitted["colocated"]["idle_ttft_s"] == idle_ttft(run)  # from the lowest-rate run
+    assert fitted["colocated"]["idle_ttft_s"] == idle_ttft(run)[0]  # from the lowest-rate run
+    assert fitted["colocated"]["idle_ttft_from"].startswith("5 requests of the 0.5 req/s run")
     assert "idle_ttft_s" not in fitted["decode"]  # its runs' records have no times: nothing to take
