@@ -114,23 +114,30 @@ class PlanContext:
         `idle_ttft_s`): the intercept of the line through (modelled prefill step, TTFT less the
         modelled KV transfer). The slope is not taken over: an idle prefill runs faster than the
         loaded ones the live prefill fit averages. None without such a measurement (or one length)."""
-        live = live_for(self.coefficients or {}, plan.mode if plan.mode == "colocated" else "decode")
-        idle = (live or {}).get("idle_ttft_s") or {}
+        idle = (live_for(self.coefficients or {}, plan.mode) or {}).get("idle_ttft_s") or {}
         if len(idle) < 2:
             return None
         pool = plan.prefill or plan.decode
         cost = self.cost(pool, "prefill" if plan.prefill else "colocated")
         xs, ys = [], []
-        in_step = bool((live or {}).get("prefill"))  # the live prefill step has the KV transfer in it
+        no_transfer = plan.mode == "colocated" or self.transfer_in_step(plan)
         for prompt, ttft in idle.items():
             n = int(prompt)
-            transfer = 0.0 if plan.mode == "colocated" or in_step else (
+            transfer = 0.0 if no_transfer else (
                 o.kv_latency_s + n * cost.kv_bytes_per_token / (self.link_gbps(pool) * 1e9))
             xs.append(cost.prefill_time(n, n * n, 0, 1))
             ys.append(ttft - transfer)
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         return max(0.0, my - slope * mx)
+
+    def transfer_in_step(self, plan: Plan) -> bool:
+        """Whether the prefill workers' step costs already contain sending the KV and the commit:
+        live ones (calibrate --serving-url / --from-bench) come from the workers' own step counters,
+        and PrefillEngine.step is timed around the layer sends and the commit (its wait for the
+        decode worker's lock too). The simulator then adds no transfer (ClusterSpec.transfer_in_step)."""
+        return (plan.prefill is not None and self.hardware(plan.prefill.hardware).is_cpu
+                and bool((live_for(self.coefficients or {}, "prefill") or {}).get("prefill")))
 
     def link_gbps(self, pool: Pool) -> float:
         hw = self.hardware(pool.hardware)
@@ -144,7 +151,7 @@ def worker_spec(plan: Plan, pool: Pool, ctx: PlanContext, role: str = "decode") 
     """`role`: prefill, decode or colocated (which calibrated step costs a cpu worker gets)."""
     slope = 0.0
     if role != "decode" and ctx.hardware(pool.hardware).is_cpu:
-        live = live_for(ctx.coefficients or {}, "colocated" if role == "colocated" else "decode") or {}
+        live = live_for(ctx.coefficients or {}, role) or {}
         slope = (live.get("prefill") or {}).get("load_slope", 0.0)
     return WorkerSpec(ctx.cost(pool, role), plan.max_num_batched_tokens, plan.max_num_seqs, ctx.block_size,
                       ctx.link_gbps(pool), pool.hardware, prefill_load_slope=slope)
@@ -164,15 +171,12 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
     # trace's arrivals. A live prefill step has its own fitted share instead (prefill_load_slope).
     # Step costs fitted to a trace's own runs (calibrate_bench: source "bench") have that share in them.
     host_cpu = max(0.0, serving.get("cpu_per_token_s", 0.0) - serving.get("decode_token_s", 0.0))
-    live = live_for(ctx.coefficients or {}, plan.mode if plan.mode == "colocated" else "decode") if cpu else None
-    if (live or {}).get("source") == "bench":
+    if cpu and (live_for(ctx.coefficients or {}, plan.mode) or {}).get("source") == "bench":
         host_cpu = 0.0
-    # a live prefill fit is of the prefill workers' step counters, which include sending the KV and
-    # the commit (PrefillEngine.step): the simulator must not add them again
-    in_step = plan.mode == "disaggregated" and bool((live or {}).get("prefill"))
     return ClusterSpec(plan.mode, prefill, decode, o.kv_latency_s, layerwise=not cpu, num_layers=ctx.model.num_layers,
                        router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,
-                       host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu, transfer_in_step=in_step)
+                       host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu,
+                       transfer_in_step=ctx.transfer_in_step(plan))
 
 
 def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:
