@@ -37,6 +37,7 @@ from loadgen.report import RunReport, failure_lines, run_notes, text_table, writ
 from loadgen.runner import run
 from loadgen.server_counters import counted
 from loadgen.workload import NAMED, Workload, WorkloadConfig, load_workload
+from pdcluster.heap import freeze_startup_heap
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,8 +195,6 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
           f"{len(reqs)} requests per run; SLO: {slo}", flush=True)
 
     plan = schedule(rates, eps)
-    from pdcluster.heap import freeze_startup_heap
-
     bar = tqdm(total=len(plan) * len(reqs), desc="bench serve", unit="req", disable=args.no_progress)
     reports: list[RunReport] = []
     try:
