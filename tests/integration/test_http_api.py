@@ -292,10 +292,15 @@ def test_no_kv_capacity_before_the_deadline_is_429(stack, spare):
             r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
             e = _error(r, 429)
             assert "no KV capacity" in e["message"] and r.headers["Retry-After"] == "1"
+            # every refused Reserve gave back the count the router took when it chose the worker
+            assert [w.inflight for w in router.pool.workers()] == [0, 0]
         finally:
             for rid in held:
                 stub.Abort(gen.AbortRequest(request_id=rid), timeout=10)
-            router.set_workers([])
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200  # and a served request gives back both workers' counts
+        assert [(w.inflight, w.inflight_tokens) for w in router.pool.workers()] == [(0, 0), (0, 0)]
+        router.set_workers([])
     _idle(stack)
 
 
