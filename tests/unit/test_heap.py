@@ -10,7 +10,9 @@ def test_frozen_objects_are_left_out_of_collections_and_later_ones_are_not():
     try:
         before = [[] for _ in range(1000)]
         frozen = freeze_startup_heap()
-        assert frozen >= 1000 and gc.get_freeze_count() == frozen
+        # Frozen objects can still die (by refcount, e.g. in another thread of the test process),
+        # so the count may only fall afterwards.
+        assert frozen >= 1000 and 0 < gc.get_freeze_count() <= frozen
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(x) in tracked for x in before)  # in the permanent generation: never scanned
         after = [[] for _ in range(10)]
