@@ -281,7 +281,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             worker_id=self.worker_id, role=self.role, running=len(sched.running), queued=queued,
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
             queued_prefill_tokens=self._queued_tokens, prefix_cache_hit_tokens=self._cached_tokens,
-            prompt_tokens=self._prompt_tokens, steps=step_stats_to_proto(self.step_totals),
+            prompt_tokens=self._prompt_tokens, **step_stats_to_proto(self.step_totals),
         )
 
     def stop(self, grace: float = 1.0) -> None:

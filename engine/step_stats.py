@@ -5,6 +5,11 @@ whole iteration -- the step plus handing its tokens to the response streams, the
 sees -- and adds both to its `StepTotals`. Workers report the totals in `WorkerStats.steps`, the
 router exports them as Prometheus counters, and `pdcluster plan calibrate --serving-url` fits the
 planner's cost model to them under real load.
+
+Decode steps are also summed by batch size, in power-of-two buckets (1, 2-3, 4-7, ...): a run's
+totals alone give one mean batch per run, which cannot tell the per-step cost from the
+per-sequence one, nor show how a step grows with the batch; the buckets do, from the same run
+(`pdcluster plan calibrate --from-bench` fits to them).
 """
 
 from __future__ import annotations
@@ -13,6 +18,17 @@ import threading
 from dataclasses import dataclass, field
 
 PHASES = ("prefill", "decode")
+BY_BATCH_PHASES = ("decode",)  # phases also summed per batch-size bucket
+
+
+def batch_bucket(seqs: int) -> int:
+    """The lower bound of the power-of-two bucket `seqs` falls in: 1, 2, 4, 8, ..."""
+    return 1 << (max(1, seqs).bit_length() - 1)
+
+
+def bucket_label(lo: int) -> str:
+    """"1", "2-3", "4-7", ... for the bucket starting at `lo`."""
+    return "1" if lo == 1 else f"{lo}-{2 * lo - 1}"
 
 
 @dataclass(frozen=True)
@@ -37,19 +53,29 @@ class StepTotals:
     """Cumulative per phase since the worker started; written by the engine thread, read by Stats."""
 
     phases: dict[str, PhaseTotals] = field(default_factory=lambda: {p: PhaseTotals() for p in PHASES})
+    # (phase, bucket lower bound) -> totals of that phase's steps with a batch in the bucket
+    by_batch: dict[tuple[str, int], PhaseTotals] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, shape: StepShape | None, seconds: float) -> None:
         if shape is None:
             return
         with self._lock:
-            t = self.phases[shape.phase]
-            t.steps += 1
-            t.seconds += seconds
-            t.seqs += shape.seqs
-            t.tokens += shape.tokens
-            t.context += shape.context
+            rows = [self.phases[shape.phase]]
+            if shape.phase in BY_BATCH_PHASES:
+                rows.append(self.by_batch.setdefault((shape.phase, batch_bucket(shape.seqs)), PhaseTotals()))
+            for t in rows:
+                t.steps += 1
+                t.seconds += seconds
+                t.seqs += shape.seqs
+                t.tokens += shape.tokens
+                t.context += shape.context
 
     def snapshot(self) -> dict[str, PhaseTotals]:
         with self._lock:
             return {p: PhaseTotals(**vars(t)) for p, t in self.phases.items()}
+
+    def snapshot_by_batch(self) -> dict[tuple[str, int], PhaseTotals]:
+        """{(phase, bucket lower bound): totals}, buckets that had a step only, in order."""
+        with self._lock:
+            return {k: PhaseTotals(**vars(t)) for k, t in sorted(self.by_batch.items())}

@@ -4,7 +4,8 @@ The router exports each worker's cumulative counters (router/metrics.py): engine
 (engine/step_stats.py: steps, wall seconds, batch sizes, tokens, tokens attended to) and the prompt
 tokens it prefilled with those served from its prefix cache. Read before and after a run, their
 difference is the server's side of that run: mean step time and batch per phase, the prefix cache's
-hit rate. `bench serve` stores it per run (`server_counters` in result.json) when the endpoint has
+hit rate; decode steps also per batch-size bucket (phase "decode[4-7]": steps with 4 to 7
+sequences). `bench serve` stores it per run (`server_counters` in result.json) when the endpoint has
 such metrics; other servers have none, and nothing is stored.
 """
 
@@ -20,24 +21,29 @@ from prometheus_client.parser import text_string_to_metric_families
 STEP_FIELDS = ("steps", "step_seconds", "step_seqs", "step_tokens", "step_context_tokens")
 PREFIX_FIELDS = ("prompt_tokens", "prefix_cache_hit_tokens")
 PREFIX = "prefix"  # the phase key of a role's prefix-cache counters
+BY_BATCH = "_by_batch"  # suffix of the step counters per batch-size bucket (label "batch")
 STATS_LAG_S = 0.7  # the router reads its workers' counters every 0.5 s
 T = TypeVar("T")
 
 
 def scrape_counters(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[tuple[str, str], dict]:
-    """{(role, phase): {step field: total}} and {(role, "prefix"): {prompt_tokens, prefix_cache_hit_tokens}},
-    summed over the workers, from the router's /metrics at `url`. Raises httpx.HTTPError if unreachable."""
+    """{(role, phase): {step field: total}}, {(role, "phase[lo-hi]"): ...} per batch-size bucket and
+    {(role, "prefix"): {prompt_tokens, prefix_cache_hit_tokens}}, summed over the workers, from the
+    router's /metrics at `url`. Raises httpx.HTTPError if unreachable."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     text = httpx.get(f"{url}/metrics", headers=headers, timeout=timeout_s).raise_for_status().text
     out: dict[tuple[str, str], dict] = {}
     for family in text_string_to_metric_families(text):
         name = family.name.removeprefix("pdcluster_worker_")
+        bucketed = name.endswith(BY_BATCH)
+        name = name.removesuffix(BY_BATCH)
         if family.type != "counter" or name not in (*STEP_FIELDS, *PREFIX_FIELDS):
             continue
         for s in family.samples:
             if not s.name.endswith("_total"):
                 continue
-            key = (s.labels["role"], s.labels["phase"] if name in STEP_FIELDS else PREFIX)
+            phase = f"{s.labels['phase']}[{s.labels['batch']}]" if bucketed else s.labels.get("phase")
+            key = (s.labels["role"], phase if name in STEP_FIELDS else PREFIX)
             fields = STEP_FIELDS if name in STEP_FIELDS else PREFIX_FIELDS
             row = out.setdefault(key, dict.fromkeys(fields, 0.0))
             row[name] += s.value

@@ -221,7 +221,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             queued=len(sched.waiting) + self._inbox.qsize(), kv_blocks_used=bm.num_used_blocks,
             kv_blocks_free=bm.num_free_blocks, queued_prefill_tokens=self._queued_tokens,
             kv_bytes_sent=dict(self.prefill.sender.bytes_sent), prefix_cache_hit_tokens=self._cached_tokens,
-            prompt_tokens=self._prompt_tokens, steps=step_stats_to_proto(self.step_totals),
+            prompt_tokens=self._prompt_tokens, **step_stats_to_proto(self.step_totals),
         )
 
     def stop(self, grace: float = 1.0) -> None:

@@ -7,7 +7,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
-from engine.step_stats import StepTotals
+from engine.step_stats import PhaseTotals, StepTotals
 from kv_transfer.base import TransferTicket
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
@@ -74,6 +74,12 @@ def ticket_from_proto(msg: wk.TransferTicket) -> TransferTicket:
     )
 
 
-def step_stats_to_proto(totals: StepTotals) -> list[wk.StepPhaseStats]:
-    return [wk.StepPhaseStats(phase=phase, steps=t.steps, seconds=t.seconds, seqs=t.seqs, tokens=t.tokens,
-                              context_tokens=t.context) for phase, t in totals.snapshot().items()]
+def _phase_stats(phase: str, t: PhaseTotals, batch_min: int = 0) -> wk.StepPhaseStats:
+    return wk.StepPhaseStats(phase=phase, steps=t.steps, seconds=t.seconds, seqs=t.seqs, tokens=t.tokens,
+                             context_tokens=t.context, batch_min=batch_min)
+
+
+def step_stats_to_proto(totals: StepTotals) -> dict[str, list[wk.StepPhaseStats]]:
+    """WorkerStats' `steps` (per phase) and `steps_by_batch` (per phase and batch-size bucket)."""
+    return {"steps": [_phase_stats(p, t) for p, t in totals.snapshot().items()],
+            "steps_by_batch": [_phase_stats(p, t, lo) for (p, lo), t in totals.snapshot_by_batch().items()]}

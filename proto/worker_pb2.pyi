@@ -146,7 +146,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "running", "queued", "kv_blocks_used", "kv_blocks_free", "queued_prefill_tokens", "kv_bytes_sent", "prefix_cache_hit_tokens", "prompt_tokens", "steps")
+    __slots__ = ("worker_id", "role", "running", "queued", "kv_blocks_used", "kv_blocks_free", "queued_prefill_tokens", "kv_bytes_sent", "prefix_cache_hit_tokens", "prompt_tokens", "steps", "steps_by_batch")
     class KvBytesSentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class WorkerStats(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BY_BATCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     running: int
@@ -176,20 +177,23 @@ class WorkerStats(_message.Message):
     prefix_cache_hit_tokens: int
     prompt_tokens: int
     steps: _containers.RepeatedCompositeFieldContainer[StepPhaseStats]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[_Mapping[str, int]] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ...) -> None: ...
+    steps_by_batch: _containers.RepeatedCompositeFieldContainer[StepPhaseStats]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[_Mapping[str, int]] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ..., steps_by_batch: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ...) -> None: ...
 
 class StepPhaseStats(_message.Message):
-    __slots__ = ("phase", "steps", "seconds", "seqs", "tokens", "context_tokens")
+    __slots__ = ("phase", "steps", "seconds", "seqs", "tokens", "context_tokens", "batch_min")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_MIN_FIELD_NUMBER: _ClassVar[int]
     phase: str
     steps: int
     seconds: float
     seqs: int
     tokens: int
     context_tokens: int
-    def __init__(self, phase: _Optional[str] = ..., steps: _Optional[int] = ..., seconds: _Optional[float] = ..., seqs: _Optional[int] = ..., tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+    batch_min: int
+    def __init__(self, phase: _Optional[str] = ..., steps: _Optional[int] = ..., seconds: _Optional[float] = ..., seqs: _Optional[int] = ..., tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., batch_min: _Optional[int] = ...) -> None: ...

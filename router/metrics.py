@@ -30,6 +30,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.step_stats import bucket_label
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 
@@ -102,6 +103,7 @@ _STEP_COUNTERS = (  # engine loop iterations by phase (engine/step_stats.py)
     ("step_tokens", "tokens", "Tokens computed by the worker's engine steps, by phase."),
     ("step_context_tokens", "context_tokens", "Sum over the worker's engine steps of the tokens attended to, by phase."),
 )
+BY_BATCH_SUFFIX = "_by_batch"  # the same counters per batch-size bucket: pdcluster_worker_steps_by_batch{batch="4-7"}
 
 
 class WorkerStatsCollector(Collector):
@@ -126,6 +128,10 @@ class WorkerStatsCollector(Collector):
         )
         steps = [(f, CounterMetricFamily(f"pdcluster_worker_{n}", h, labels=[*labels, "phase"]))
                  for n, f, h in _STEP_COUNTERS]
+        by_batch = [(f, CounterMetricFamily(f"pdcluster_worker_{n}{BY_BATCH_SUFFIX}",
+                                            h.replace("by phase", "by phase and batch-size bucket"),
+                                            labels=[*labels, "phase", "batch"]))
+                    for n, f, h in _STEP_COUNTERS]
         for w in self._workers():
             values = [w.worker_id, w.role]
             up.add_metric(values, 1.0 if w.healthy else 0.0)
@@ -138,8 +144,12 @@ class WorkerStatsCollector(Collector):
             for phase in w.stats.steps:
                 for field, family in steps:
                     family.add_metric([*values, phase.phase], float(getattr(phase, field)))
+            for phase in w.stats.steps_by_batch:
+                for field, family in by_batch:
+                    family.add_metric([*values, phase.phase, bucket_label(phase.batch_min)],
+                                      float(getattr(phase, field)))
         yield up
-        for _, family in (*gauges, *counters, *steps):
+        for _, family in (*gauges, *counters, *steps, *by_batch):
             yield family
         yield kv_bytes
 

@@ -105,6 +105,10 @@ def test_bench_serve_records_what_the_workers_counted_per_run(url, tmp_path):
         c = run["server_counters"]
         ok = [r for r in run["records"] if r["outcome"] == "ok"]
         assert c["decode/decode"]["steps"] >= 1 and c["decode/decode"]["step_seconds"] > 0
+        # the same steps per batch-size bucket ("decode[1]", "decode[2-3]", ...): they add up to the phase's
+        buckets = [v for k, v in c.items() if k.startswith("decode/decode[")]
+        assert buckets and sum(b["steps"] for b in buckets) == c["decode/decode"]["steps"]
+        assert sum(b["step_seqs"] for b in buckets) == c["decode/decode"]["step_seqs"]
         # every prompt of the run was counted (a request of an earlier test may still finish meanwhile)
         assert c["prefill/prefix"]["prompt_tokens"] >= sum(r["prompt_tokens"] for r in ok) > 0
     # the second run sends the same prompts: the prefill worker's prefix cache serves more of them

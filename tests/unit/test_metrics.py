@@ -135,7 +135,11 @@ def test_worker_collector_exposes_gauges_and_counters_from_the_last_stats():
                              prefix_cache_hit_tokens=320, kv_bytes_sent={"shm": 4096, "grpc": 1024})
     decode = wk.WorkerStats(worker_id="d0", role=wk.WORKER_ROLE_DECODE, running=5, kv_blocks_used=10,
                             kv_blocks_free=54, steps=[wk.StepPhaseStats(phase="decode", steps=7, seconds=0.35, seqs=21,
-                                                                        tokens=21, context_tokens=2100)])
+                                                                        tokens=21, context_tokens=2100)],
+                            steps_by_batch=[wk.StepPhaseStats(phase="decode", steps=2, seconds=0.05, seqs=2, tokens=2,
+                                                              context_tokens=200, batch_min=1),
+                                            wk.StepPhaseStats(phase="decode", steps=5, seconds=0.3, seqs=19, tokens=19,
+                                                              context_tokens=1900, batch_min=2)])
     workers = [_worker("p0", "prefill", prefill), _worker("d0", "decode", decode), _worker("d1", "decode", None, False)]
     m = RouterMetrics(lambda: workers)
     f = _families(m.registry)
@@ -162,6 +166,12 @@ def test_worker_collector_exposes_gauges_and_counters_from_the_last_stats():
     assert _value(f, "pdcluster_worker_step_seqs", "pdcluster_worker_step_seqs_total", phase="decode") == 21
     assert _value(f, "pdcluster_worker_step_context_tokens", "pdcluster_worker_step_context_tokens_total",
                   worker="d0", role="decode", phase="decode") == 2100
+    # per batch-size bucket, in families of their own (summing them gives the phase's totals)
+    assert _value(f, "pdcluster_worker_steps_by_batch", "pdcluster_worker_steps_by_batch_total", worker="d0",
+                  phase="decode", batch="1") == 2
+    assert _value(f, "pdcluster_worker_step_seqs_by_batch", "pdcluster_worker_step_seqs_by_batch_total",
+                  batch="2-3") == 19
+    assert not any("batch" in s.labels for s in f["pdcluster_worker_steps"].samples)
     assert _value(f, "pdcluster_worker_up", "pdcluster_worker_up", worker="d1", role="decode") == 0
     assert _value(f, "pdcluster_worker_up", "pdcluster_worker_up", worker="p0") == 1
     assert not any(s.labels["worker"] == "d1" for s in f["pdcluster_worker_kv_blocks_free"].samples)  # no stats yet

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from engine.step_stats import StepShape, StepTotals
+from engine.step_stats import StepShape, StepTotals, batch_bucket, bucket_label
 
 
 def test_engine_notes_prefill_chunks_then_decode_steps(checkpoint):
@@ -40,3 +40,19 @@ def test_step_totals_sum_per_phase_and_snapshot_is_a_copy():
     assert (snap["prefill"].steps, snap["prefill"].tokens) == (1, 64)
     snap["decode"].steps = 99
     assert totals.snapshot()["decode"].steps == 2
+
+
+def test_decode_steps_are_also_summed_per_power_of_two_batch_bucket():
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 300)] == [1, 2, 2, 4, 4, 8, 8, 16, 256]
+    assert [bucket_label(lo) for lo in (1, 2, 4, 256)] == ["1", "2-3", "4-7", "256-511"]
+    totals = StepTotals()
+    totals.add(StepShape("decode", 1, 1, 50), 0.01)
+    totals.add(StepShape("decode", 5, 5, 500), 0.03)
+    totals.add(StepShape("decode", 7, 7, 700), 0.04)
+    totals.add(StepShape("prefill", 3, 300, 300), 0.1)  # prefill: per phase only
+    by = totals.snapshot_by_batch()
+    assert list(by) == [("decode", 1), ("decode", 4)]
+    four = by[("decode", 4)]
+    assert (four.steps, four.seqs, four.context) == (2, 12, 1200) and abs(four.seconds - 0.07) < 1e-12
+    d = totals.snapshot()["decode"]
+    assert d.steps == sum(t.steps for t in by.values()) and d.seqs == sum(t.seqs for t in by.values())
