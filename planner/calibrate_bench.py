@@ -5,7 +5,9 @@ window is a steady state, but not the one a trace makes. Under a trace's Poisson
 batch comes and goes, prefills of many lengths meet decode steps of any size, and the serving path
 (router, HTTP API, client) asks the host's cores for a share that moves with them. `bench serve`
 stores, per run (one rate, one endpoint), the difference of the workers' step counters over the
-run (`server_counters`, loadgen/server_counters.py). Each such run is one window here:
+run (`server_counters`, loadgen/server_counters.py). Each such run is one window here, its decode
+steps one window per batch-size bucket (1, 2-3, 4-7, ...: `decode_windows`) where the workers
+counted them so:
 
     decode   mean step = a + b * mean sum(context) + c * mean batch
     prefill  mean step = (r + s x T) x E + o, E = the engine's fit (`calibrate`) over the run's
@@ -14,7 +16,7 @@ run (`server_counters`, loadgen/server_counters.py). Each such run is one window
 
 Where the coefficients have a closed-loop probe's fits for the cluster, what one trace's runs cannot
 tell apart is taken from them (every run mixes the same lengths: context per sequence and prompt
-lengths are the same in every window): decode a + k x (b x context + c x batch) with its b : c, and
+lengths are the same in every window, bucket or run): decode a + k x (b x context + c x batch) with its b : c, and
 prefill k x (r E + o) x (1 + s x T) with its r : o; the rest is fitted here. Fitted as
 calibrate_serving.fit_live fits its windows (least squares on relative error, coefficients >= 0).
 The cluster of a run is read from its counters: `colocated/decode` -> the
@@ -39,6 +41,7 @@ from typing import Any
 
 from planner.calibrate_serving import fit_decode, fit_prefill
 
+MIN_BUCKET_STEPS = 20  # a batch-size bucket with fewer steps in a run is too noisy a window
 ROLES = {"decode": ("decode", "prefill"), "colocated": ("colocated", "colocated")}  # cluster -> (decode, prefill) worker role
 
 
@@ -51,6 +54,17 @@ def cluster_of(counters: dict[str, dict]) -> str | None:
     return None
 
 
+def decode_windows(counters: dict[str, dict], decode_role: str) -> list[tuple[str, dict]]:
+    """A run's decode step counters as windows: one per batch-size bucket that ran at least
+    MIN_BUCKET_STEPS steps ("decode[4-7]"; workers count them since they export `*_by_batch`), else
+    the run's total (bucket "all"). Buckets give each run several mean batches, from 1 to the
+    largest its bursts reached, where its total gives one."""
+    prefix = f"{decode_role}/decode["
+    buckets = [(k[len(prefix):-1], v) for k, v in counters.items()
+               if k.startswith(prefix) and v.get("steps", 0) >= MIN_BUCKET_STEPS]
+    return buckets or [("all", counters[f"{decode_role}/decode"])]
+
+
 def run_samples(run: dict[str, Any], engine_prefill: dict[str, float]) -> tuple[str, list[dict[str, Any]]] | None:
     """One bench serve run as windows of step counters: (cluster, [decode sample, prefill sample])."""
     counters = run.get("server_counters") or {}
@@ -61,7 +75,8 @@ def run_samples(run: dict[str, Any], engine_prefill: dict[str, float]) -> tuple[
     window = float(run["duration_s"])
     base = {"label": run.get("label"), "rate": run.get("rate"), "window_s": window}
     d = counters[f"{decode_role}/decode"]
-    samples = [{**base, "role": decode_role, "phase": "decode", **d}]
+    samples = [{**base, "role": decode_role, "phase": "decode", "batch": bucket, **counts}
+               for bucket, counts in decode_windows(counters, decode_role)]
     p = counters.get(f"{prefill_role}/prefill") or {}
     prompts = [r.get("prompt_tokens") or r.get("expected_prompt_tokens") or 0 for r in run.get("records", [])
                if r.get("outcome") != "not_sent"]
@@ -83,11 +98,13 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
     batch against its context, and a prefill step with its prompt (`shape` of fit_decode / fit_prefill)."""
     by_cluster: dict[str, list[dict[str, Any]]] = {}
     slowest: dict[str, dict[str, Any]] = {}  # per cluster, its run at the lowest rate
+    runs: dict[str, int] = {}
     for result in results:
         for run in result.get("runs", []):
             got = run_samples(run, engine_prefill)
             if got is not None:
                 by_cluster.setdefault(got[0], []).extend(got[1])
+                runs[got[0]] = runs.get(got[0], 0) + 1
                 if got[0] not in slowest or (run.get("rate") or 0) < (slowest[got[0]].get("rate") or 0):
                     slowest[got[0]] = run
     if not by_cluster:
@@ -110,9 +127,10 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
             entry["idle_ttft_s"] = idle
             entry["idle_ttft_from"] = (f"{alone} requests of the {slowest[cluster].get('rate')} req/s run that "
                                        "arrived with none in flight")
-        entry.update({"results": sources or [], "runs": len(decode), "date": date,
-                      "method": "one window per bench serve run (rate, endpoint): the workers' step counters "
-                                "over the run; fitted on relative error, coefficients >= 0 "
+        entry.update({"results": sources or [], "runs": runs[cluster],
+                      "decode_windows": len(decode), "date": date,
+                      "method": "one window per bench serve run (rate, endpoint) and, for decode, batch-size "
+                                "bucket: the workers' step counters over the run; fitted on relative error, coefficients >= 0 "
                                 "(planner/calibrate_bench.py)",
                       "samples": samples})
         out[cluster] = entry

@@ -81,6 +81,36 @@ def test_with_a_closed_loop_fit_its_split_of_what_the_trace_cannot_tell_apart_is
     assert "shape_from" not in fitted["colocated"]["decode"]  # no probe of that cluster: fitted whole
 
 
+def test_decode_buckets_are_windows_of_their_own_and_separate_the_per_step_cost():
+    """Runs whose decode steps were counted per batch-size bucket: every bucket with enough steps is
+    a window. At one context per sequence a run's total cannot tell the per-step cost from the
+    per-sequence one; the buckets' mean batches (1 to 20) can."""
+    ctx_per_seq = 150.0
+
+    def counts(batch: float, steps: float) -> dict:
+        step = DECODE[0] + DECODE[1] * ctx_per_seq * batch + DECODE[2] * batch
+        return {"steps": steps, "step_seqs": batch * steps, "step_tokens": batch * steps,
+                "step_context_tokens": ctx_per_seq * batch * steps, "step_seconds": steps * step}
+
+    runs = []
+    for rate, shares in ((2.0, (1.0, 2.4, 5.0)), (8.0, (1.0, 2.6, 5.5, 11.0, 20.0))):
+        buckets = {f"decode/decode[{lo}]": counts(b, 100.0) for lo, b in zip(("1", "2-3", "4-7", "8-15", "16-31"), shares)}
+        buckets["decode/decode[32-63]"] = {**counts(40.0, 3.0), "step_seconds": 99.0}  # 3 steps: too few to count
+        total = {f: sum(v[f] for v in buckets.values()) for f in buckets["decode/decode[1]"]}
+        runs.append({"label": "disaggregated", "rate": rate, "duration_s": 30.0, "records": [],
+                     "server_counters": {"decode/decode": total, **buckets}})
+    fitted = fit_bench([{"runs": runs}], ENGINE, shapes={"decode": {"decode": {"b": DECODE[1], "c": DECODE[2]}}})
+    entry = fitted["decode"]
+    assert entry["runs"] == 2 and entry["decode_windows"] == 8
+    assert sorted({s["batch"] for s in entry["samples"]}) == ["1", "16-31", "2-3", "4-7", "8-15"]
+    d = entry["decode"]
+    assert (d["a"], d["b"], d["c"]) == pytest.approx(DECODE, rel=1e-5) and d["max_abs_pct_error"] < 1e-3
+    # without buckets the same runs are one window each, the total
+    for run in runs:
+        run["server_counters"] = {"decode/decode": run["server_counters"]["decode/decode"]}
+    assert fit_bench([{"runs": runs * 2}], ENGINE)["decode"]["samples"][0]["batch"] == "all"
+
+
 def test_no_counters_is_a_clear_error():
     with pytest.raises(RuntimeError, match="server_counters"):
         fit_bench([{"runs": [{"label": "x", "rate": 1.0, "duration_s": 5.0, "server_counters": None}]}], ENGINE)
