@@ -9,7 +9,8 @@ run (`server_counters`, loadgen/server_counters.py). Each such run is one window
 steps one window per batch-size bucket (1, 2-3, 4-7, ...: `decode_windows`) where the workers
 counted them so:
 
-    decode   mean step = a + b * mean sum(context) + c * mean batch
+    decode   mean step = a + b * mean sum(context) + c * mean batch, and per bucket pooled over
+             the runs a table of mean step against mean batch (`decode_table`)
     prefill  mean step = (r + s x T) x E + o, E = the engine's fit (`calibrate`) over the run's
              prompts: a + (b * tokens + c * sum n^2) / steps, sum n^2 from the prompts sent
              (scaled to the tokens the workers prefilled); T = the run's decode tokens per second.
@@ -118,6 +119,9 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
         shape = (shapes or {}).get(cluster) or {}
         entry: dict[str, Any] = {"source": "bench", "decode_role": decode_role,
                                  "decode": fit_decode(decode, shape.get("decode"))}
+        table = decode_table(decode)
+        if len(table) >= 2:
+            entry["decode"]["table"] = table
         if len(prefill) >= 3:
             entry["prefill"] = fit_prefill(prefill, [s["engine_s"] for s in prefill],
                                            [s["decode_tokens_per_s"] for s in prefill], engine_prefill,
@@ -135,6 +139,24 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
                       "samples": samples})
         out[cluster] = entry
     return out
+
+
+def decode_table(decode: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """The decode step as measured per batch-size bucket, pooled over the runs: rows of mean batch,
+    mean step seconds and context per sequence, by batch (empty without bucket windows). Under a
+    trace a step does not grow with its batch as one line: here a batch of 2-3 took 5-8 ms more
+    than one of 1 and each sequence past 4 about 1-2 ms; the simulator interpolates between the
+    rows (cost_model.FittedCostModel.decode_table) and goes on past the last with the fit's slope."""
+    pooled: dict[str, dict[str, float]] = {}
+    for s in decode:
+        if s.get("batch", "all") == "all":
+            continue
+        p = pooled.setdefault(s["batch"], dict.fromkeys(("steps", "step_seconds", "step_seqs", "step_context_tokens"), 0.0))
+        for k in p:
+            p[k] += s[k]
+    rows = [{"batch": p["step_seqs"] / p["steps"], "seconds": p["step_seconds"] / p["steps"],
+             "context_per_seq": p["step_context_tokens"] / p["step_seqs"], "steps": p["steps"]} for p in pooled.values()]
+    return sorted(rows, key=lambda r: r["batch"])
 
 
 def _isolated(run: dict[str, Any]) -> dict[int, list[float]]:

@@ -339,6 +339,9 @@ def _print_live(live: dict) -> None:
     d = live["decode"]
     print(f"decode   {d['a'] * 1e3:.3f} ms + {d['b'] * 1e6:.4f} us * sum_context + {d['c'] * 1e3:.3f} ms * batch "
           f"(fit error mean {d['mean_abs_pct_error']:.1f}%, max {d['max_abs_pct_error']:.1f}%)")
+    if d.get("table"):
+        print("decode   measured (the simulator interpolates): " + ", ".join(
+            f"batch {r['batch']:.1f}: {r['seconds'] * 1e3:.1f} ms" for r in d["table"]))
     if "prefill" in live:
         q = live["prefill"]
         print(f"prefill  ({q['a'] * 1e3:.3f} ms + {q['b'] * 1e6:.3f} us * sum_new + {q['c'] * 1e9:.4f} ns * sum_attn) "

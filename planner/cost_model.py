@@ -120,6 +120,11 @@ class FittedCostModel:
     kv_capacity_tokens: int
     kv_bytes_per_token: int
     tp: int = 1
+    # measured decode steps (calibrate --from-bench: per batch-size bucket), rows of (mean batch,
+    # mean seconds, context per sequence) by batch: where given, a step's time is interpolated
+    # between them in batch (past the last row: its time plus the fit's cost per sequence), plus b
+    # per context token it attends to beyond the rows' context per sequence
+    decode_table: tuple[tuple[float, float, float], ...] = ()
 
     def prefill_time(self, sum_new: int, sum_attn: int, sum_prior: int = 0, n_seqs: int = 1) -> float:
         a, b, c = self.prefill
@@ -127,7 +132,16 @@ class FittedCostModel:
 
     def decode_time(self, batch: int, sum_context: int) -> float:
         a, b, c = self.decode
-        return a + b * sum_context + c * batch
+        rows = self.decode_table
+        if not rows:
+            return a + b * sum_context + c * batch
+        (b0, t0, x0), (b1, t1, x1) = next(((r, q) for r, q in zip(rows, rows[1:]) if batch <= q[0]), rows[-2:])
+        if batch > b1:  # past the measured batches: the last row plus the fit's cost per sequence
+            t, ctx = t1 + (batch - b1) * (c + b * x1), x1
+        else:
+            f = (batch - b0) / (b1 - b0)
+            t, ctx = t0 + f * (t1 - t0), x0 + f * (x1 - x0)
+        return max(t + b * (sum_context - batch * ctx), 0.0)
 
     @property
     def fits(self) -> bool:
@@ -159,8 +173,10 @@ def fitted_from(coeffs: dict[str, Any], role: str = "decode") -> FittedCostModel
     live = live_for(coeffs, role)
     if live is not None:
         p, d, per_token = live.get("prefill") or p, live["decode"], 0.0
+    table = tuple((r["batch"], r["seconds"], r["context_per_seq"]) for r in d.get("table") or ())
     return FittedCostModel((p["a"], p["b"], p["c"]), (d["a"], d["b"], d["c"] + per_token),
-                           int(coeffs["kv_capacity_tokens"]), int(coeffs["kv_bytes_per_token"]))
+                           int(coeffs["kv_capacity_tokens"]), int(coeffs["kv_bytes_per_token"]),
+                           decode_table=table if len(table) >= 2 else ())
 
 
 def cost_model_for(hw: Hardware, model: ModelShape, tp: int = 1, dtype_bytes: int = 2,

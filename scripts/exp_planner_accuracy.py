@@ -385,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"({where}): decode {d['a'] * 1e3:.2f} ms + {d['b'] * 1e6:.2f} "
                         f"us/context token + {d['c'] * 1e3:.2f} ms/sequence (fit error mean "
                         f"{d['mean_abs_pct_error']:.1f}%)" + (
+                            "; decode steps measured per batch (interpolated in between): " + ", ".join(
+                                f"{r['batch']:.1f}: {r['seconds'] * 1e3:.1f} ms" for r in d["table"])
+                            if d.get("table") else "") + (
                             f"; prefill {q['scale']:.2f}x the engine fit + {q.get('overhead_s', 0.0) * 1e3:.1f} ms, "
                             f"x (1 + {q.get('load_slope', 0.0) * 1e3:.2f}e-3 x decode tokens/s) (fit error mean "
                             f"{q.get('mean_abs_pct_error', float('nan')):.1f}%)" if q else ""))

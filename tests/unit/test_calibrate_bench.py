@@ -105,10 +105,17 @@ def test_decode_buckets_are_windows_of_their_own_and_separate_the_per_step_cost(
     assert sorted({s["batch"] for s in entry["samples"]}) == ["1", "16-31", "2-3", "4-7", "8-15"]
     d = entry["decode"]
     assert (d["a"], d["b"], d["c"]) == pytest.approx(DECODE, rel=1e-5) and d["max_abs_pct_error"] < 1e-3
+    # the buckets pooled over the runs: the table the simulator interpolates
+    table = d["table"]
+    assert [r["steps"] for r in table] == [200.0, 200.0, 200.0, 100.0, 100.0]
+    assert [r["batch"] for r in table] == pytest.approx([1.0, 2.5, 5.25, 11.0, 20.0])
+    assert table[1]["seconds"] == pytest.approx(DECODE[0] + (DECODE[1] * ctx_per_seq + DECODE[2]) * 2.5)
+    assert all(r["context_per_seq"] == pytest.approx(ctx_per_seq) for r in table)
     # without buckets the same runs are one window each, the total
     for run in runs:
         run["server_counters"] = {"decode/decode": run["server_counters"]["decode/decode"]}
-    assert fit_bench([{"runs": runs * 2}], ENGINE)["decode"]["samples"][0]["batch"] == "all"
+    plain = fit_bench([{"runs": runs * 2}], ENGINE)["decode"]
+    assert plain["samples"][0]["batch"] == "all" and "table" not in plain["decode"]
 
 
 def test_no_counters_is_a_clear_error():

@@ -98,6 +98,28 @@ def test_fitted_model_is_the_calibrated_formula():
         cost_model_for(load_catalog()["cpu"], LLAMA3_8B, coefficients=coeffs)
 
 
+def test_a_measured_decode_table_is_interpolated_in_batch_and_extended_by_the_fit():
+    """Rows (batch, seconds, context per sequence) as calibrate --from-bench measures them per bucket."""
+    rows = ((1.0, 0.010, 200.0), (2.4, 0.016, 200.0), (5.0, 0.018, 210.0))
+    c = FittedCostModel((0.0, 0.0, 0.0), (0.008, 5e-6, 1e-3), 1000, 9216, decode_table=rows)
+    assert c.decode_time(1, 200) == pytest.approx(0.010)  # a row, at its own context
+    # between rows: 2 is 1/1.4 of the way from 1 to 2.4
+    assert c.decode_time(2, 400) == pytest.approx(0.010 + 0.006 / 1.4)
+    # 5 sequences attending to 50 tokens fewer than the row's 5 x 210: b per token less
+    assert c.decode_time(5, 1000) == pytest.approx(0.018 - 50 * 5e-6)
+    # past the last row: + (c + b x its context per sequence) per sequence, 2.05 ms
+    assert c.decode_time(8, 8 * 210) == pytest.approx(0.018 + 3 * 2.05e-3)
+    assert FittedCostModel((0.0, 0.0, 0.0), (0.008, 5e-6, 1e-3), 1000, 9216).decode_time(5, 1000) == \
+        pytest.approx(0.008 + 5e-3 + 5e-3)  # without a table: the formula
+    live = {"decode": {"a": 0.008, "b": 5e-6, "c": 1e-3,
+                       "table": [{"batch": b, "seconds": t, "context_per_seq": x, "steps": 100} for b, t, x in rows]}}
+    coeffs = {"prefill": {"a": 0.01, "b": 2e-4, "c": 3e-8}, "decode": {"a": 0.004, "b": 1e-6, "c": 5e-3},
+              "kv_capacity_tokens": 1000, "kv_bytes_per_token": 9216, "live": {"decode": live}}
+    assert fitted_from(coeffs).decode_table == rows
+    live["decode"]["table"] = live["decode"]["table"][:1]  # one row is no table
+    assert fitted_from(coeffs).decode_table == ()
+
+
 def test_calibration_fit_recovers_known_coefficients():
     truth = [0.02, 3e-4, 4e-8]
     feats = [[1, n, n * n] for n in (16, 64, 128, 256, 512, 1024, 2048)] + [[1, 512, 4 * 128 * 128]]
