@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -135,7 +136,7 @@ class FittedCostModel:
         rows = self.decode_table
         if not rows:
             return a + b * sum_context + c * batch
-        (b0, t0, x0), (b1, t1, x1) = next(((r, q) for r, q in zip(rows, rows[1:]) if batch <= q[0]), rows[-2:])
+        (b0, t0, x0), (b1, t1, x1) = next(((r, q) for r, q in pairwise(rows) if batch <= q[0]), rows[-2:])
         if batch > b1:  # past the measured batches: the last row plus the fit's cost per sequence
             t, ctx = t1 + (batch - b1) * (c + b * x1), x1
         else:
