@@ -125,3 +125,18 @@ def test_calibrate_from_fits_the_step_costs_to_other_runs_before_simulating(acc,
 def test_median_of_one_measurement_is_refused(acc, tmp_path):
     with pytest.raises(SystemExit):
         acc.main([str(tmp_path / "only.json"), "--median"])
+
+
+def test_a_line_sums_up_the_rates_each_system_sustained(acc):
+    def row(label: str, mode: str, rate: float, err: float) -> dict:
+        cell = acc._cell(100.0, 100.0 + err)
+        return {"label": label, "rate": rate, "mode": mode, **{f"{k}_p{q}": dict(cell) for _, k, q in acc.METRICS}}
+
+    rows = [row("d", "disaggregated", 2.0, 5.0), row("d", "disaggregated", 4.0, 20.0),
+            row("d", "disaggregated", 8.0, 90.0), row("c", "colocated", 2.0, -8.0), row("c", "colocated", 4.0, 40.0)]
+    line = acc.within_capacity(rows, {"disaggregated": 4.0, "colocated": 2.0},
+                               {"d": "disaggregated", "c": "colocated"})
+    n = len(acc.METRICS)  # the 8 req/s and colocated 4 req/s cells are past what was sustained
+    assert line == (f"Up to the highest rate each system sustained as measured (colocated 2, disaggregated 4 req/s): "
+                    f"{2 * n} of {3 * n} within 10%; mean absolute error 11.0%, largest 20.0%")
+    assert acc.within_capacity(rows, {"disaggregated": None, "colocated": None}, {}) is None
