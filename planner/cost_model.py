@@ -123,8 +123,8 @@ class FittedCostModel:
     tp: int = 1
     # measured decode steps (calibrate --from-bench: per batch-size bucket), rows of (mean batch,
     # mean seconds, context per sequence) by batch: where given, a step's time is interpolated
-    # between them in batch (past the last row: its time plus the fit's cost per sequence), plus b
-    # per context token it attends to beyond the rows' context per sequence
+    # between them in batch (outside them: the nearest row's time plus or minus the fit's cost per
+    # sequence), plus b per context token it attends to beyond the rows' context per sequence
     decode_table: tuple[tuple[float, float, float], ...] = ()
 
     def prefill_time(self, sum_new: int, sum_attn: int, sum_prior: int = 0, n_seqs: int = 1) -> float:
@@ -139,8 +139,10 @@ class FittedCostModel:
         (b0, t0, x0), (b1, t1, x1) = next(((r, q) for r, q in pairwise(rows) if batch <= q[0]), rows[-2:])
         if batch > b1:  # past the measured batches: the last row plus the fit's cost per sequence
             t, ctx = t1 + (batch - b1) * (c + b * x1), x1
+        elif batch < b0:  # below them (a table without batch 1): the first row less as much
+            t, ctx = t0 - (b0 - batch) * (c + b * x0), x0
         else:
-            f = (batch - b0) / (b1 - b0)
+            f = (batch - b0) / (b1 - b0) if b1 > b0 else 1.0
             t, ctx = t0 + f * (t1 - t0), x0 + f * (x1 - x0)
         return max(t + b * (sum_context - batch * ctx), 0.0)
 

@@ -109,6 +109,9 @@ def test_a_measured_decode_table_is_interpolated_in_batch_and_extended_by_the_fi
     assert c.decode_time(5, 1000) == pytest.approx(0.018 - 50 * 5e-6)
     # past the last row: + (c + b x its context per sequence) per sequence, 2.05 ms
     assert c.decode_time(8, 8 * 210) == pytest.approx(0.018 + 3 * 2.05e-3)
+    # below the first row (a table without batch 1): less the same cost per sequence
+    above_one = FittedCostModel((0.0, 0.0, 0.0), (0.008, 5e-6, 1e-3), 1000, 9216, decode_table=rows[1:])
+    assert above_one.decode_time(1, 200) == pytest.approx(0.016 - 1.4 * 2e-3)
     assert FittedCostModel((0.0, 0.0, 0.0), (0.008, 5e-6, 1e-3), 1000, 9216).decode_time(5, 1000) == \
         pytest.approx(0.008 + 5e-3 + 5e-3)  # without a table: the formula
     live = {"decode": {"a": 0.008, "b": 5e-6, "c": 1e-3,
