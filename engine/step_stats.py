@@ -72,10 +72,14 @@ class StepTotals:
                 t.context += shape.context
 
     def snapshot(self) -> dict[str, PhaseTotals]:
-        with self._lock:
-            return {p: PhaseTotals(**vars(t)) for p, t in self.phases.items()}
+        return self.snapshots()[0]
 
     def snapshot_by_batch(self) -> dict[tuple[str, int], PhaseTotals]:
         """{(phase, bucket lower bound): totals}, buckets that had a step only, in order."""
+        return self.snapshots()[1]
+
+    def snapshots(self) -> tuple[dict[str, PhaseTotals], dict[tuple[str, int], PhaseTotals]]:
+        """`snapshot()` and `snapshot_by_batch()` taken at one moment (the buckets add up to the phases)."""
         with self._lock:
-            return {k: PhaseTotals(**vars(t)) for k, t in sorted(self.by_batch.items())}
+            return ({p: PhaseTotals(**vars(t)) for p, t in self.phases.items()},
+                    {k: PhaseTotals(**vars(t)) for k, t in sorted(self.by_batch.items())})

@@ -31,23 +31,40 @@ def scrape_counters(url: str, api_key: str | None = None, timeout_s: float = 10.
     {(role, "prefix"): {prompt_tokens, prefix_cache_hit_tokens}}, summed over the workers, from the
     router's /metrics at `url`. Raises httpx.HTTPError if unreachable."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=timeout_s).raise_for_status().text
+    return parse_counters(httpx.get(f"{url}/metrics", headers=headers, timeout=timeout_s).raise_for_status().text)
+
+
+def parse_counters(text: str) -> dict[tuple[str, str], dict]:
+    """`scrape_counters` of a /metrics text. Samples without the labels they need are left out."""
     out: dict[tuple[str, str], dict] = {}
     for family in text_string_to_metric_families(text):
         name = family.name.removeprefix("pdcluster_worker_")
-        bucketed = name.endswith(BY_BATCH)
-        name = name.removesuffix(BY_BATCH)
+        bucketed = name.endswith(BY_BATCH) and name.removesuffix(BY_BATCH) in STEP_FIELDS
+        name = name.removesuffix(BY_BATCH) if bucketed else name
         if family.type != "counter" or name not in (*STEP_FIELDS, *PREFIX_FIELDS):
             continue
+        needs = ("role", "phase", "batch") if bucketed else ("role", "phase") if name in STEP_FIELDS else ("role",)
         for s in family.samples:
-            if not s.name.endswith("_total"):
+            if not s.name.endswith("_total") or not all(s.labels.get(k) for k in needs):
                 continue
-            phase = f"{s.labels['phase']}[{s.labels['batch']}]" if bucketed else s.labels.get("phase")
-            key = (s.labels["role"], phase if name in STEP_FIELDS else PREFIX)
+            phase = PREFIX if name not in STEP_FIELDS else (
+                bucket_key(s.labels["phase"], s.labels["batch"]) if bucketed else s.labels["phase"])
+            key = (s.labels["role"], phase)
             fields = STEP_FIELDS if name in STEP_FIELDS else PREFIX_FIELDS
             row = out.setdefault(key, dict.fromkeys(fields, 0.0))
             row[name] += s.value
     return out
+
+
+def bucket_key(phase: str, batch: str) -> str:
+    """The phase key of a batch-size bucket's step counters: "decode[4-7]"."""
+    return f"{phase}[{batch}]"
+
+
+def buckets(counters: dict[str, dict], role: str, phase: str) -> list[tuple[str, dict]]:
+    """[(batch label, step counters)] of `role`'s `phase` per bucket, from an `as_json` dict."""
+    prefix = f"{role}/{bucket_key(phase, '')[:-1]}"
+    return [(k[len(prefix):-1], v) for k, v in counters.items() if k.startswith(prefix) and k.endswith("]")]
 
 
 def delta(after: dict[tuple[str, str], dict], before: dict[tuple[str, str], dict]) -> dict[tuple[str, str], dict]:

@@ -40,6 +40,7 @@ import statistics
 from datetime import datetime, timezone
 from typing import Any
 
+from loadgen.server_counters import buckets
 from planner.calibrate_serving import fit_decode, fit_prefill
 
 MIN_BUCKET_STEPS = 20  # a batch-size bucket with fewer steps in a run is too noisy a window
@@ -60,10 +61,8 @@ def decode_windows(counters: dict[str, dict], decode_role: str) -> list[tuple[st
     MIN_BUCKET_STEPS steps ("decode[4-7]"; workers count them since they export `*_by_batch`), else
     the run's total (bucket "all"). Buckets give each run several mean batches, from 1 to the
     largest its bursts reached, where its total gives one."""
-    prefix = f"{decode_role}/decode["
-    buckets = [(k[len(prefix):-1], v) for k, v in counters.items()
-               if k.startswith(prefix) and v.get("steps", 0) >= MIN_BUCKET_STEPS]
-    return buckets or [("all", counters[f"{decode_role}/decode"])]
+    kept = [(label, v) for label, v in buckets(counters, decode_role, "decode") if v.get("steps", 0) >= MIN_BUCKET_STEPS]
+    return kept or [("all", counters[f"{decode_role}/decode"])]
 
 
 def run_samples(run: dict[str, Any], engine_prefill: dict[str, float]) -> tuple[str, list[dict[str, Any]]] | None:
@@ -155,7 +154,8 @@ def decode_table(decode: list[dict[str, Any]]) -> list[dict[str, float]]:
         for k in p:
             p[k] += s[k]
     rows = [{"batch": p["step_seqs"] / p["steps"], "seconds": p["step_seconds"] / p["steps"],
-             "context_per_seq": p["step_context_tokens"] / p["step_seqs"], "steps": p["steps"]} for p in pooled.values()]
+             "context_per_seq": p["step_context_tokens"] / p["step_seqs"], "steps": p["steps"]}
+            for p in pooled.values() if p["steps"] > 0 and p["step_seqs"] > 0]
     return sorted(rows, key=lambda r: r["batch"])
 
 

@@ -176,7 +176,7 @@ def fitted_from(coeffs: dict[str, Any], role: str = "decode") -> FittedCostModel
     live = live_for(coeffs, role)
     if live is not None:
         p, d, per_token = live.get("prefill") or p, live["decode"], 0.0
-    table = tuple((r["batch"], r["seconds"], r["context_per_seq"]) for r in d.get("table") or ())
+    table = tuple(sorted((r["batch"], r["seconds"], r["context_per_seq"]) for r in d.get("table") or ()))
     return FittedCostModel((p["a"], p["b"], p["c"]), (d["a"], d["b"], d["c"] + per_token),
                            int(coeffs["kv_capacity_tokens"]), int(coeffs["kv_bytes_per_token"]),
                            decode_table=table if len(table) >= 2 else ())

@@ -81,5 +81,6 @@ def _phase_stats(phase: str, t: PhaseTotals, batch_min: int = 0) -> wk.StepPhase
 
 def step_stats_to_proto(totals: StepTotals) -> dict[str, list[wk.StepPhaseStats]]:
     """WorkerStats' `steps` (per phase) and `steps_by_batch` (per phase and batch-size bucket)."""
-    return {"steps": [_phase_stats(p, t) for p, t in totals.snapshot().items()],
-            "steps_by_batch": [_phase_stats(p, t, lo) for (p, lo), t in totals.snapshot_by_batch().items()]}
+    phases, by_batch = totals.snapshots()
+    return {"steps": [_phase_stats(p, t) for p, t in phases.items()],
+            "steps_by_batch": [_phase_stats(p, t, lo) for (p, lo), t in by_batch.items()]}

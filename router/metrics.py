@@ -145,6 +145,8 @@ class WorkerStatsCollector(Collector):
                 for field, family in steps:
                     family.add_metric([*values, phase.phase], float(getattr(phase, field)))
             for phase in w.stats.steps_by_batch:
+                if phase.batch_min < 1:  # not a bucket (the proto default): nothing to label it with
+                    continue
                 for field, family in by_batch:
                     family.add_metric([*values, phase.phase, bucket_label(phase.batch_min)],
                                       float(getattr(phase, field)))

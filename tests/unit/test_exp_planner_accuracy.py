@@ -139,4 +139,8 @@ def test_a_line_sums_up_the_rates_each_system_sustained(acc):
     n = len(acc.METRICS)  # the 8 req/s and colocated 4 req/s cells are past what was sustained
     assert line == (f"Up to the highest rate each system sustained as measured (colocated 2, disaggregated 4 req/s): "
                     f"{2 * n} of {3 * n} within 10%; mean absolute error 11.0%, largest 20.0%")
-    assert acc.within_capacity(rows, {"disaggregated": None, "colocated": None}, {}) is None
+    modes = {"d": "disaggregated", "c": "colocated"}
+    assert acc.within_capacity(rows, {"disaggregated": None, "colocated": None}, modes) is None  # none sustained
+    only = acc.within_capacity(rows, {"disaggregated": None, "colocated": 2.0}, modes)
+    assert only.startswith("Up to the highest rate each system sustained as measured (colocated 2 req/s): ")
+    assert f"{n} of {n} within 10%" in only

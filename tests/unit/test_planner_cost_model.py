@@ -119,6 +119,11 @@ def test_a_measured_decode_table_is_interpolated_in_batch_and_extended_by_the_fi
     coeffs = {"prefill": {"a": 0.01, "b": 2e-4, "c": 3e-8}, "decode": {"a": 0.004, "b": 1e-6, "c": 5e-3},
               "kv_capacity_tokens": 1000, "kv_bytes_per_token": 9216, "live": {"decode": live}}
     assert fitted_from(coeffs).decode_table == rows
+    live["decode"]["table"].reverse()  # a table written in another order is read by batch
+    assert fitted_from(coeffs).decode_table == rows
+    same = FittedCostModel((0.0, 0.0, 0.0), (0.008, 5e-6, 1e-3), 1000, 9216,
+                           decode_table=((2.0, 0.010, 200.0), (2.0, 0.012, 200.0)))
+    assert same.decode_time(2, 400) == pytest.approx(0.012)  # rows of one batch: no division by zero
     live["decode"]["table"] = live["decode"]["table"][:1]  # one row is no table
     assert fitted_from(coeffs).decode_table == ()
 
