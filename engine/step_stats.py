@@ -47,6 +47,13 @@ class PhaseTotals:
     tokens: int = 0
     context: int = 0
 
+    def add(self, shape: StepShape, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.seqs += shape.seqs
+        self.tokens += shape.tokens
+        self.context += shape.context
+
 
 @dataclass
 class StepTotals:
@@ -61,25 +68,13 @@ class StepTotals:
         if shape is None:
             return
         with self._lock:
-            rows = [self.phases[shape.phase]]
+            self.phases[shape.phase].add(shape, seconds)
             if shape.phase in BY_BATCH_PHASES:
-                rows.append(self.by_batch.setdefault((shape.phase, batch_bucket(shape.seqs)), PhaseTotals()))
-            for t in rows:
-                t.steps += 1
-                t.seconds += seconds
-                t.seqs += shape.seqs
-                t.tokens += shape.tokens
-                t.context += shape.context
-
-    def snapshot(self) -> dict[str, PhaseTotals]:
-        return self.snapshots()[0]
-
-    def snapshot_by_batch(self) -> dict[tuple[str, int], PhaseTotals]:
-        """{(phase, bucket lower bound): totals}, buckets that had a step only, in order."""
-        return self.snapshots()[1]
+                self.by_batch.setdefault((shape.phase, batch_bucket(shape.seqs)), PhaseTotals()).add(shape, seconds)
 
     def snapshots(self) -> tuple[dict[str, PhaseTotals], dict[tuple[str, int], PhaseTotals]]:
-        """`snapshot()` and `snapshot_by_batch()` taken at one moment (the buckets add up to the phases)."""
+        """Copies of ({phase: totals}, {(phase, bucket lower bound): totals} of the buckets that had
+        a step, in order), taken at one moment: the buckets add up to their phase."""
         with self._lock:
             return ({p: PhaseTotals(**vars(t)) for p, t in self.phases.items()},
                     {k: PhaseTotals(**vars(t)) for k, t in sorted(self.by_batch.items())})

@@ -61,10 +61,15 @@ def bucket_key(phase: str, batch: str) -> str:
     return f"{phase}[{batch}]"
 
 
+def is_bucket(phase: str) -> bool:
+    """Whether a phase key is a batch-size bucket's (`bucket_key`), not a whole phase's."""
+    return phase.endswith("]")
+
+
 def buckets(counters: dict[str, dict], role: str, phase: str) -> list[tuple[str, dict]]:
     """[(batch label, step counters)] of `role`'s `phase` per bucket, from an `as_json` dict."""
     prefix = f"{role}/{bucket_key(phase, '')[:-1]}"
-    return [(k[len(prefix):-1], v) for k, v in counters.items() if k.startswith(prefix) and k.endswith("]")]
+    return [(k[len(prefix):-1], v) for k, v in counters.items() if k.startswith(prefix) and is_bucket(k)]
 
 
 def delta(after: dict[tuple[str, str], dict], before: dict[tuple[str, str], dict]) -> dict[tuple[str, str], dict]:

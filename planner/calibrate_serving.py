@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
-from loadgen.server_counters import PREFIX, STEP_FIELDS, delta, scrape_counters
+from loadgen.server_counters import PREFIX, STEP_FIELDS, delta, is_bucket, scrape_counters
 from pdcluster.heap import freeze_startup_heap
 from planner.calibrate import fit
 
@@ -51,7 +51,7 @@ PROMPT_LENS = (64, 256, 768)
 def scrape_steps(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[tuple[str, str], dict]:
     """{(role, phase): {steps, step_seconds, ...}} summed over the workers, from the router's /metrics
     (per phase; not the prefix cache's counters nor the per-batch-size buckets)."""
-    return {k: v for k, v in scrape_counters(url, api_key, timeout_s).items() if k[1] != PREFIX and "[" not in k[1]}
+    return {k: v for k, v in scrape_counters(url, api_key, timeout_s).items() if k[1] != PREFIX and not is_bucket(k[1])}
 
 
 async def _closed_loop(url: str, model: str, prompts: Iterator[str], concurrency: int, output_tokens: int,

@@ -251,8 +251,8 @@ def within_capacity(rows: list[dict], limits: dict[str, float | None], mode_of: 
     (`limits`: mode -> rate with >= ATTAINMENT SLO attainment). Past it a cluster is overloaded and
     its queues grow for as long as the run lasts: a latency there follows the run's length and a
     few percent of capacity, not the model (Vidur checks its simulator up to ~85% of capacity)."""
-    kept = [r for r in rows if limits.get(mode_of.get(r["label"], "")) is not None
-            and (r["rate"] or 0) <= limits[mode_of[r["label"]]]]
+    kept = [r for r in rows if (limit := limits.get(mode_of.get(r["label"], ""))) is not None
+            and (r["rate"] or 0) <= limit]
     errs = [abs(r[f"{k}_p{q}"]["error_pct"]) for r in kept for _, k, q in METRICS
             if r[f"{k}_p{q}"]["error_pct"] is not None]
     if not errs:
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     rank_lines, summary = ranking(rows)
     limits = {m: summary["sustained"].get(f"measured/{m}") for m in ("disaggregated", "colocated")}
     mode_of = {r["label"]: r["mode"] for r in rows}
-    for lines, rs, what in ((table, rows, "error"), (spread_lines, spread if args.median else [], "difference")):
+    for lines, rs, what in ((table, rows, "error"), (spread_lines, spread, "difference")):
         line = within_capacity(rs, limits, mode_of, what)
         if line:
             lines.append(line)

@@ -34,12 +34,12 @@ def test_step_totals_sum_per_phase_and_snapshot_is_a_copy():
     totals.add(StepShape("decode", 2, 2, 100), 0.01)
     totals.add(StepShape("prefill", 1, 64, 64), 0.05)
     totals.add(None, 1.0)  # an iteration that ran no batch counts nothing
-    snap = totals.snapshot()
+    snap, _ = totals.snapshots()
     d = snap["decode"]
     assert (d.steps, d.seqs, d.tokens, d.context) == (2, 6, 6, 500) and abs(d.seconds - 0.03) < 1e-12
     assert (snap["prefill"].steps, snap["prefill"].tokens) == (1, 64)
     snap["decode"].steps = 99
-    assert totals.snapshot()["decode"].steps == 2
+    assert totals.snapshots()[0]["decode"].steps == 2
 
 
 def test_decode_steps_are_also_summed_per_power_of_two_batch_bucket():
@@ -50,10 +50,9 @@ def test_decode_steps_are_also_summed_per_power_of_two_batch_bucket():
     totals.add(StepShape("decode", 5, 5, 500), 0.03)
     totals.add(StepShape("decode", 7, 7, 700), 0.04)
     totals.add(StepShape("prefill", 3, 300, 300), 0.1)  # prefill: per phase only
-    by = totals.snapshot_by_batch()
+    phases, by = totals.snapshots()
     assert list(by) == [("decode", 1), ("decode", 4)]
     four = by[("decode", 4)]
     assert (four.steps, four.seqs, four.context) == (2, 12, 1200) and abs(four.seconds - 0.07) < 1e-12
-    phases, by = totals.snapshots()  # one moment: the buckets add up to the phase
-    d = phases["decode"]
+    d = phases["decode"]  # the buckets add up to the phase
     assert d.steps == sum(t.steps for t in by.values()) and d.seqs == sum(t.seqs for t in by.values())
