@@ -14,6 +14,10 @@ counted them so:
     prefill  mean step = (r + s x T) x E + o, E = the engine's fit (`calibrate`) over the run's
              prompts: a + (b * tokens + c * sum n^2) / steps, sum n^2 from the prompts sent
              (scaled to the tokens the workers prefilled); T = the run's decode tokens per second.
+             A disaggregated prefill worker's steps include each commit's wait for the decode
+             worker's engine lock, which a decode step holds: that wait (`commit_wait`, from the
+             run's decode steps) is taken out of them, and the simulator makes it itself
+             (ClusterSpec.commit_waits_lock): it is a share of a decode step, not of the prompt.
 
 Where the coefficients have a closed-loop probe's fits for the cluster, what one trace's runs cannot
 tell apart is taken from them (every run mixes the same lengths: context per sequence and prompt
@@ -65,6 +69,15 @@ def decode_windows(counters: dict[str, dict], decode_role: str) -> list[tuple[st
     return kept or [("all", counters[f"{decode_role}/decode"])]
 
 
+def commit_wait(counters: dict[str, dict], decode_role: str, window_s: float) -> float:
+    """The mean wait of a KV commit for the decode worker's engine lock, which each decode step
+    holds: at a random moment the worker is in a step with probability (busy time / window) and
+    then waits out the rest of it, E[step^2] / (2 E[step]) on average; so sum(step^2) / (2 window),
+    each bucket's steps taken at their mean (the run's total when it has no buckets)."""
+    rows = [v for _, v in buckets(counters, decode_role, "decode") if v.get("steps")] or [counters[f"{decode_role}/decode"]]
+    return sum(v["step_seconds"] ** 2 / v["steps"] for v in rows if v.get("steps")) / (2 * window_s)
+
+
 def run_samples(run: dict[str, Any], engine_prefill: dict[str, float]) -> tuple[str, list[dict[str, Any]]] | None:
     """One bench serve run as windows of step counters: (cluster, [decode sample, prefill sample])."""
     counters = run.get("server_counters") or {}
@@ -83,6 +96,9 @@ def run_samples(run: dict[str, Any], engine_prefill: dict[str, float]) -> tuple[
     if p.get("steps") and sum(prompts):
         a, b, c = (engine_prefill[k] for k in "abc")
         squares = sum(n * n for n in prompts) * p["step_tokens"] / sum(prompts)  # prefix hits scale it down
+        if cluster == "decode":  # the commit's wait for the decode worker's lock, out (the simulator makes it)
+            wait = commit_wait(counters, decode_role, window)
+            p = {**p, "step_seconds": max(0.0, p["step_seconds"] - p["steps"] * wait), "commit_wait_s": wait}
         samples.append({**base, "role": prefill_role, "phase": "prefill", **p,
                         "engine_s": a + (b * p["step_tokens"] + c * squares) / p["steps"],
                         "decode_tokens_per_s": d["step_tokens"] / window})
@@ -125,6 +141,8 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
             entry["prefill"] = fit_prefill(prefill, [s["engine_s"] for s in prefill],
                                            [s["decode_tokens_per_s"] for s in prefill], engine_prefill,
                                            shape.get("prefill"))
+            if cluster == "decode":
+                entry["prefill"]["commit_wait_out"] = True
         idle, alone = idle_ttft(slowest[cluster])
         if len(idle) >= 2:
             entry["idle_ttft_s"] = idle

@@ -135,9 +135,16 @@ class PlanContext:
         """Whether the prefill workers' step costs already contain sending the KV and the commit:
         live ones (calibrate --serving-url / --from-bench) come from the workers' own step counters,
         and PrefillEngine.step is timed around the layer sends and the commit (its wait for the
-        decode worker's lock too). The simulator then adds no transfer (ClusterSpec.transfer_in_step)."""
+        decode worker's lock too). The simulator then adds no transfer (ClusterSpec.transfer_in_step);
+        where the fit took the lock wait out (calibrate_bench: `commit_wait_out`), it makes that wait
+        (ClusterSpec.commit_waits_lock)."""
         return (plan.prefill is not None and self.hardware(plan.prefill.hardware).is_cpu
                 and bool((live_for(self.coefficients or {}, "prefill") or {}).get("prefill")))
+
+    def commit_waits_lock(self, plan: Plan) -> bool:
+        """Whether those prefill step costs had the commit's wait for the decode lock taken out."""
+        live = (live_for(self.coefficients or {}, "prefill") or {}).get("prefill") or {}
+        return self.transfer_in_step(plan) and bool(live.get("commit_wait_out"))
 
     def link_gbps(self, pool: Pool) -> float:
         hw = self.hardware(pool.hardware)
@@ -176,7 +183,8 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
     return ClusterSpec(plan.mode, prefill, decode, o.kv_latency_s, layerwise=not cpu, num_layers=ctx.model.num_layers,
                        router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,
                        host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu,
-                       transfer_in_step=ctx.transfer_in_step(plan))
+                       transfer_in_step=ctx.transfer_in_step(plan),
+                       commit_waits_lock=ctx.commit_waits_lock(plan))
 
 
 def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:

@@ -17,7 +17,9 @@ real code, with step times from a cost model (cost_model.py) instead of forward 
         Commit = the first token (TTFT ends first_token_out_s later) and the sequence joins the
         decode worker's batch at its next step. With `transfer_in_step` (prefill step costs
         measured on serving workers, whose step counters include the sends and the commit) a
-        prompt is committed when its step ends, nothing added.
+        prompt is committed when its step ends, nothing added; with `commit_waits_lock` as well
+        (those step costs had the commit's wait for the decode worker's lock taken out:
+        calibrate_bench) the commit then waits for the decode step in progress, as below.
     engine lock: a decode (or colocated) worker holds its engine's lock for a whole step, and a
         Reserve and a KV commit need it: they complete when the step in progress ends. The router
         counts a request on a worker as it chooses it (WorkerPool.take), so requests that arrive
@@ -95,6 +97,9 @@ class ClusterSpec:
     # The prefill step costs were measured on serving workers, whose step counters include sending
     # the KV and the commit (PrefillEngine.step): a prompt is committed when its step ends.
     transfer_in_step: bool = False
+    # with transfer_in_step: the measured steps had the commit's wait for the decode worker's lock
+    # taken out (calibrate_bench), so the simulator makes it: the commit waits for the step in progress
+    commit_waits_lock: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -177,6 +182,7 @@ class _Worker:
         self.inflight_tokens = 0
         self.link_free = 0.0
         self.pending_commits = 0  # prefill: finished prompts whose KV commit has not returned
+        self.lock_wait_from = 0.0  # prefill (commit_waits_lock): when its commits began to wait
         self.lock_waiters: list = []  # Reserves and commits waiting for the step in progress
         self.locked = False  # a step is running (it holds the engine lock)
         self.batch: list[tuple[_Seq, int]] | None = None  # the prefill step in progress
@@ -516,7 +522,13 @@ class Simulator:
                 if waiting_reserve:
                     retry_reservations(now)
                 return
-            if c.transfer_in_step:  # measured within the step: the commit's wait for the decode lock too
+            if c.transfer_in_step:  # sent and committed within the measured step
+                if c.commit_waits_lock and d.locked:  # ... all but the wait for the decode worker's lock
+                    if not w.pending_commits:
+                        w.lock_wait_from = now
+                    w.pending_commits += 1
+                    d.lock_waiters.append((COMMIT, s))
+                    return
                 commit(s, now, in_step=True)
                 return
             nbytes = s.prompt * w.cost.kv_bytes_per_token
@@ -552,6 +564,9 @@ class Simulator:
                 return
             p.pending_commits -= 1
             if not p.pending_commits:  # the prefill engine thread goes on
+                if c.transfer_in_step:  # the wait for the lock: part of the step, as the worker counts it
+                    p.busy_s += now - p.lock_wait_from
+                    st["pstep_s"] += now - p.lock_wait_from
                 start_step(p, now)
 
         # ------------------------------------------------------------------ main loop

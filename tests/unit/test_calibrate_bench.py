@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from planner.calibrate_bench import add_bench, cluster_of, fit_bench
+from planner.calibrate_bench import add_bench, cluster_of, commit_wait, fit_bench, run_samples
 
 ENGINE = {"a": 0.007, "b": 2e-4, "c": 1e-7}
 DECODE = (0.008, 5e-6, 0.002)
@@ -31,6 +31,8 @@ def _run(label: str, decode_role: str, prefill_role: str, rate: float, prompts: 
     p_steps = len(prompts) * (1 - rate / 40)  # more prompts per step at higher rates
     engine = ENGINE["a"] + (ENGINE["b"] * sum(prompts) + ENGINE["c"] * sum(n * n for n in prompts)) / p_steps
     step = step_of(engine, tokens / duration)
+    if decode_role == "decode":  # the worker counts its commits' waits for the decode worker's lock in its steps
+        step += decode["step_seconds"] ** 2 / decode["steps"] / (2 * duration)
     prefill = {"steps": p_steps, "step_seqs": len(prompts), "step_tokens": sum(prompts),
                "step_context_tokens": sum(prompts), "step_seconds": p_steps * step}
     records = [{"outcome": "ok", "prompt_tokens": n} for n in prompts] + [{"outcome": "not_sent", "prompt_tokens": 9999}]
@@ -187,3 +189,30 @@ def test_the_fixed_ttft_share_comes_from_requests_that_arrived_with_none_in_flig
     assert fitted["colocated"]["idle_ttft_s"] == idle_ttft(run)[0]  # from the lowest-rate run
     assert fitted["colocated"]["idle_ttft_from"].startswith("5 requests of the 0.5 req/s run")
     assert "idle_ttft_s" not in fitted["decode"]  # its runs' records have no times: nothing to take
+
+
+def test_a_commit_waits_out_the_decode_step_in_progress_and_that_wait_leaves_the_prefill_fit():
+    """The decode worker is in a step a fraction busy/window of the time, and a commit arriving then
+    waits out the rest of it: E[step^2] / (2 E[step]) on average, per bucket of steps at its mean."""
+    counters = {"decode/decode": {"steps": 150, "step_seconds": 2.0},
+                "decode/decode[1]": {"steps": 100, "step_seconds": 1.0},  # 10 ms steps
+                "decode/decode[2-3]": {"steps": 50, "step_seconds": 1.0}}  # 20 ms steps
+    busy, mean_sq, mean = 2.0 / 10.0, (100 * 0.01**2 + 50 * 0.02**2) / 150, 2.0 / 150
+    assert commit_wait(counters, "decode", 10.0) == pytest.approx(busy * mean_sq / (2 * mean))
+    assert commit_wait({"decode/decode": {"steps": 100, "step_seconds": 1.0}}, "decode", 10.0) == pytest.approx(0.0005)
+    run = _run("disaggregated", "decode", "prefill", 4.0, [40, 90, 300] * 10)
+    counters = run["server_counters"]
+    wait = commit_wait(counters, "decode", run["duration_s"])
+    _, samples = run_samples(run, ENGINE)
+    prefill = next(s for s in samples if s["phase"] == "prefill")
+    assert prefill["commit_wait_s"] == pytest.approx(wait)
+    assert prefill["step_seconds"] == pytest.approx(counters["prefill/prefill"]["step_seconds"]
+                                                    - counters["prefill/prefill"]["steps"] * wait)
+    # a colocated worker commits nothing: its prefill steps stay as counted
+    coloc = _run("colocated", "colocated", "colocated", 4.0, [40, 90, 300] * 10)
+    _, samples = run_samples(coloc, ENGINE)
+    prefill = next(s for s in samples if s["phase"] == "prefill")
+    assert "commit_wait_s" not in prefill
+    assert prefill["step_seconds"] == coloc["server_counters"]["colocated/prefill"]["step_seconds"]
+    fitted = fit_bench([_result()], ENGINE)
+    assert fitted["decode"]["prefill"]["commit_wait_out"] and "commit_wait_out" not in fitted["colocated"]["prefill"]

@@ -190,6 +190,10 @@ def test_the_fixed_ttft_share_comes_from_the_idle_ttft_of_a_live_calibration():
     assert disagg.router_in_s == pytest.approx(0.030 - 0.007) and disagg.first_token_out_s == 0.007
     assert coloc.router_in_s == pytest.approx(0.050 - 0.007)
     assert disagg.transfer_in_step and not coloc.transfer_in_step
+    assert not disagg.commit_waits_lock  # the lock wait is in these steps
+    live["decode"]["prefill"] = {**prefill, "commit_wait_out": True}  # a bench fit took it out
+    again = build_cluster(Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), 2048, 256), ctx)
+    assert again.transfer_in_step and again.commit_waits_lock
     # GPU prefill workers get the roofline's step costs: their KV transfer is the simulator's to add
     gpu = build_cluster(Plan("disaggregated", Pool("H100-SXM", 1), Pool("H100-SXM", 1), 2048, 256), ctx)
     assert not gpu.transfer_in_step

@@ -68,6 +68,30 @@ def test_a_prefill_step_measured_with_its_kv_transfer_in_it_is_not_charged_the_t
     assert two.ttft[1] == pytest.approx(t4 + c.prefill_time(10, 10 * 10) + 0.004 - (t - 0.003), rel=1e-9)
 
 
+def test_a_commit_waits_for_the_decode_step_in_progress_when_the_measured_steps_left_that_wait_out():
+    """Step costs fitted with the commit's lock wait taken out (calibrate_bench, commit_waits_lock): a
+    prompt whose prefill step ends while the decode worker is in a step is committed when that step
+    ends, and the prefill worker waits with it (the wait counts in its step time, as the worker's
+    own counters have it)."""
+    c = _cost()
+    cluster = _cluster("disaggregated", router_in_s=0.003, first_token_out_s=0.004, token_out_s=0.001,
+                       transfer_in_step=True, commit_waits_lock=True)
+    prefill = c.prefill_time(300, 300 * 300)
+    step = [c.decode_time(1, 301 + i) for i in range(50)]
+    # the second reaches the router inside the first one's 4th decode step: its Reserve returns at
+    # that step's end (T4), its 10-token prefill (11 ms) ends inside the 6th decode step (6.3 ms each)
+    t = 0.003 + prefill + sum(step[:3]) + 1e-4
+    t4 = 0.003 + prefill + sum(step[:4])
+    p10 = c.prefill_time(10, 10 * 10)
+    assert t4 + step[4] < t4 + p10 < t4 + step[4] + step[5]
+    two = Simulator(cluster).run([0.0, t - 0.003], [300, 10], [50, 2])
+    t6 = t4 + step[4] + step[5]
+    assert two.ttft[1] == pytest.approx(t6 + 0.004 - (t - 0.003), rel=1e-9)
+    assert two.stats["prefill_step_s"] == pytest.approx(prefill + (t6 - t4), rel=1e-9)
+    # the first prompt's commit found the decode worker idle: nothing added
+    assert two.ttft[0] == pytest.approx(0.003 + prefill + 0.004, rel=1e-9)
+
+
 def test_a_single_colocated_request_costs_the_sum_of_its_steps_and_long_prompts_are_chunked():
     c = _cost()
     res = Simulator(_cluster("colocated")).run([0.0], [3000], [5])
