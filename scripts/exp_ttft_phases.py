@@ -16,7 +16,6 @@ The planner's simulator (planner/simulator.py) models these waits; this shows th
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import threading
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -31,14 +31,36 @@ sys.path.insert(0, str(REPO / "scripts"))
 from exp_disagg_vs_colocated import cluster_files, start, stop, warm_up
 
 MODEL = "builtin:tiny-llama"
-PHASE = re.compile(r'^pdcluster_(request_phase_seconds|time_to_first_token_seconds)_(sum|count)'
-                   r'(?:\{phase="(\w+)"\})? ([0-9.e+-]+)$', re.MULTILINE)
+TTFT = "pdcluster_time_to_first_token_seconds"
+PHASES = "pdcluster_request_phase_seconds"
+
+
+def histogram_sums(text: str) -> dict[tuple[str, str], float]:
+    """{(phase, or "ttft" for the router's TTFT, "sum" | "count"): value} from the router's metrics text."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in (TTFT, PHASES):
+            continue
+        for s in family.samples:
+            kind = s.name.rsplit("_", 1)[-1]
+            if kind in ("sum", "count"):
+                out[(s.labels.get("phase", "ttft"), kind)] = s.value
+    return out
+
+
+def phase_means_ms(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[str, float]:
+    """Mean ms per phase (and the router's TTFT) over the requests finished between two scrapes."""
+    out = {}
+    for (phase, kind), total in after.items():
+        if kind == "sum":
+            n = after[(phase, "count")] - before.get((phase, "count"), 0.0)
+            if n:
+                out[f"{phase}_ms"] = (total - before.get((phase, "sum"), 0.0)) / n * 1e3
+    return out
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:
-    """{(phase or "ttft", "sum" | "count"): value} from the router's metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {(m.group(3) or "ttft", m.group(2)): float(m.group(4)) for m in PHASE.finditer(text)}
+    return histogram_sums(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 def ttft_ms(url: str, words: int, max_tokens: int) -> float:
@@ -78,11 +100,7 @@ def case(url: str, streams: int, requests: int) -> dict[str, float]:
     done.set()
     for t in threads:
         t.join(timeout=60)
-    row = {"client_ttft_ms": statistics.median(client)}
-    for (phase, kind), total in after.items():
-        if kind == "sum":
-            n = after[(phase, "count")] - before.get((phase, "count"), 0.0)
-            row[f"{phase}_ms"] = (total - before.get((phase, "sum"), 0.0)) / n * 1e3 if n else float("nan")
+    row = {"client_ttft_ms": statistics.median(client), **phase_means_ms(before, after)}
     return row
 
 
