@@ -74,7 +74,7 @@ def commit_wait(counters: dict[str, dict], decode_role: str, window_s: float) ->
     holds: at a random moment the worker is in a step with probability (busy time / window) and
     then waits out the rest of it, E[step^2] / (2 E[step]) on average; so sum(step^2) / (2 window),
     each bucket's steps taken at their mean (the run's total when it has no buckets)."""
-    rows = [v for _, v in buckets(counters, decode_role, "decode") if v.get("steps")] or [counters[f"{decode_role}/decode"]]
+    rows = [v for _, v in buckets(counters, decode_role, "decode")] or [counters[f"{decode_role}/decode"]]
     return sum(v["step_seconds"] ** 2 / v["steps"] for v in rows if v.get("steps")) / (2 * window_s)
 
 
@@ -141,7 +141,7 @@ def fit_bench(results: list[dict[str, Any]], engine_prefill: dict[str, float],
             entry["prefill"] = fit_prefill(prefill, [s["engine_s"] for s in prefill],
                                            [s["decode_tokens_per_s"] for s in prefill], engine_prefill,
                                            shape.get("prefill"))
-            if cluster == "decode":
+            if all("commit_wait_s" in s for s in prefill):  # the simulator is to make that wait
                 entry["prefill"]["commit_wait_out"] = True
         idle, alone = idle_ttft(slowest[cluster])
         if len(idle) >= 2:

@@ -139,12 +139,15 @@ class PlanContext:
         where the fit took the lock wait out (calibrate_bench: `commit_wait_out`), it makes that wait
         (ClusterSpec.commit_waits_lock)."""
         return (plan.prefill is not None and self.hardware(plan.prefill.hardware).is_cpu
-                and bool((live_for(self.coefficients or {}, "prefill") or {}).get("prefill")))
+                and bool(self._live_prefill()))
 
     def commit_waits_lock(self, plan: Plan) -> bool:
         """Whether those prefill step costs had the commit's wait for the decode lock taken out."""
-        live = (live_for(self.coefficients or {}, "prefill") or {}).get("prefill") or {}
-        return self.transfer_in_step(plan) and bool(live.get("commit_wait_out"))
+        return self.transfer_in_step(plan) and bool(self._live_prefill().get("commit_wait_out"))
+
+    def _live_prefill(self) -> dict[str, Any]:
+        """The disaggregated prefill workers' live step-cost fit ({} without one)."""
+        return (live_for(self.coefficients or {}, "prefill") or {}).get("prefill") or {}
 
     def link_gbps(self, pool: Pool) -> float:
         hw = self.hardware(pool.hardware)

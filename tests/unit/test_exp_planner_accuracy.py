@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def acc():
-    spec = importlib.util.spec_from_file_location("exp_planner_accuracy", REPO / "scripts" / "exp_planner_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("exp_planner_accuracy")
 
 
 def _run(label: str, rate: float, ttfts: list[float], tpots: list[float], failed: int = 0) -> dict:

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from proto import generate_pb2 as gen
 from router import metrics as router_metrics
 from router.metrics import RouterMetrics
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def exp():
-    spec = importlib.util.spec_from_file_location("exp_ttft_phases", REPO / "scripts" / "exp_ttft_phases.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("exp_ttft_phases")
 
 
 def _finish(m: RouterMetrics, ms: tuple[float, ...], ttft_ms: float) -> None:

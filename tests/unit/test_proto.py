@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from kv_transfer.checksum import checksum
+from tests.scripts import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = REPO_ROOT / "proto"
 REGEN_HINT = "run python scripts/gen_proto.py"
 
 
-def _load_gen_proto():
-    spec = importlib.util.spec_from_file_location("gen_proto", REPO_ROOT / "scripts" / "gen_proto.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
-gen_proto = _load_gen_proto()
+gen_proto = load_script("gen_proto")
 
 
 def _generated_names(directory: Path) -> set[str]:
