@@ -60,6 +60,33 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
         "corpus_seed": 0,
         "corpus_sentences": 20000,
     },
+    # A realistic shape (the layer sizes of a ~200M Llama) for performance work: the engine's
+    # costs split between GEMMs, attention and memory traffic as they do on real checkpoints.
+    "llama-200m": {
+        "version": 1,
+        "seed": 0,
+        "lm_head_scale": 10.0,
+        "dtype": "bfloat16",
+        "config": {
+            "vocab_size": 8192,
+            "hidden_size": 1024,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "intermediate_size": 2816,
+            "max_position_embeddings": 4096,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "tie_word_embeddings": False,
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": EOS_TOKEN_ID,
+            "pad_token_id": PAD_TOKEN_ID,
+        },
+        "corpus_seed": 0,
+        "corpus_sentences": 20000,
+    },
 }
 
 # Each message as "<|role|>\ncontent\n", then "<|assistant|>\n" when a generation prompt is asked
@@ -196,7 +223,8 @@ def _build_model(spec: dict[str, Any]):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**spec["config"], dtype="float32")
+    dtype = spec.get("dtype", "float32")
+    config = LlamaConfig(**spec["config"], dtype=dtype)
     torch.manual_seed(spec["seed"])
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
@@ -212,6 +240,7 @@ def _build_model(spec: dict[str, Any]):
         # so the gap-to-noise ratio (~1e3 at the smallest gap over 300 positions in float32) is
         # what keeps greedy stable; bfloat16 noise (~0.2 at std 4) can flip near-ties.
         model.lm_head.weight.mul_(spec["lm_head_scale"])
+    model = model.to(getattr(torch, dtype))  # initialised in float32 on every dtype: same draws
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.models.llama import LlamaModel
+from engine.packed_linear import pack_linears
 
 # checkpoint name suffix -> (fused parameter suffix, shard index in the fused tensor)
 _FUSED = {
@@ -42,7 +43,10 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaModel:
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+               pack: bool = True) -> LlamaModel:
+    """The checkpoint's weights in `dtype` on `device`; `pack`: linear layers on oneDNN with
+    prepacked weights where the device has it (engine/packed_linear.py)."""
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
     model = model.to_empty(device=device).to(dtype)
@@ -84,4 +88,6 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {cfg.path} is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if pack:
+        pack_linears(model)
     return model.eval()

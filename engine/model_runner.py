@@ -49,7 +49,7 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.device = cfg.torch_device
-        self.dtype = cfg.torch_dtype
+        self.dtype = cfg.torch_dtype(model_cfg)
         if cfg.num_threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.num_threads)
         self.max_model_len = resolve_max_model_len(model_cfg, cfg.max_model_len)

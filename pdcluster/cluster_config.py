@@ -30,7 +30,7 @@ API_KEYS_ENV = "PDCLUSTER_API_KEYS"
 
 MODES = ("disaggregated", "colocated")
 ROLES = ("prefill", "decode", "colocated")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_TRANSFER_BACKENDS = ("auto", "grpc", "inproc", "torch_distributed", "shm", "tcp")
 KV_COMPRESSIONS = ("none", "int8")
 POOL_NAME_PATTERN = r"[a-z0-9][a-z0-9-]*"
@@ -70,7 +70,7 @@ class RayConfig:
 @dataclass(frozen=True)
 class ModelSection:
     path: str = "builtin:tiny-llama"  # builtin:NAME or a Hugging Face checkpoint directory
-    dtype: str = "float32"
+    dtype: str = "auto"  # the checkpoint's dtype; or float32 / bfloat16 / float16
     max_model_len: int | None = 2048  # None: the model's max_position_embeddings, capped at 4096
 
 

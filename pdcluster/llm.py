@@ -48,7 +48,7 @@ class LLM:
         self,
         model: str = "builtin:tiny-llama",
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str | None = None,
         max_model_len: int | None = None,
         block_size: int = 16,

@@ -275,13 +275,13 @@ def calibrate(model: str = "builtin:tiny-llama", cpu: int | None = None, repeats
                        [s["seconds"] for s in prefill_samples])
         dc, derr = fit([[1, s["sum_context"], s["batch"]] for s in decode_samples],
                        [s["seconds"] for s in decode_samples])
-        kv_bytes = engine.model_cfg.kv_bytes_per_token(cfg.torch_dtype)
+        kv_bytes = engine.model_cfg.kv_bytes_per_token(engine.runner.dtype)
         result = {
             "hardware": "cpu",
             "model": model,
             "model_shape": {"name": shape.name, "params": shape.params, "layers": shape.num_layers,
                             "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
-            "dtype": cfg.dtype,
+            "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "prefill": {"a": pc[0], "b": pc[1], "c": pc[2], **perr,
                         "formula": "a + b * sum_new + c * sum(n_i * (p_i + n_i))"},
             "decode": {"a": dc[0], "b": dc[1], "c": dc[2], **derr, "formula": "a + b * sum_context + c * batch"},

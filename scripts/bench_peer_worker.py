@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""One engine in its own process, driven by scripts/bench_vs_vllm.py over stdin/stdout.
+
+    python scripts/bench_peer_worker.py --system ours --model DIR --dtype float32 --threads 2
+    .venv-vllm/bin/python scripts/bench_peer_worker.py --system vllm --model DIR ...
+
+The process loads the engine, warms it up (vLLM compiles here; ours too when compilation is on),
+prints one JSON line `{"ready": true, "load_s": ...}`, then answers each request line
+`{"prompts": [[ids...], ...], "max_tokens": [n, ...]}` with `{"wall_s": ..., "tokens": [[...], ...],
+"stats": {...}}`: the wall clock around one `generate` call of greedy, `ignore_eos` requests.
+`{"quit": true}` ends it. Everything else the engines print goes to stderr.
+
+The `vllm` system needs only vLLM in its environment (no project import); `ours` needs only the
+project. Prefix caching stays on in both: the driver sends fresh prompt ids per repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+WARM_UP = ([[5 + i for i in range(16)], [40 + i for i in range(24)]], 4)
+
+
+class Ours:
+    def __init__(self, args: argparse.Namespace) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import torch
+
+        torch.set_num_threads(args.threads)
+        from pdcluster import LLM, SamplingParams
+
+        self.SamplingParams = SamplingParams
+        self.llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                       enable_compile=not args.no_compile)
+        self._wrap_decode_step()
+
+    def _wrap_decode_step(self) -> None:
+        """Time every decode step and note its shape: the bytes a step must read follow from it."""
+        decode, self.decode_totals = self.llm.decode, {"steps": 0, "seconds": 0.0, "seqs": 0, "context": 0}
+        step = decode.step
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            out = step(*a, **kw)
+            shape = decode.engine.last_step
+            if shape is not None and shape.phase == "decode":
+                d = self.decode_totals
+                d["steps"] += 1
+                d["seconds"] += time.perf_counter() - t
+                d["seqs"] += shape.seqs
+                d["context"] += shape.context
+            return out
+
+        decode.step = timed
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], dict]:
+        for k in self.decode_totals:
+            self.decode_totals[k] = 0
+        params = [self.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+        outs = self.llm.generate(prompts, params)
+        runner = self.llm.prefill.engine.runner
+        return [o.token_ids for o in outs], {"decode": dict(self.decode_totals), "dtype": str(runner.dtype),
+                                             "compiled": runner.compiled}
+
+
+class VLLM:
+    def __init__(self, args: argparse.Namespace) -> None:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else f"0-{args.threads - 1}")
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.SamplingParams, self.TokensPrompt = SamplingParams, TokensPrompt
+        self.llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                       gpu_memory_utilization=args.vllm_memory_utilization,
+                       enforce_eager=args.no_compile, seed=0)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], dict]:
+        params = [self.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+        outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], {}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--system", choices=["ours", "vllm"], required=True)
+    ap.add_argument("--model", required=True, help="a checkpoint directory")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--no-compile", action="store_true", help="ours: eager engine; vLLM: enforce_eager")
+    ap.add_argument("--vllm-memory-utilization", type=float, default=0.3,
+                    help="vLLM on CPU: the share of host memory for its KV cache")
+    args = ap.parse_args()
+
+    reply = sys.stdout
+    sys.stdout = sys.stderr  # engines' prints must not mix with the replies
+    t = time.perf_counter()
+    engine = Ours(args) if args.system == "ours" else VLLM(args)
+    engine.generate(*WARM_UP)
+    print(json.dumps({"ready": True, "load_s": time.perf_counter() - t}), file=reply, flush=True)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg.get("quit"):
+            break
+        t = time.perf_counter()
+        tokens, stats = engine.generate(msg["prompts"], msg["max_tokens"])
+        wall = time.perf_counter() - t
+        print(json.dumps({"wall_s": wall, "tokens": tokens, "stats": stats}), file=reply, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
