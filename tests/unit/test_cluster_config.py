@@ -262,7 +262,7 @@ def test_engine_kwargs_build_engine_config():
     cfg = ClusterConfig()
     kwargs = cfg.engine_kwargs()
     ec = EngineConfig(**kwargs)
-    assert ec.model == "builtin:tiny-llama" and ec.dtype == "float32" and ec.max_model_len == 2048
+    assert ec.model == "builtin:tiny-llama" and ec.dtype == "auto" and ec.max_model_len == 2048
     assert ec.block_size == 16 and ec.num_blocks is None
     assert ec.kv_cache_memory_bytes == 512 * 1024 * 1024
     assert (ec.max_num_batched_tokens, ec.max_num_seqs, ec.enable_prefix_caching, ec.num_threads) == (
