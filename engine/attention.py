@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache (plain torch, any device).
+"""Attention over the paged KV cache (torch on any device; a native decode kernel on CPU).
 
 Per layer the cache is one tensor `kv[2, num_blocks, block_size, num_kv_heads, head_dim]`; viewed
 flat, token slot `s = block_id * block_size + offset` is row `s` of `kv[0].view(-1, kvh, hd)`.
@@ -34,10 +34,22 @@ class DecodeGroup:
 
 
 @dataclass
+class NativeDecode:
+    """Decode rows for the native kernel (engine/native.py), which reads the cache in place."""
+
+    lib: object  # the loaded ctypes library
+    block_tables: torch.Tensor  # (T, max_blocks) int64, row i = packed-batch row i, padded with 0
+    context_lens: torch.Tensor  # (T,) int64, tokens each row attends to (its new one included)
+    threads: int
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token
     # decode (every sequence has one new token): sequences of similar length batched together
     decode_groups: list[DecodeGroup] | None = None
+    # decode through the native kernel (CPU, float32 / bfloat16 cache): preferred when set
+    native_decode: NativeDecode | None = None
     # prefill / mixed: one span per sequence
     spans: list[SeqSpan] | None = None
 
@@ -58,6 +70,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # (T, H, hd)
     kvh, hd = k.shape[-2:]
+    if meta.native_decode is not None:
+        return _native_decode(q, kv_cache, meta.native_decode, scale)
     if meta.decode_groups is not None:
         out = torch.empty_like(q)
         for group in meta.decode_groups:
@@ -86,3 +100,22 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+def native_decode_supported(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
+
+
+def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor, nd: NativeDecode, scale: float) -> torch.Tensor:
+    T, H, hd = q.shape
+    _, _, bs, kvh, _ = kv_cache.shape
+    q = q.contiguous()
+    out = torch.empty((T, H, hd), dtype=torch.float32)
+    rc = nd.lib.paged_decode_attention(
+        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), nd.block_tables.data_ptr(),
+        nd.context_lens.data_ptr(), out.data_ptr(), T, kvh, H // kvh, hd, bs, nd.block_tables.shape[1],
+        scale, int(kv_cache.dtype == torch.bfloat16), nd.threads,
+    )
+    if rc != 0:
+        raise RuntimeError(f"native decode attention refused the shape (head_dim {hd}, group {H // kvh}, block {bs})")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -10,14 +10,16 @@ from typing import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, SeqSpan
+from engine.attention import AttentionMetadata, DecodeGroup, NativeDecode, SeqSpan, native_decode_supported
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_model
 from engine.models.llama import LlamaModel
+from engine.native import decode_attention_lib
 from engine.sequence import Sequence
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 DECODE_PAD_SLACK = 1.3  # padded/real KV blocks allowed within one decode attention group
+NATIVE_MAX_HEAD_DIM, NATIVE_MAX_GROUP, NATIVE_MAX_BLOCK = 256, 32, 64  # engine/csrc limits (MAX_HD, MAX_ROWS, MAX_BS)
 
 
 @dataclass
@@ -53,7 +55,8 @@ class ModelRunner:
         if cfg.num_threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.num_threads)
         self.max_model_len = resolve_max_model_len(model_cfg, cfg.max_model_len)
-        self.model = model if model is not None else load_model(model_cfg, self.dtype, self.device, self.max_model_len)
+        self.model = model if model is not None else load_model(model_cfg, self.dtype, self.device, self.max_model_len,
+                                                                 pack=not cfg.enforce_eager)
         self.block_size = cfg.block_size
         self.num_blocks = self._num_blocks()
         if self.num_blocks * self.block_size < self.max_model_len:
@@ -64,6 +67,16 @@ class ModelRunner:
         shape = (2, self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         # Zeroed, not empty: masked-out slots still enter the attention matmul with weight 0, and 0*NaN = NaN.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_cfg.num_layers)]
+        self._native = self._native_lib()
+
+    def _native_lib(self):
+        """The native decode kernel where it serves this engine (CPU, float32/bf16, its size limits)."""
+        m = self.model_cfg
+        fits = (m.head_dim <= NATIVE_MAX_HEAD_DIM and m.num_heads // m.num_kv_heads <= NATIVE_MAX_GROUP
+                and self.block_size <= NATIVE_MAX_BLOCK)
+        if self.cfg.enforce_eager or not fits or not native_decode_supported(self.kv_caches[0]):
+            return None
+        return decode_attention_lib()
 
     def _num_blocks(self) -> int:
         if self.cfg.num_blocks is not None:
@@ -104,7 +117,10 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         ctx = [item.seq.num_computed_tokens + item.num_tokens for item in batch]
         if all(item.num_tokens == 1 for item in batch):
-            meta.decode_groups = self._decode_groups(batch, ctx)
+            if self._native is not None and native_decode_supported(self.kv_caches[0]):
+                meta.native_decode = self._native_decode(batch, ctx)
+            else:
+                meta.decode_groups = self._decode_groups(batch, ctx)
         else:
             spans = []
             q_start = 0
@@ -119,6 +135,12 @@ class ModelRunner:
                 q_start += n
             meta.spans = spans
         return input_ids, positions, meta, sample_rows
+
+    def _native_decode(self, batch: list[ScheduledSeq], ctx: list[int]) -> NativeDecode:
+        width = max(len(item.seq.block_table) for item in batch)
+        tables = torch.tensor([item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
+                              dtype=torch.long)
+        return NativeDecode(self._native, tables, torch.tensor(ctx, dtype=torch.long), torch.get_num_threads())
 
     def _decode_groups(self, batch: list[ScheduledSeq], ctx: list[int]) -> list[DecodeGroup]:
         """Split decode rows into groups of similar length so padding stays small.

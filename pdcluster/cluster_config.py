@@ -115,6 +115,7 @@ class EngineSection:
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    enforce_eager: bool = False  # plain torch modules only (no prepacked oneDNN weights)
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ class ClusterConfig:
             "max_num_seqs": self.engine.max_num_seqs,
             "enable_prefix_caching": self.engine.enable_prefix_caching,
             "num_threads": self.engine.num_threads,
+            "enforce_eager": self.engine.enforce_eager,
         }
         if pool is not None:
             kwargs["device"] = pool.device
@@ -577,6 +579,7 @@ def _parse_engine(path: str, v: Any) -> EngineSection:
         max_num_seqs=_get(d, path, EngineSection, "max_num_seqs", lambda p, x: _int(p, x, lo=1)),
         enable_prefix_caching=_get(d, path, EngineSection, "enable_prefix_caching", _bool),
         num_threads=_get(d, path, EngineSection, "num_threads", lambda p, x: _int(p, x, lo=1, none=True)),
+        enforce_eager=_get(d, path, EngineSection, "enforce_eager", _bool),
     )
     if e.max_num_batched_tokens < e.max_num_seqs:  # a decode step is one token per sequence
         raise _err(_join(path, "max_num_batched_tokens"),

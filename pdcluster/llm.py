@@ -59,6 +59,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         kv_compression: str = "none",
+        enforce_eager: bool = False,
     ) -> None:
         path = resolve_model_path(model)
         model_cfg = ModelConfig.from_pretrained(path)
@@ -73,6 +74,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
         )
         self.tokenizer = load_tokenizer(path)
         prefill = Engine(cfg, "prefill", model_cfg, seed=seed)

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-WARM_UP = ([[5 + i for i in range(16)], [40 + i for i in range(24)]], 4)
+WARM_UP = ([[5 + i for i in range(16)], [40 + i for i in range(24)]], [4, 4])
 
 
 class Ours:
@@ -35,8 +35,7 @@ class Ours:
         from pdcluster import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
-        self.llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                       enable_compile=not args.no_compile)
+        self.llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
         self._wrap_decode_step()
 
     def _wrap_decode_step(self) -> None:
@@ -64,8 +63,7 @@ class Ours:
         params = [self.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
         outs = self.llm.generate(prompts, params)
         runner = self.llm.prefill.engine.runner
-        return [o.token_ids for o in outs], {"decode": dict(self.decode_totals), "dtype": str(runner.dtype),
-                                             "compiled": runner.compiled}
+        return [o.token_ids for o in outs], {"decode": dict(self.decode_totals), "dtype": str(runner.dtype)}
 
 
 class VLLM:
@@ -92,13 +90,16 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--no-compile", action="store_true", help="ours: eager engine; vLLM: enforce_eager")
+    ap.add_argument("--no-compile", action="store_true", help="vLLM: enforce_eager (ours has no compiled path)")
     ap.add_argument("--vllm-memory-utilization", type=float, default=0.3,
                     help="vLLM on CPU: the share of host memory for its KV cache")
     args = ap.parse_args()
 
-    reply = sys.stdout
-    sys.stdout = sys.stderr  # engines' prints must not mix with the replies
+    # Replies go out on a copy of fd 1; fd 1 itself becomes stderr, so that nothing the engines or
+    # their child processes print mixes with the replies.
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     t = time.perf_counter()
     engine = Ours(args) if args.system == "ours" else VLLM(args)
     engine.generate(*WARM_UP)

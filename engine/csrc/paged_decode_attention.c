@@ -1,0 +1,157 @@
+/* Decode attention straight from the paged KV cache: one query token per sequence, keys and
+ * values read in place through the block table (no gathered copy), online softmax per block.
+ *
+ * Layout (engine/attention.py): a layer's cache is kv[2][num_blocks][block_size][kvh][hd];
+ * token t of sequence i lives at block tables[i * max_blocks + t / block_size], offset
+ * t % block_size. q and out are [b][H][hd], H = kvh * group. Work is split over
+ * (sequence, kv head) pairs across `threads` POSIX threads; each pair keeps its group's query
+ * rows, running max, running sum and accumulators in registers/stack.
+ * Built by engine/native.py with the host compiler; float32 and bfloat16 caches.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HD 256
+#define MAX_BS 64
+#define MAX_ROWS 32 /* query rows one unit holds at once (a unit with more heads loops) */
+
+typedef struct {
+    const void *q, *k, *v;
+    const int64_t *tables, *ctx;
+    float *out;
+    int b, kvh, group, hd, bs, max_blocks, is_bf16, thread, threads, splits;
+    float scale;
+} job_t;
+
+static inline float load(const void *base, int64_t i, int is_bf16) {
+    if (is_bf16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return ((const float *)base)[i];
+}
+
+/* Eight independent partial sums: the compiler turns them into one vector register (no
+ * reassociation needed), instead of a chain of dependent scalar adds. */
+static inline float dot(const float *a, const float *b, int n) {
+    float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (int u = 0; u < 8; u++) part[u] += a[d + u] * b[d + u];
+    float tail = 0.f;
+    for (; d < n; d++) tail += a[d] * b[d];
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) + tail;
+}
+
+static inline const float *row_f32(const void *base, int64_t off, int is_bf16, float *buf, int hd) {
+    if (!is_bf16) return (const float *)base + off;
+    for (int d = 0; d < hd; d++) buf[d] = load(base, off + d, 1);
+    return buf;
+}
+
+/* Sequence i, kv heads [h0, h1): every token row of a block is read once, in order. */
+static void one_unit(const job_t *j, int i, int h0, int h1) {
+    const int hd = j->hd, g = j->group, bs = j->bs, kvh = j->kvh, H = kvh * g;
+    const int rows = (h1 - h0) * g;  /* query rows of this unit: heads h0*g .. h1*g-1 */
+    float qv[MAX_ROWS][MAX_HD], acc[MAX_ROWS][MAX_HD], m[MAX_ROWS], l[MAX_ROWS], s[MAX_ROWS][MAX_BS];
+    float buf[MAX_HD];
+    for (int r = 0; r < rows; r++) {
+        for (int d = 0; d < hd; d++) {
+            qv[r][d] = load(j->q, ((int64_t)i * H + h0 * g + r) * hd + d, j->is_bf16) * j->scale;
+            acc[r][d] = 0.f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    const int64_t n = j->ctx[i];
+    const int64_t row = (int64_t)kvh * hd;  /* elements between consecutive tokens of a block */
+    for (int64_t start = 0; start < n; start += bs) {
+        const int64_t block = j->tables[(int64_t)i * j->max_blocks + start / bs];
+        const int cnt = (int)((n - start) < bs ? (n - start) : bs);
+        const int64_t base = block * bs * row;
+        float bmax[MAX_ROWS];
+        for (int r = 0; r < rows; r++) bmax[r] = -INFINITY;
+        for (int t = 0; t < cnt; t++) {
+            for (int h = h0; h < h1; h++) {
+                const float *kr = row_f32(j->k, base + t * row + (int64_t)h * hd, j->is_bf16, buf, hd);
+                for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
+                    const float x = dot(qv[r], kr, hd);
+                    s[r][t] = x;
+                    if (x > bmax[r]) bmax[r] = x;
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const float mnew = bmax[r] > m[r] ? bmax[r] : m[r];
+            const float corr = expf(m[r] - mnew);  /* 0 on the first block (m = -inf) */
+            l[r] *= corr;
+            for (int d = 0; d < hd; d++) acc[r][d] *= corr;
+            for (int t = 0; t < cnt; t++) {
+                s[r][t] = expf(s[r][t] - mnew);
+                l[r] += s[r][t];
+            }
+            m[r] = mnew;
+        }
+        for (int t = 0; t < cnt; t++) {
+            for (int h = h0; h < h1; h++) {
+                const float *vr = row_f32(j->v, base + t * row + (int64_t)h * hd, j->is_bf16, buf, hd);
+                for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
+                    const float p = s[r][t];
+                    for (int d = 0; d < hd; d++) acc[r][d] += p * vr[d];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *o = j->out + ((int64_t)i * H + h0 * g + r) * hd;
+        const float inv = 1.f / l[r];
+        for (int d = 0; d < hd; d++) o[d] = acc[r][d] * inv;
+    }
+}
+
+/* Units: (sequence, slice of kv heads); `splits` slices per sequence, so that there are at least
+ * as many units as threads when the batch is small. */
+static void *run(void *arg) {
+    const job_t *j = (const job_t *)arg;
+    const int splits = j->splits, units = j->b * splits;
+    for (int u = j->thread; u < units; u += j->threads) {
+        const int i = u / splits, part = u % splits;
+        const int h0 = part * j->kvh / splits, h1 = (part + 1) * j->kvh / splits;
+        for (int h = h0; h < h1; h += MAX_ROWS / j->group) {
+            const int hend = h + MAX_ROWS / j->group < h1 ? h + MAX_ROWS / j->group : h1;
+            one_unit(j, i, h, hend);
+        }
+    }
+    return NULL;
+}
+
+/* Returns 0 on success, -1 when a size is beyond the fixed limits (the caller falls back). */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                           const int64_t *ctx, float *out, int b, int kvh, int group, int hd, int bs,
+                           int max_blocks, float scale, int is_bf16, int threads) {
+    if (hd > MAX_HD || group > MAX_ROWS || bs > MAX_BS || threads < 1) return -1;
+    if (threads > b * kvh) threads = b * kvh;
+    if (threads > 64) threads = 64;
+    int splits = 1;
+    while (b * splits < threads && splits < kvh) splits++;
+    job_t jobs[64];
+    pthread_t tids[64];
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, out, b, kvh, group, hd, bs, max_blocks, is_bf16, t,
+                          threads, splits, scale};
+    }
+    int spawned = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[t], NULL, run, &jobs[t]) != 0) break;
+        spawned = t;
+    }
+    /* threads that could not be started: this thread does their share too */
+    for (int t = spawned + 1; t < threads; t++) run(&jobs[t]);
+    run(&jobs[0]);
+    for (int t = 1; t <= spawned; t++) pthread_join(tids[t], NULL);
+    return 0;
+}

@@ -1,0 +1,103 @@
+"""The engine's one native kernel, paged decode attention on CPU (engine/csrc), built on first use.
+
+The C source is compiled with the host's C compiler (`$CC`, else cc / gcc) for this CPU
+(`-O3 -march=native`) into `$PDCLUSTER_CACHE/native/` (default ~/.cache/pdcluster), named by a
+hash of the source, the flags and the CPU's feature flags, and loaded with ctypes (the call
+releases the GIL). Building takes about a second and happens once per machine; concurrent
+processes take a file lock. Where no compiler is found or the build fails, `decode_attention_lib()`
+returns None and the engine keeps its torch path (a warning says why, once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from engine.builtin_model import _file_lock, cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.c"
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
+LIBS = ["-lpthread", "-lm"]
+BUILD_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build(cc: str) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out_dir = cache_root() / "native"
+    target = out_dir / f"paged_decode_attention-{key}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _file_lock(out_dir / f".{target.name}.lock"):
+        if target.is_file():
+            return target
+        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} exited with {proc.returncode}: {proc.stderr.strip()[:500]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    fn = lib.paged_decode_attention
+    p, i = ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def decode_attention_lib() -> ctypes.CDLL | None:
+    """The loaded kernel library, built if needed; None where it cannot be (the reason is logged)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("PDCLUSTER_NO_NATIVE"):
+            return None
+        cc = _compiler()
+        if cc is None:
+            log.warning("no C compiler found (cc, gcc, clang or $CC): decode attention uses the torch path")
+            return None
+        try:
+            _lib = _load(_build(cc))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("native decode attention unavailable, using the torch path: %s", e)
+            _lib = None
+        return _lib

@@ -1,0 +1,78 @@
+"""Linear layers on oneDNN with prepacked weights equal torch's, and the dtype "auto" resolves as
+documented (the checkpoint's, float32 on a CPU without native bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import EngineConfig, ModelConfig, checkpoint_dtype, cpu_has_native
+from engine.loader import load_model
+from engine.packed_linear import PackedLinear, can_pack, pack_linears
+from pdcluster import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+def test_packed_linear_equals_torch(rows, bias):
+    torch.manual_seed(rows)
+    ref = nn.Linear(96, 200, bias=bias)
+    x = torch.randn(rows, 96)
+    packed = PackedLinear(ref)
+    torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed(x[:, :]), ref(x), atol=1e-5, rtol=1e-5)  # one packed weight, any batch
+
+
+def test_pack_linears_swaps_every_linear_of_the_model(checkpoint):
+    cfg = ModelConfig.from_pretrained(checkpoint("llama-gqa"))
+    model = load_model(cfg, torch.float32, torch.device("cpu"), 64)
+    kinds = {type(m) for m in model.modules()}
+    assert PackedLinear in kinds and nn.Linear not in kinds
+    assert pack_linears(model) == 0  # nothing left to pack
+    plain = load_model(cfg, torch.float32, torch.device("cpu"), 64, pack=False)
+    assert PackedLinear not in {type(m) for m in plain.modules()}
+
+
+def test_tied_embedding_stays_a_plain_table(checkpoint):
+    cfg = ModelConfig.from_pretrained(checkpoint("llama-mqa-tied"))
+    assert cfg.tie_word_embeddings
+    model = load_model(cfg, torch.float32, torch.device("cpu"), 64)
+    assert isinstance(model.lm_head, PackedLinear) and not model.embed_tokens.weight.is_mkldnn
+    ids = torch.tensor([5, 9])
+    plain = load_model(cfg, torch.float32, torch.device("cpu"), 64, pack=False)
+    h = plain.embed_tokens(ids)
+    torch.testing.assert_close(model.compute_logits(h), plain.compute_logits(h), atol=1e-4, rtol=1e-5)
+
+
+def test_bf16_packs_only_where_the_cpu_has_it():
+    assert can_pack(torch.device("cpu"), torch.bfloat16) == cpu_has_native(torch.bfloat16)
+    assert not can_pack(torch.device("meta"), torch.float32)
+
+
+def test_eager_and_packed_engines_give_the_same_tokens(checkpoint):
+    path = str(checkpoint("llama-gqa"))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 30, 61)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    fast = LLM(path, num_blocks=64, max_model_len=128).generate(prompts, sp)
+    eager_llm = LLM(path, num_blocks=64, max_model_len=128, enforce_eager=True)
+    assert not any(isinstance(m, PackedLinear) for m in eager_llm.prefill.engine.runner.model.modules())
+    eager = eager_llm.generate(prompts, sp)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in eager]
+
+
+def test_auto_dtype_is_the_checkpoints_unless_the_cpu_lacks_it(checkpoint):
+    f32 = ModelConfig.from_pretrained(checkpoint("llama-gqa"))
+    bf16 = ModelConfig.from_pretrained(checkpoint("llama-gqa", dtype=torch.bfloat16))
+    assert checkpoint_dtype(f32.hf_config) == torch.float32
+    assert checkpoint_dtype(bf16.hf_config) == torch.bfloat16
+    auto = EngineConfig(device="cpu")
+    assert auto.dtype == "auto"
+    assert auto.torch_dtype(f32) == torch.float32
+    assert auto.torch_dtype(bf16) == (torch.bfloat16 if cpu_has_native(torch.bfloat16) else torch.float32)
+    assert EngineConfig(device="cpu", dtype="bfloat16").torch_dtype(f32) == torch.bfloat16  # asked for: kept
+    with pytest.raises(ValueError, match="'auto'"):
+        EngineConfig(dtype="fp8")
