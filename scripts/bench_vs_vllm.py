@@ -234,9 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         rs = [x for x in runs if x["mode"] == mode]
         ours_s, vllm_s = statistics.median(x["ours_s"] for x in rs), statistics.median(x["vllm_s"] for x in rs)
         ratio = statistics.median(x["ratio"] for x in rs)
-        toks = n_out if mode == "throughput" else len(prompt_lens)
+        toks = n_out if mode == "throughput" else n_prompt
         row = {"mode": mode, "ours_s": ours_s, "vllm_s": vllm_s, "ratio": ratio, "spread": [x["ratio"] for x in rs],
-               "ours_out_tok_s": toks / ours_s, "vllm_out_tok_s": toks / vllm_s}
+               "tokens_per_s_of": "output" if mode == "throughput" else "prompt",
+               "ours_tok_s": toks / ours_s, "vllm_tok_s": toks / vllm_s}
         if mode == "prefill":
             flops = prefill_flops(cfg, prompt_lens)
             row["ours_prefill_tflops"], row["vllm_prefill_tflops"] = flops / ours_s / 1e12, flops / vllm_s / 1e12
@@ -248,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             row["ours_decode_share_of_bw"] = row["ours_decode_gbs"] / bw if per_step else None
             row["ours_decode_mean_batch"] = statistics.median(s["seqs"] / s["steps"] for s in d if s["steps"])
         table.append(row)
-        print(f"{mode:10s} ours {ours_s:7.2f}s ({row['ours_out_tok_s']:7.1f} tok/s)  vLLM {vllm_s:7.2f}s "
-              f"({row['vllm_out_tok_s']:7.1f} tok/s)  ours/vLLM {ratio:.2f}x (per repeat "
+        unit = "out tok/s" if mode == "throughput" else "prompt tok/s"
+        per_s = (n_out if mode == "throughput" else n_prompt)
+        print(f"{mode:10s} ours {ours_s:7.2f}s ({per_s / ours_s:7.1f} {unit})  vLLM {vllm_s:7.2f}s "
+              f"({per_s / vllm_s:7.1f} {unit})  ours/vLLM {ratio:.2f}x (per repeat "
               f"{', '.join(f'{x:.2f}' for x in row['spread'])})")
         if mode == "prefill":
             print(f"           prefill ours {row['ours_prefill_tflops']:.3f} TFLOP/s = {100 * row['ours_share_of_gemm']:.0f}% "

@@ -1,7 +1,8 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Numerics follow transformers' implementation step for step (RMSNorm in float32, RoPE with
-rotate_half, SiLU-gated MLP) so greedy output matches `AutoModelForCausalLM.generate`.
+rotate_half, computed in halves bit for bit alike, SiLU-gated MLP) so greedy output matches
+`AutoModelForCausalLM.generate`.
 q/k/v and gate/up are fused into one matmul each when the weights are loaded.
 Tensors are packed: a batch is `T` tokens of several sequences, no padding.
 """
@@ -32,9 +33,21 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin` as transformers computes it, bit for bit, in fewer passes.
+
+    x: (T, heads, hd); cos/sin: (T, hd) with equal halves (RoPE tables are cat(freqs, freqs)).
+    With x = [x1, x2]: the first half is x1*c + (-x2)*s = x1*c - x2*s, the second x2*c + x1*s.
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, c, out=out[..., :half])
+    out[..., :half].sub_(x2 * s)
+    torch.mul(x2, c, out=out[..., half:])
+    out[..., half:].add_(x1 * s)
+    return out
 
 
 class Attention(nn.Module):
@@ -58,15 +71,16 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
+            qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)
+        else:  # q and k rotated in one pass, straight from the projection's output
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))

@@ -1,0 +1,78 @@
+"""The native paged decode attention (engine/csrc) equals the torch path on the same cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import native
+from engine.attention import AttentionMetadata, DecodeGroup, NativeDecode, paged_attention
+
+LIB = native.decode_attention_lib()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the engine uses the torch path")
+
+
+def _case(b: int, heads: int, kv_heads: int, hd: int, bs: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    cache = torch.randn(2, num_blocks, bs, kv_heads, hd, generator=g).to(dtype)
+    lens = torch.randint(1, 6 * bs, (b,), generator=g)
+    width = int((lens.max() + bs - 1) // bs)
+    tables = [torch.randperm(num_blocks, generator=g)[: -(-int(n) // bs)].tolist() for n in lens]
+    q = torch.randn(b, heads, hd, generator=g).to(dtype)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    return cache, q, lens, padded
+
+
+def _torch_path(q, cache, lens, padded, scale):
+    bs = cache.shape[2]
+    mask = (torch.arange(padded.shape[1] * bs)[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             decode_groups=[DecodeGroup(torch.arange(q.shape[0]), padded, mask)])
+    return paged_attention(q, q[:, : cache.shape[3]], q[:, : cache.shape[3]], cache, meta, scale)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("b", "heads", "kv_heads", "hd", "bs"), [
+    (1, 4, 4, 64, 16),    # MHA, one sequence
+    (5, 8, 2, 48, 16),    # GQA 4:1, head_dim 48
+    (16, 16, 8, 64, 16),  # the llama-200m shape
+    (3, 6, 1, 128, 32),   # MQA, larger blocks
+    (2, 4, 2, 36, 8),     # head_dim not a multiple of 8
+])
+def test_native_matches_torch(b, heads, kv_heads, hd, bs, threads):
+    cache, q, lens, padded = _case(b, heads, kv_heads, hd, bs, torch.float32, seed=b * hd + bs)
+    scale = hd ** -0.5
+    ref = _torch_path(q, cache, lens, padded, scale)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             native_decode=NativeDecode(LIB, padded, lens, threads))
+    out = paged_attention(q, q, q, cache, meta, scale)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_native_bfloat16_cache():
+    cache, q, lens, padded = _case(4, 8, 4, 64, 16, torch.bfloat16, seed=7)
+    scale = 64 ** -0.5
+    ref = _torch_path(q.float(), cache.float(), lens, padded, scale)  # same bf16 values, float math
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             native_decode=NativeDecode(LIB, padded, lens, 2))
+    out = paged_attention(q, q, q, cache, meta, scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)  # only the final bf16 rounding differs
+
+
+def test_build_is_cached_and_named_by_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDCLUSTER_CACHE", str(tmp_path))
+    cc = native._compiler()
+    first = native._build(cc)
+    assert first.is_file() and first.parent == tmp_path / "native"
+    mtime = first.stat().st_mtime_ns
+    assert native._build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert native._load(first).paged_decode_attention is not None
+
+
+def test_a_failed_build_names_the_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDCLUSTER_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-fno-such-flag"])
+    with pytest.raises(RuntimeError, match="exited with"):
+        native._build(native._compiler())
