@@ -14,7 +14,7 @@ from engine.attention import AttentionMetadata, DecodeGroup, NativeDecode, SeqSp
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_model
 from engine.models.llama import LlamaModel
-from engine.native import decode_attention_lib
+from engine.native import native_lib
 from engine.sequence import Sequence
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
@@ -76,7 +76,7 @@ class ModelRunner:
                 and self.block_size <= NATIVE_MAX_BLOCK)
         if self.cfg.enforce_eager or not fits or not native_decode_supported(self.kv_caches[0]):
             return None
-        return decode_attention_lib()
+        return native_lib()
 
     def _num_blocks(self) -> int:
         if self.cfg.num_blocks is not None:

@@ -1,11 +1,12 @@
-"""The engine's one native kernel, paged decode attention on CPU (engine/csrc), built on first use.
+"""The engine's native CPU kernels (engine/csrc), built on first use: paged decode attention and
+the few-row matmul of decode steps (float32, AVX2/FMA).
 
-The C source is compiled with the host's C compiler (`$CC`, else cc / gcc) for this CPU
+The C sources are compiled with the host's C compiler (`$CC`, else cc / gcc) for this CPU
 (`-O3 -march=native`) into `$PDCLUSTER_CACHE/native/` (default ~/.cache/pdcluster), named by a
-hash of the source, the flags and the CPU's feature flags, and loaded with ctypes (the call
+hash of the source, the flags and the CPU's feature flags, and loaded with ctypes (a call
 releases the GIL). Building takes about a second and happens once per machine; concurrent
-processes take a file lock. Where no compiler is found or the build fails, `decode_attention_lib()`
-returns None and the engine keeps its torch path (a warning says why, once).
+processes take a file lock. Where no compiler is found or the build fails, `native_lib()`
+returns None and the engine keeps its torch/oneDNN path (a warning says why, once).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from engine.builtin_model import _file_lock, cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.c"
+SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.c"))
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
 LIBS = ["-lpthread", "-lm"]
 BUILD_TIMEOUT_S = 120
@@ -50,9 +51,10 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    text = b"".join(src.read_bytes() for src in SOURCES)
+    key = hashlib.sha256(text + " ".join([cc, *FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out_dir = cache_root() / "native"
-    target = out_dir / f"paged_decode_attention-{key}.so"
+    target = out_dir / f"pdcluster_kernels-{key}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +64,7 @@ def _build(cc: str) -> Path:
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True,
+            proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} exited with {proc.returncode}: {proc.stderr.strip()[:500]}")
@@ -79,10 +81,20 @@ def _load(path: Path) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int
+    gemm = lib.small_gemm_f32
+    gemm.argtypes = [p, p, p, p, i, i, i, i]
+    gemm.restype = ctypes.c_int
     return lib
 
 
-def decode_attention_lib() -> ctypes.CDLL | None:
+def has_small_gemm(lib: ctypes.CDLL) -> bool:
+    """Whether the few-row matmul was built with AVX2 + FMA (elsewhere it refuses every call)."""
+    one = (ctypes.c_float * 8)(*([1.0] * 8))
+    out = (ctypes.c_float * 1)()
+    return lib.small_gemm_f32(one, one, None, out, 1, 1, 8, 1) == 0 and out[0] == 8.0
+
+
+def native_lib() -> ctypes.CDLL | None:
     """The loaded kernel library, built if needed; None where it cannot be (the reason is logged)."""
     global _lib, _tried
     with _lock:
@@ -93,11 +105,11 @@ def decode_attention_lib() -> ctypes.CDLL | None:
             return None
         cc = _compiler()
         if cc is None:
-            log.warning("no C compiler found (cc, gcc, clang or $CC): decode attention uses the torch path")
+            log.warning("no C compiler found (cc, gcc, clang or $CC): the engine runs without its native kernels")
             return None
         try:
             _lib = _load(_build(cc))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("native decode attention unavailable, using the torch path: %s", e)
+            log.warning("native kernels unavailable, the engine runs without them: %s", e)
             _lib = None
         return _lib

@@ -8,7 +8,7 @@ import torch
 from engine import native
 from engine.attention import AttentionMetadata, DecodeGroup, NativeDecode, paged_attention
 
-LIB = native.decode_attention_lib()
+LIB = native.native_lib()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here: the engine uses the torch path")
 
 
