@@ -164,7 +164,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU
-    enforce_eager: bool = False  # plain torch modules only: no prepacked oneDNN weights (engine/packed_linear.py)
+    enforce_eager: bool = False  # plain torch only: no native kernel (engine/native.py), no prepacked oneDNN weights
 
     def __post_init__(self) -> None:
         if self.dtype != AUTO_DTYPE:

@@ -1,12 +1,11 @@
-"""The engine's native CPU kernels (engine/csrc), built on first use: paged decode attention and
-the few-row matmul of decode steps (float32, AVX2/FMA).
+"""The engine's native CPU kernel (engine/csrc), built on first use: paged decode attention.
 
 The C sources are compiled with the host's C compiler (`$CC`, else cc / gcc) for this CPU
 (`-O3 -march=native`) into `$PDCLUSTER_CACHE/native/` (default ~/.cache/pdcluster), named by a
 hash of the source, the flags and the CPU's feature flags, and loaded with ctypes (a call
 releases the GIL). Building takes about a second and happens once per machine; concurrent
 processes take a file lock. Where no compiler is found or the build fails, `native_lib()`
-returns None and the engine keeps its torch/oneDNN path (a warning says why, once).
+returns None and the engine keeps its torch path (a warning says why, once).
 """
 
 from __future__ import annotations
@@ -81,17 +80,7 @@ def _load(path: Path) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int
-    gemm = lib.small_gemm_f32
-    gemm.argtypes = [p, p, p, p, i, i, i, i]
-    gemm.restype = ctypes.c_int
     return lib
-
-
-def has_small_gemm(lib: ctypes.CDLL) -> bool:
-    """Whether the few-row matmul was built with AVX2 + FMA (elsewhere it refuses every call)."""
-    one = (ctypes.c_float * 8)(*([1.0] * 8))
-    out = (ctypes.c_float * 1)()
-    return lib.small_gemm_f32(one, one, None, out, 1, 1, 8, 1) == 0 and out[0] == 8.0
 
 
 def native_lib() -> ctypes.CDLL | None:

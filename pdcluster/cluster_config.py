@@ -115,7 +115,7 @@ class EngineSection:
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
-    enforce_eager: bool = False  # plain torch modules only (no prepacked oneDNN weights)
+    enforce_eager: bool = False  # plain torch only (no native kernel, no prepacked oneDNN weights)
 
 
 @dataclass(frozen=True)

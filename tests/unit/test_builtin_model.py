@@ -272,3 +272,20 @@ def test_resolve_local_paths(tmp_path):
     (ckpt / "config.json").write_text("{}")
     assert resolve_model_path(str(ckpt)) == ckpt
     assert os.path.samefile(resolve_model_path(str(ckpt) + "/"), ckpt)
+
+
+def test_realistic_model_spec():
+    """builtin:llama-200m: the shape performance is measured on, a bfloat16 checkpoint (written
+    by tests/integration/test_builtin_realistic.py, which is slow: 411 MB)."""
+    spec = BUILTIN_MODELS["llama-200m"]
+    c = spec["config"]
+    assert spec["dtype"] == "bfloat16"
+    assert (c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"]) == (16, 1024, 2816)
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]) == (16, 8, 8192)
+    hd = c["hidden_size"] // c["num_attention_heads"]
+    layer = (c["hidden_size"] * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd
+             + c["num_attention_heads"] * hd * c["hidden_size"] + 3 * c["hidden_size"] * c["intermediate_size"]
+             + 2 * c["hidden_size"])
+    params = c["num_hidden_layers"] * layer + 2 * c["vocab_size"] * c["hidden_size"] + c["hidden_size"]
+    assert params == 205_554_688
+    assert spec["corpus_seed"] == BUILTIN_MODELS["tiny-llama"]["corpus_seed"]  # the same tokenizer

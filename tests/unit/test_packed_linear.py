@@ -9,55 +9,39 @@ from torch import nn
 
 from engine.config import EngineConfig, ModelConfig, checkpoint_dtype, cpu_has_native
 from engine.loader import load_model
-from engine.native import has_small_gemm, native_lib
-from engine.packed_linear import CpuLinear, can_pack, pack_linears
+from engine.packed_linear import PackedLinear, can_pack, pack_linears
 from pdcluster import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
 
-LIB = native_lib()
-GEMM = LIB if LIB is not None and has_small_gemm(LIB) else None
-
-
-@pytest.mark.parametrize("kernel", ["reordered", "native"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 64, 300])
-def test_cpu_linear_equals_torch(rows, bias, kernel):
-    if kernel == "native" and GEMM is None:
-        pytest.skip("the native few-row kernel is not built here (no compiler or no AVX2/FMA)")
+def test_packed_linear_equals_torch(rows, bias):
     torch.manual_seed(rows)
-    ref = nn.Linear(96, 203, bias=bias)  # 203 outputs: a partial block of 4 weight rows
+    ref = nn.Linear(96, 203, bias=bias)
     x = torch.randn(rows, 96)
-    lin = CpuLinear(ref, GEMM if kernel == "native" else None)
-    assert lin.native == (kernel == "native")
-    torch.testing.assert_close(lin(x), ref(x), atol=1e-5, rtol=1e-5)
+    packed = PackedLinear(ref)  # one reordered weight serves every batch size
+    torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)
     wide = torch.randn(rows, 192)[:, ::2]  # a strided input
-    torch.testing.assert_close(lin(wide), ref(wide), atol=1e-5, rtol=1e-5)
-
-
-def test_native_linear_leaves_odd_widths_to_onednn():
-    if GEMM is None:
-        pytest.skip("the native few-row kernel is not built here")
-    lin = CpuLinear(nn.Linear(36, 10), GEMM)  # 36 inputs: not a multiple of 8
-    assert not lin.native
+    torch.testing.assert_close(packed(wide), ref(wide), atol=1e-5, rtol=1e-5)
 
 
 def test_pack_linears_swaps_every_linear_of_the_model(checkpoint):
     cfg = ModelConfig.from_pretrained(checkpoint("llama-gqa"))
     model = load_model(cfg, torch.float32, torch.device("cpu"), 64)
     kinds = {type(m) for m in model.modules()}
-    assert CpuLinear in kinds and nn.Linear not in kinds
+    assert PackedLinear in kinds and nn.Linear not in kinds
     assert pack_linears(model) == 0  # nothing left to pack
     plain = load_model(cfg, torch.float32, torch.device("cpu"), 64, pack=False)
-    assert CpuLinear not in {type(m) for m in plain.modules()}
+    assert PackedLinear not in {type(m) for m in plain.modules()}
 
 
 def test_tied_embedding_stays_a_plain_table(checkpoint):
     cfg = ModelConfig.from_pretrained(checkpoint("llama-mqa-tied"))
     assert cfg.tie_word_embeddings
     model = load_model(cfg, torch.float32, torch.device("cpu"), 64)
-    assert isinstance(model.lm_head, CpuLinear) and not model.embed_tokens.weight.is_mkldnn
+    assert isinstance(model.lm_head, PackedLinear) and not model.embed_tokens.weight.is_mkldnn
     ids = torch.tensor([5, 9])
     plain = load_model(cfg, torch.float32, torch.device("cpu"), 64, pack=False)
     h = plain.embed_tokens(ids)
@@ -76,7 +60,7 @@ def test_eager_and_packed_engines_give_the_same_tokens(checkpoint):
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     fast = LLM(path, num_blocks=64, max_model_len=128).generate(prompts, sp)
     eager_llm = LLM(path, num_blocks=64, max_model_len=128, enforce_eager=True)
-    assert not any(isinstance(m, CpuLinear) for m in eager_llm.prefill.engine.runner.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in eager_llm.prefill.engine.runner.model.modules())
     eager = eager_llm.generate(prompts, sp)
     assert [o.token_ids for o in fast] == [o.token_ids for o in eager]
 
