@@ -60,33 +60,15 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
         "corpus_seed": 0,
         "corpus_sentences": 20000,
     },
-    # A realistic shape (the layer sizes of a ~200M Llama) for performance work: the engine's
-    # costs split between GEMMs, attention and memory traffic as they do on real checkpoints.
-    "llama-200m": {
-        "version": 1,
-        "seed": 0,
-        "lm_head_scale": 10.0,
-        "dtype": "bfloat16",
-        "config": {
-            "vocab_size": 8192,
-            "hidden_size": 1024,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 8,
-            "intermediate_size": 2816,
-            "max_position_embeddings": 4096,
-            "rope_theta": 10000.0,
-            "rms_norm_eps": 1e-6,
-            "hidden_act": "silu",
-            "initializer_range": 0.02,
-            "tie_word_embeddings": False,
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": EOS_TOKEN_ID,
-            "pad_token_id": PAD_TOKEN_ID,
-        },
-        "corpus_seed": 0,
-        "corpus_sentences": 20000,
-    },
+}
+# A realistic shape (the layer sizes of a ~200M Llama) for performance work: the engine's costs
+# split between GEMMs, attention and memory traffic as they do on real checkpoints. Same tokenizer,
+# same initialisation; written as a bfloat16 checkpoint.
+BUILTIN_MODELS["llama-200m"] = {
+    **BUILTIN_MODELS["tiny-llama"],
+    "dtype": "bfloat16",
+    "config": {**BUILTIN_MODELS["tiny-llama"]["config"], "hidden_size": 1024, "num_hidden_layers": 16,
+               "num_attention_heads": 16, "num_key_value_heads": 8, "intermediate_size": 2816},
 }
 
 # Each message as "<|role|>\ncontent\n", then "<|assistant|>\n" when a generation prompt is asked
@@ -297,7 +279,7 @@ def _is_complete(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """An exclusive advisory lock on `path` where fcntl exists; the rename below is what keeps
     the cache correct, the lock only saves concurrent processes from writing the model twice."""
     try:
@@ -320,7 +302,7 @@ def _ensure_builtin(name: str) -> Path:
     if _is_complete(target):
         return target
     parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(parent / f".{target.name}.lock"):
+    with file_lock(parent / f".{target.name}.lock"):
         if _is_complete(target):  # another process wrote it while we waited
             return target
         if target.exists():  # not written by us (entries appear only by rename): move it aside

@@ -69,6 +69,12 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_cfg.num_layers)]
         self._native = self._native_lib()
 
+    @property
+    def native_decode(self) -> bool:
+        """Whether decode attention runs the native kernel (a cache re-homed by
+        DecodeEngine.move_kv_cache keeps its device, dtype and contiguous layers)."""
+        return self._native is not None
+
     def _native_lib(self):
         """The native decode kernel where it serves this engine (CPU, float32/bf16, its size limits)."""
         m = self.model_cfg
@@ -117,7 +123,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         ctx = [item.seq.num_computed_tokens + item.num_tokens for item in batch]
         if all(item.num_tokens == 1 for item in batch):
-            if self._native is not None and native_decode_supported(self.kv_caches[0]):
+            if self._native is not None:
                 meta.native_decode = self._native_decode(batch, ctx)
             else:
                 meta.decode_groups = self._decode_groups(batch, ctx)

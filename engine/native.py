@@ -20,7 +20,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from engine.builtin_model import _file_lock, cache_root
+from engine.builtin_model import cache_root, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _build(cc: str) -> Path:
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(out_dir / f".{target.name}.lock"):
+    with file_lock(out_dir / f".{target.name}.lock"):
         if target.is_file():
             return target
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.config import cpu_has_native
+
 # The batch size oneDNN is told to expect when it picks the weight's layout; any batch works with
 # it. 64: within a few percent of the best from 2 to 2048 rows (1 row alone prefers a hint of 1).
 LAYOUT_HINT_ROWS = 64
@@ -39,9 +41,7 @@ class PackedLinear(nn.Module):
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype in (torch.float32, torch.bfloat16) and cpu_has_native(dtype)
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import torch  # noqa: E402
 
 from bench_engine import DEFAULT_TRACE, busy_cores, git_commit, load_trace, make_prompts, scale_lengths  # noqa: E402
+from planner.models import ModelShape, from_checkpoint  # noqa: E402
 
 WORKER = REPO_ROOT / "scripts" / "bench_peer_worker.py"
 READY_TIMEOUT_S = 1800  # vLLM's first start compiles
@@ -81,23 +82,19 @@ def _timed(fn) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- model arithmetic
-def prefill_flops(cfg, prompt_lens: list[int]) -> float:
-    """Linear layers (LM head for the last row only) + causal attention (QK^T and PV)."""
-    hd, h, kvh, L = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.num_layers
-    per_layer = cfg.hidden_size * (h * hd + 2 * kvh * hd) + h * hd * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+def prefill_flops(shape: ModelShape, prompt_lens: list[int]) -> float:
+    """Every layer's matmuls per prompt token, one LM-head row per prompt, causal attention (QK^T, PV)."""
     total = 0.0
     for p in prompt_lens:
-        total += 2 * per_layer * L * p + 2 * cfg.hidden_size * cfg.vocab_size
-        total += L * 2 * 2 * h * hd * p * (p + 1) / 2
+        total += 2 * shape.matmul_params_per_token * p + 2 * shape.hidden_size * shape.vocab_size
+        total += shape.num_layers * 2 * 2 * shape.q_dim * p * (p + 1) / 2
     return total
 
 
-def decode_bytes(cfg, itemsize: int, steps: int, context: int) -> float:
+def decode_bytes(shape: ModelShape, itemsize: int, steps: int, context: int) -> float:
     """Weights every step reads (all but the embedding table) + the KV of every attended token."""
-    hd, h, kvh, L = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.num_layers
-    per_layer = cfg.hidden_size * (h * hd + 2 * kvh * hd) + h * hd * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    weights = (per_layer * L + cfg.hidden_size * cfg.vocab_size) * itemsize
-    return steps * weights + context * cfg.kv_bytes_per_token(torch.float32) // 4 * itemsize
+    weights = (shape.matmul_params_per_token + shape.hidden_size * shape.vocab_size) * itemsize
+    return steps * weights + context * shape.kv_bytes_per_token(itemsize)
 
 
 # ---------------------------------------------------------------------------------------------- peers
@@ -178,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     cfg = ModelConfig.from_pretrained(path)
+    shape = from_checkpoint(path)
     dtype = EngineConfig(model=str(path), dtype=args.dtype, device="cpu").torch_dtype(cfg)
     dname = str(dtype).removeprefix("torch.")
     rows = load_trace(args.trace, args.num_requests, None)
@@ -239,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
                "tokens_per_s_of": "output" if mode == "throughput" else "prompt",
                "ours_tok_s": toks / ours_s, "vllm_tok_s": toks / vllm_s}
         if mode == "prefill":
-            flops = prefill_flops(cfg, prompt_lens)
+            flops = prefill_flops(shape, prompt_lens)
             row["ours_prefill_tflops"], row["vllm_prefill_tflops"] = flops / ours_s / 1e12, flops / vllm_s / 1e12
             row["ours_share_of_gemm"] = row["ours_prefill_tflops"] / gemm
         else:
             d = [x["ours_stats"]["decode"] for x in rs]
-            per_step = [decode_bytes(cfg, dtype.itemsize, s["steps"], s["context"]) / s["seconds"] / 1e9 for s in d if s["seconds"]]
+            per_step = [decode_bytes(shape, dtype.itemsize, s["steps"], s["context"]) / s["seconds"] / 1e9 for s in d if s["seconds"]]
             row["ours_decode_gbs"] = statistics.median(per_step) if per_step else None
             row["ours_decode_share_of_bw"] = row["ours_decode_gbs"] / bw if per_step else None
             row["ours_decode_mean_batch"] = statistics.median(s["seqs"] / s["steps"] for s in d if s["steps"])

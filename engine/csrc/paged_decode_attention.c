@@ -3,9 +3,10 @@
  *
  * Layout (engine/attention.py): a layer's cache is kv[2][num_blocks][block_size][kvh][hd];
  * token t of sequence i lives at block tables[i * max_blocks + t / block_size], offset
- * t % block_size. q and out are [b][H][hd], H = kvh * group. Work is split over
- * (sequence, kv head) pairs across `threads` POSIX threads; each pair keeps its group's query
- * rows, running max, running sum and accumulators in registers/stack.
+ * t % block_size. q and out are [b][H][hd], H = kvh * group. Work is split over units of
+ * (sequence, slice of kv heads) across `threads` POSIX threads; a unit reads each token row of
+ * its slice once, in order, and keeps its query rows, running max, running sum and accumulators
+ * on its stack.
  * Built by engine/native.py with the host compiler; float32 and bfloat16 caches.
  */
 #include <math.h>

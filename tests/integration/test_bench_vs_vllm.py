@@ -47,13 +47,13 @@ def test_a_missing_vllm_python_is_a_clear_error(tmp_path, capsys):
 
 def test_model_arithmetic():
     bench = load_script("bench_vs_vllm")
-    from engine.builtin_model import resolve_model_path
-    from engine.config import ModelConfig
+    from planner.models import model_shape
 
-    cfg = ModelConfig.from_pretrained(resolve_model_path("builtin:tiny-llama"))
-    linear = 6 * (384 * (384 + 2 * 192) + 384 * 384 + 3 * 384 * 1024)  # q, k, v (GQA 8:4, hd 48), o, MLP
-    one = bench.prefill_flops(cfg, [1])
-    assert one == 2 * linear + 2 * 384 * 8192 + 6 * 4 * 384 * 1
-    assert bench.decode_bytes(cfg, 4, steps=1, context=0) == 4 * (linear + 384 * 8192)
-    assert bench.decode_bytes(cfg, 4, steps=0, context=10) == 10 * cfg.kv_bytes_per_token(__import__("torch").float32)
+    shape = model_shape("builtin:tiny-llama")
+    # per layer: q, k, v (GQA 8:4, head_dim 48), o, gate/up/down, two RMSNorm weights
+    linear = 6 * (384 * (384 + 2 * 192) + 384 * 384 + 3 * 384 * 1024 + 2 * 384)
+    assert bench.prefill_flops(shape, [1]) == 2 * linear + 2 * 384 * 8192 + 6 * 4 * 384 * 1
+    assert bench.prefill_flops(shape, [3]) == 3 * 2 * linear + 2 * 384 * 8192 + 6 * 4 * 384 * 6  # 3*4/2 pairs
+    assert bench.decode_bytes(shape, 4, steps=1, context=0) == 4 * (linear + 384 * 8192)
+    assert bench.decode_bytes(shape, 2, steps=0, context=10) == 10 * 2 * 6 * 4 * 48 * 2  # K and V, 6 layers
     assert bench.agreement([[1, 2], [3]], [[1, 2], [4]]) == (1, 1)

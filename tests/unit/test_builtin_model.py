@@ -277,15 +277,16 @@ def test_resolve_local_paths(tmp_path):
 def test_realistic_model_spec():
     """builtin:llama-200m: the shape performance is measured on, a bfloat16 checkpoint (written
     by tests/integration/test_builtin_realistic.py, which is slow: 411 MB)."""
-    spec = BUILTIN_MODELS["llama-200m"]
+    from planner.models import ModelShape
+
+    spec, tiny = BUILTIN_MODELS["llama-200m"], BUILTIN_MODELS["tiny-llama"]
     c = spec["config"]
-    assert spec["dtype"] == "bfloat16"
-    assert (c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"]) == (16, 1024, 2816)
-    assert (c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]) == (16, 8, 8192)
-    hd = c["hidden_size"] // c["num_attention_heads"]
-    layer = (c["hidden_size"] * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd
-             + c["num_attention_heads"] * hd * c["hidden_size"] + 3 * c["hidden_size"] * c["intermediate_size"]
-             + 2 * c["hidden_size"])
-    params = c["num_hidden_layers"] * layer + 2 * c["vocab_size"] * c["hidden_size"] + c["hidden_size"]
-    assert params == 205_554_688
-    assert spec["corpus_seed"] == BUILTIN_MODELS["tiny-llama"]["corpus_seed"]  # the same tokenizer
+    assert spec["dtype"] == "bfloat16" and "dtype" not in tiny
+    shape = ModelShape("llama-200m", c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+                       c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"])
+    assert (shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.head_dim) == (16, 1024, 2816, 64)
+    assert (shape.num_heads, shape.num_kv_heads, shape.vocab_size) == (16, 8, 8192)
+    assert shape.params == 205_554_688
+    # the same tokenizer and initialisation as the tiny model; only the layer sizes differ
+    assert {k: v for k, v in spec.items() if k not in ("config", "dtype")} == {k: v for k, v in tiny.items() if k != "config"}
+    assert tiny["config"]["hidden_size"] == 384  # deriving one spec did not touch the other

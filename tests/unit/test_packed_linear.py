@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.config import EngineConfig, ModelConfig, checkpoint_dtype, cpu_has_native
 from engine.loader import load_model
+from engine.native import native_lib
 from engine.packed_linear import PackedLinear, can_pack, pack_linears
 from pdcluster import LLM, SamplingParams
 
@@ -48,9 +49,13 @@ def test_tied_embedding_stays_a_plain_table(checkpoint):
     torch.testing.assert_close(model.compute_logits(h), plain.compute_logits(h), atol=1e-4, rtol=1e-5)
 
 
-def test_bf16_packs_only_where_the_cpu_has_it():
-    assert can_pack(torch.device("cpu"), torch.bfloat16) == cpu_has_native(torch.bfloat16)
+def test_bf16_packs_only_where_the_cpu_has_it(checkpoint):
+    cfg = ModelConfig.from_pretrained(checkpoint("llama-gqa"))
+    model = load_model(cfg, torch.bfloat16, torch.device("cpu"), 64)
+    packed = isinstance(model.lm_head, PackedLinear)
+    assert packed == cpu_has_native(torch.bfloat16)  # emulated bf16 keeps torch's own nn.Linear
     assert not can_pack(torch.device("meta"), torch.float32)
+    assert not can_pack(torch.device("cpu"), torch.float16)  # not packed: oneDNN reorder is bf16/fp32 here
 
 
 def test_eager_and_packed_engines_give_the_same_tokens(checkpoint):
@@ -58,9 +63,14 @@ def test_eager_and_packed_engines_give_the_same_tokens(checkpoint):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 30, 61)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    fast = LLM(path, num_blocks=64, max_model_len=128).generate(prompts, sp)
+    fast_llm = LLM(path, num_blocks=64, max_model_len=128)
+    # the default engine is the fast one: prepacked linears and, with a compiler here, the native decode
+    assert isinstance(fast_llm.decode.engine.runner.model.lm_head, PackedLinear)
+    assert fast_llm.decode.engine.runner.native_decode == (native_lib() is not None)
+    fast = fast_llm.generate(prompts, sp)
     eager_llm = LLM(path, num_blocks=64, max_model_len=128, enforce_eager=True)
     assert not any(isinstance(m, PackedLinear) for m in eager_llm.prefill.engine.runner.model.modules())
+    assert not eager_llm.decode.engine.runner.native_decode
     eager = eager_llm.generate(prompts, sp)
     assert [o.token_ids for o in fast] == [o.token_ids for o in eager]
 
