@@ -48,9 +48,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token
     # decode (every sequence has one new token): sequences of similar length batched together
     decode_groups: list[DecodeGroup] | None = None
-    # decode through the native kernel (CPU, float32 / bfloat16 cache): preferred when set
+    # decode rows through the native kernel (CPU, float32 / bfloat16 cache): the batch's first
+    # `len(context_lens)` rows, alone or ahead of `spans` in a mixed step
     native_decode: NativeDecode | None = None
-    # prefill / mixed: one span per sequence
+    # prefill / mixed: one span per sequence (the rows after the native decode rows, if any)
     spans: list[SeqSpan] | None = None
 
 
@@ -70,8 +71,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # (T, H, hd)
     kvh, hd = k.shape[-2:]
+    outs = []
     if meta.native_decode is not None:
-        return _native_decode(q, kv_cache, meta.native_decode, scale)
+        outs.append(_native_decode(q[: len(meta.native_decode.context_lens)], kv_cache, meta.native_decode, scale))
+        if meta.spans is None:
+            return outs[0]
     if meta.decode_groups is not None:
         out = torch.empty_like(q)
         for group in meta.decode_groups:
@@ -87,7 +91,6 @@ def paged_attention(
     assert meta.spans is not None
     k_flat = kv_cache[0].view(-1, kvh, hd)
     v_flat = kv_cache[1].view(-1, kvh, hd)
-    outs = []
     for span in meta.spans:
         qs = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)
         if span.kv_index is None:  # whole sequence is new: keys are exactly this slice

@@ -122,15 +122,19 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         ctx = [item.seq.num_computed_tokens + item.num_tokens for item in batch]
-        if all(item.num_tokens == 1 for item in batch):
-            if self._native is not None:
-                meta.native_decode = self._native_decode(batch, ctx)
-            else:
-                meta.decode_groups = self._decode_groups(batch, ctx)
-        else:
+        # decode rows (one new token) lead the batch; the native kernel takes them in mixed steps too
+        n_dec = next((i for i, item in enumerate(batch) if item.num_tokens != 1), len(batch))
+        first_span = 0
+        if self._native is not None and n_dec:
+            meta.native_decode = self._native_decode(batch[:n_dec], ctx[:n_dec])
+            first_span = n_dec
+        elif n_dec == len(batch):
+            meta.decode_groups = self._decode_groups(batch, ctx)
+            first_span = n_dec
+        if first_span < len(batch):
             spans = []
-            q_start = 0
-            for item, c in zip(batch, ctx):
+            q_start = first_span
+            for item, c in zip(batch[first_span:], ctx[first_span:]):
                 n = item.num_tokens
                 kv_index = mask = None
                 if c > n:  # part of the sequence is already cached: attend to it through the block table

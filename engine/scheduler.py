@@ -8,10 +8,12 @@ A request moves through
 
 Sequences whose K/V arrived from a prefill worker enter `running` directly (`add_running`).
 
-Policy (prefill first, as in nano-vllm): a step is either a prefill step (unfinished prompt
-chunks, then newly admitted prompts, under `max_num_batched_tokens`; a long prompt is split into
-chunks across steps) or, when there is no prefill work, a decode step over every running sequence.
-Admission is first-come first-served by free blocks. When a decode step runs out of blocks the
+Policy, `mixed` (the default, as vLLM's chunked prefill): every step takes one token of each
+running sequence that is generating (decode rows first), then fills the rest of
+`max_num_batched_tokens` with prompt chunks (unfinished prompts first, then newly admitted ones; a
+long prompt is split across steps). Decode tokens then ride in the large, efficient matmuls of
+prefill passes instead of waiting behind them. Not mixed (prefill first, as in nano-vllm): a step
+is either a prefill step or, when there is no prefill work, a decode step. Admission is first-come first-served by free blocks. When a decode step runs out of blocks the
 newest running sequence is preempted (blocks freed, put back at the head of the queue to be
 recomputed), which always leaves the oldest sequence able to progress: no deadlock, given
 `num_blocks * block_size >= max_model_len` (checked by the model runner).
@@ -34,12 +36,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         handoff_after_prefill: bool = False,
+        mixed: bool = True,
     ) -> None:
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         # Prefill role: a sequence leaves (and frees its blocks) once its first token is sampled.
         self.handoff_after_prefill = handoff_after_prefill
+        self.mixed = mixed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -83,11 +87,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ policy
     def schedule(self) -> list[ScheduledSeq]:
-        batch = self._schedule_prefill()
+        """The next batch: decode rows (one token each) first, then prompt chunks."""
+        if self.mixed:
+            batch = self._schedule_decode()
+            return batch + self._schedule_prefill(self.max_num_batched_tokens - len(batch))
+        batch = self._schedule_prefill(self.max_num_batched_tokens)
         return batch if batch else self._schedule_decode()
 
-    def _schedule_prefill(self) -> list[ScheduledSeq]:
-        budget = self.max_num_batched_tokens
+    def _schedule_prefill(self, budget: int) -> list[ScheduledSeq]:
         batch: list[ScheduledSeq] = []
         for seq in self.running:  # unfinished chunked prompts first
             if seq.num_remaining > 1 and budget > 0:
@@ -110,10 +117,15 @@ class Scheduler:
         return batch
 
     def _schedule_decode(self) -> list[ScheduledSeq]:
+        """One token for every running sequence with one token left (generating, or the last token of
+        a prompt); to make room, the newest running sequence is preempted, never one already taken."""
         batch: list[ScheduledSeq] = []
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if seq.num_remaining > 1:  # a prompt still being prefilled (mixed steps): its chunk comes later
+                i += 1
+                continue
             while not self.bm.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)

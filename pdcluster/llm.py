@@ -1,9 +1,11 @@
-"""Offline batch generation, disaggregated inside one process.
+"""Offline batch generation in one process, colocated or disaggregated.
 
-`LLM` runs a prefill engine and a decode engine that share the weights but own separate KV caches,
-and hands every request's KV from one to the other through `kv_transfer` (the in-process
-backend), exactly as the cluster does across workers: reserve on decode -> prefill pushes layers
--> commit with the first token -> decode loop.
+`mode="colocated"` (the default) runs one engine: every step batches the generating sequences'
+next tokens with prompt chunks (the mixed steps of `engine.scheduler`), as vLLM's offline `LLM`
+does. `mode="disaggregated"` runs a prefill engine and a decode engine that share the weights but
+own separate KV caches, and hands every request's KV from one to the other through `kv_transfer`
+(the in-process backend), exactly as the cluster does across workers: reserve on decode ->
+prefill pushes layers -> commit with the first token -> decode loop. Both give the same tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 from tqdm.auto import tqdm
 
@@ -27,6 +29,7 @@ from kv_transfer import create_sender
 from prefill_worker import PrefillEngine
 
 Prompt = str | list[int]
+MODES = ("colocated", "disaggregated")
 
 
 @dataclass
@@ -60,7 +63,12 @@ class LLM:
         seed: int = 0,
         kv_compression: str = "none",
         enforce_eager: bool = False,
+        mode: str = "colocated",
     ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if kv_compression != "none" and mode != "disaggregated":
+            raise ValueError("kv_compression applies to KV moved between engines: it needs mode='disaggregated'")
         path = resolve_model_path(model)
         model_cfg = ModelConfig.from_pretrained(path)
         cfg = EngineConfig(
@@ -77,19 +85,35 @@ class LLM:
             enforce_eager=enforce_eager,
         )
         self.tokenizer = load_tokenizer(path)
-        prefill = Engine(cfg, "prefill", model_cfg, seed=seed)
-        decode = Engine(cfg, "decode", model_cfg, model=prefill.runner.model, seed=seed)
-        self.prefill = PrefillEngine(prefill, create_sender("inproc", prefill.runner.compat_hash,
-                                                                compression=kv_compression))
-        self.decode = DecodeEngine(decode, backend="inproc")
+        self.mode = mode
         self.model_config = model_cfg
-        self.max_model_len = prefill.max_model_len
+        # colocated: `engine`; disaggregated: `prefill` and `decode` (the other attributes are None)
+        self.engine: Engine | None = None
+        self.prefill: PrefillEngine | None = None
+        self.decode: DecodeEngine | None = None
+        if mode == "colocated":
+            self.engine = Engine(cfg, "colocated", model_cfg, seed=seed)
+            self.max_model_len = self.engine.max_model_len
+        else:
+            prefill = Engine(cfg, "prefill", model_cfg, seed=seed)
+            decode = Engine(cfg, "decode", model_cfg, model=prefill.runner.model, seed=seed)
+            self.prefill = PrefillEngine(prefill, create_sender("inproc", prefill.runner.compat_hash,
+                                                                    compression=kv_compression))
+            self.decode = DecodeEngine(decode, backend="inproc")
+            self.max_model_len = prefill.max_model_len
         self._ids = itertools.count()
 
     def __del__(self) -> None:
         decode = getattr(self, "decode", None)
         if decode is not None:
             decode.close()
+
+    @property
+    def engines(self) -> list[Engine]:
+        """The engines this LLM steps (one colocated, or prefill and decode)."""
+        if self.engine is not None:
+            return [self.engine]
+        return [self.prefill.engine, self.decode.engine]
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -119,39 +143,55 @@ class LLM:
         outputs, detoks = [], []
         for prompt, p in zip(prompts, params):
             ids = self.encode(prompt)
-            self.prefill.engine.validate(ids, p)  # every request is checked before any work starts
+            self.engines[0].validate(ids, p)  # every request is checked before any work starts
             out = RequestOutput(f"req-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids)
             out.logprobs = [] if p.logprobs is not None else None
             outputs.append(out)
             if p.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, p.stop) if self.tokenizer else None)
-        by_id = {o.request_id: i for i, o in enumerate(outputs)}
-        pending = deque(range(len(outputs)))
         bar = tqdm(total=len(outputs), desc="generate", disable=not use_tqdm)
-        remaining = len(outputs)
+        run = GenerateRun(outputs, detoks, bar, self._abort)
+        try:
+            if self.engine is not None:
+                self._generate_colocated(run, params)
+            else:
+                self._generate_disaggregated(run, params)
+        except BaseException:  # free what the unfinished requests hold; the LLM stays usable
+            for out in outputs:
+                if out.finish_reason is None:
+                    self._abort(out.request_id)
+            raise
+        finally:
+            bar.close()
+        return outputs
 
-        def emit(i: int, tokens: list[int], logprobs: list[TokenLogprobs], finish: str | None) -> None:
-            nonlocal remaining
-            out, detok = outputs[i], detoks[i]
-            for t in tokens:
-                out.token_ids.append(t)
-                if detok is None:
-                    continue
-                out.text += detok.add(t)
-                if detok.stopped:
-                    finish = "stop"
-                    self.decode.abort_request(out.request_id)
-                    break
-            if out.logprobs is not None:
-                out.logprobs.extend(logprobs[: len(out.token_ids) - len(out.logprobs)])
-            if finish is not None:
-                out.text += detok.flush() if detok else ""
-                out.finish_reason = finish
-                remaining -= 1
-                bar.update(1)
+    def _abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            self.engine.abort(request_id)
+        else:
+            self.prefill.abort(request_id)
+            self.decode.abort_request(request_id)
 
-        while remaining:
+    def _generate_colocated(self, run: GenerateRun, params: list[SamplingParams]) -> None:
+        engine = self.engine
+        for out, p in zip(run.outputs, params):
+            engine.add_request(out.request_id, out.prompt_token_ids, p)
+        while run.remaining:
+            if not engine.has_work():
+                raise RuntimeError("no progress possible: the engine has no work but requests are unfinished")
+            for seq in engine.step():
+                i = run.by_id[seq.request_id]
+                out = run.outputs[i]
+                if out.finish_reason is None:
+                    if not out.token_ids:
+                        out.num_cached_tokens = seq.num_cached_tokens
+                    run.emit(i, [seq.token_ids[-1]], seq.logprobs[-1:], seq.finish_reason)
+
+    def _generate_disaggregated(self, run: GenerateRun, params: list[SamplingParams]) -> None:
+        outputs = run.outputs
+        pending = deque(range(len(outputs)))
+        while run.remaining:
             while pending:  # hand out as many prompts as the decode cache can take
                 i = pending[0]
                 out = outputs[i]
@@ -166,16 +206,46 @@ class LLM:
                     progressed = True
                     if r.error is not None:
                         raise RuntimeError(f"request {r.request_id}: {r.error}")
-                    out = outputs[by_id[r.request_id]]
-                    out.num_cached_tokens = r.num_cached_tokens
-                    emit(by_id[r.request_id], [r.first_token], [r.logprob] if r.logprob else [], r.finish_reason)
+                    i = run.by_id[r.request_id]
+                    outputs[i].num_cached_tokens = r.num_cached_tokens
+                    run.emit(i, [r.first_token], [r.logprob] if r.logprob else [], r.finish_reason)
             if self.decode.has_work():
                 for seq in self.decode.step():
                     progressed = True
-                    i = by_id[seq.request_id]
+                    i = run.by_id[seq.request_id]
                     if outputs[i].finish_reason is None:
-                        emit(i, [seq.token_ids[-1]], seq.logprobs[-1:], seq.finish_reason)
-            if not progressed and not self.prefill.has_work() and not self.decode.has_work() and remaining:
+                        run.emit(i, [seq.token_ids[-1]], seq.logprobs[-1:], seq.finish_reason)
+            if not progressed and not self.prefill.has_work() and not self.decode.has_work() and run.remaining:
                 raise RuntimeError("no progress possible: the decode KV cache cannot hold the next prompt")
-        bar.close()
-        return outputs
+
+
+class GenerateRun:
+    """One `generate` call's outputs as tokens arrive: text, stop strings, logprobs, the progress bar."""
+
+    def __init__(self, outputs: list[RequestOutput], detoks: list[IncrementalDetokenizer | None], bar: tqdm,
+                 abort: Callable[[str], None]) -> None:
+        self.outputs = outputs
+        self.detoks = detoks
+        self.bar = bar
+        self.abort = abort
+        self.by_id = {o.request_id: i for i, o in enumerate(outputs)}
+        self.remaining = len(outputs)
+
+    def emit(self, i: int, tokens: list[int], logprobs: list[TokenLogprobs], finish: str | None) -> None:
+        out, detok = self.outputs[i], self.detoks[i]
+        for t in tokens:
+            out.token_ids.append(t)
+            if detok is None:
+                continue
+            out.text += detok.add(t)
+            if detok.stopped:
+                finish = "stop"
+                self.abort(out.request_id)
+                break
+        if out.logprobs is not None:
+            out.logprobs.extend(logprobs[: len(out.token_ids) - len(out.logprobs)])
+        if finish is not None:
+            out.text += detok.flush() if detok else ""
+            out.finish_reason = finish
+            self.remaining -= 1
+            self.bar.update(1)

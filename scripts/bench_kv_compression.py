@@ -30,9 +30,9 @@ def main() -> None:
     lengths = torch.randint(16, 1024, (args.prompts,), generator=g).tolist()
     prompts = [torch.randint(4, 8192, (n,), generator=g).tolist() for n in lengths]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
-    exact_llm = LLM(num_blocks=1024, max_model_len=2048)
+    exact_llm = LLM(num_blocks=1024, max_model_len=2048, mode="disaggregated")
     exact = exact_llm.generate(prompts, params)
-    int8 = LLM(num_blocks=1024, max_model_len=2048, kv_compression="int8").generate(prompts, params)
+    int8 = LLM(num_blocks=1024, max_model_len=2048, kv_compression="int8", mode="disaggregated").generate(prompts, params)
     mc = exact_llm.model_config
     f32 = mc.kv_bytes_per_token(torch.float32)
     q8 = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim + 2 * mc.num_layers * 4 / 16  # + scales per block

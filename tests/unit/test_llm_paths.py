@@ -1,5 +1,6 @@
 """Every way through the engine gives the same tokens: chunked prefill, prefix-cache hits,
-preemption with recompute, seeded sampling; and bad input is refused with a clear ValueError."""
+preemption with recompute, seeded sampling, colocated (mixed steps) or disaggregated; and bad input
+is refused with a clear ValueError."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from pdcluster import LLM, SamplingParams
+from pdcluster.llm import MODES
 from tests.checkpoints import VOCAB
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -30,24 +32,56 @@ def path(checkpoint):
 
 @pytest.fixture(scope="module")
 def reference(path):
-    """Unchunked, no prefix caching, roomy cache: the baseline every other path must equal."""
+    """Unchunked, no prefix caching, roomy cache, one prompt at a time through the disaggregated
+    path: the baseline every other path must equal."""
     def run(prompts, params=GREEDY):
-        llm = LLM(path, num_blocks=256, max_model_len=256, enable_prefix_caching=False)
-        return _ids(llm.generate(prompts, params))
+        llm = LLM(path, num_blocks=256, max_model_len=256, enable_prefix_caching=False, mode="disaggregated")
+        return [_ids(llm.generate([p], params))[0] for p in prompts]
     return run
 
 
-def test_chunked_prefill_equals_unchunked(path, reference):
+@pytest.fixture(params=MODES)
+def mode(request):
+    return request.param
+
+
+def _used_blocks(llm):
+    return sum(e.block_manager.num_used_blocks for e in llm.engines)
+
+
+def test_chunked_prefill_equals_unchunked(path, reference, mode):
     prompts = _prompts([70, 45, 9, 100])
-    llm = LLM(path, num_blocks=256, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=16)
+    llm = LLM(path, num_blocks=256, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=16, mode=mode)
     assert _ids(llm.generate(prompts, GREEDY)) == reference(prompts)
 
 
-def test_prefix_cache_hit_equals_miss(path, reference):
+def test_mixed_steps_batch_decode_rows_with_prompt_chunks(path, reference):
+    """Colocated: a long prompt is prefilled in chunks while the short ones already generate, in
+    the same forward passes, and every output still equals the one-at-a-time reference."""
+    prompts = _prompts([9, 12, 200])
+    llm = LLM(path, num_blocks=256, max_model_len=256, max_num_batched_tokens=32, max_num_seqs=16,
+              mode="colocated")
+    engine, shapes = llm.engine, []
+    step = engine.step
+
+    def recording_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if engine.last_step is not None:
+            shapes.append((engine.last_step.seqs, engine.last_step.tokens))
+        return out
+
+    engine.step = recording_step
+    assert _ids(llm.generate(prompts, GREEDY)) == reference(prompts)
+    # steps with the two short prompts decoding (2 rows) and a 30-token chunk of the long one
+    assert (3, 32) in shapes, shapes
+    assert _used_blocks(llm) == 0
+
+
+def test_prefix_cache_hit_equals_miss(path, reference, mode):
     shared = _prompts([48])[0]
     tails = _prompts([5, 13, 21], seed=4)
     prompts = [shared + t for t in tails]
-    llm = LLM(path, num_blocks=256, max_model_len=256, block_size=16)
+    llm = LLM(path, num_blocks=256, max_model_len=256, block_size=16, mode=mode)
     first = llm.generate(prompts[:1], GREEDY)
     assert first[0].num_cached_tokens == 0
     rest = llm.generate(prompts[1:], GREEDY)
@@ -58,20 +92,19 @@ def test_prefix_cache_hit_equals_miss(path, reference):
     assert _ids(again) == _ids(first)
 
 
-def test_preemption_and_resumption_give_the_same_tokens(path, reference):
+def test_preemption_and_resumption_give_the_same_tokens(path, reference, mode):
     prompts = _prompts([40, 38, 36, 34, 30])
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     # 5 sequences of ~100 tokens need ~35 blocks of 16; the decode cache has 16: decode must preempt.
-    llm = LLM(path, num_blocks=16, max_model_len=128)
+    llm = LLM(path, num_blocks=16, max_model_len=128, mode=mode)
     outs = llm.generate(prompts, params)
-    assert llm.decode.engine.scheduler.num_preemptions > 0
+    assert sum(e.scheduler.num_preemptions for e in llm.engines) > 0
     assert _ids(outs) == reference(prompts, params)
-    assert llm.decode.engine.block_manager.num_used_blocks == 0
-    assert llm.prefill.engine.block_manager.num_used_blocks == 0
+    assert _used_blocks(llm) == 0
 
 
-def test_same_seed_gives_same_sampled_tokens_whatever_the_batch(path):
-    llm = LLM(path, num_blocks=256, max_model_len=256)
+def test_same_seed_gives_same_sampled_tokens_whatever_the_batch(path, mode):
+    llm = LLM(path, num_blocks=256, max_model_len=256, mode=mode)
     prompts = _prompts([10, 30, 50])
     seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     alone = llm.generate(prompts[1:2], seeded)[0].token_ids
@@ -93,8 +126,8 @@ def test_stop_token_ids_max_tokens_and_eos(path):
     assert one.token_ids == free[:1] and one.finish_reason == "length"
 
 
-def test_stop_string_truncates_text(builtin_path):
-    llm = LLM("builtin:tiny-llama", num_blocks=64, max_model_len=512)
+def test_stop_string_truncates_text(builtin_path, mode):
+    llm = LLM("builtin:tiny-llama", num_blocks=64, max_model_len=512, mode=mode)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     full = llm.generate("Once upon a time", params)[0]
     assert len(full.text) > 10
@@ -103,7 +136,7 @@ def test_stop_string_truncates_text(builtin_path):
                                                           stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]
-    assert llm.decode.engine.block_manager.num_used_blocks == 0
+    assert _used_blocks(llm) == 0
 
 
 def test_logprobs_are_returned_when_asked(path):
@@ -125,8 +158,8 @@ def test_logprobs_are_returned_when_asked(path):
         ("text", GREEDY, "no tokenizer"),
     ],
 )
-def test_bad_requests_raise_value_error(path, prompt, params, message):
-    llm = LLM(path, num_blocks=64, max_model_len=256)
+def test_bad_requests_raise_value_error(path, prompt, params, message, mode):
+    llm = LLM(path, num_blocks=64, max_model_len=256, mode=mode)
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], params)
     assert _ids(llm.generate([[5, 6, 7]], GREEDY))  # still serves the next request
@@ -166,7 +199,11 @@ def test_kv_cache_too_small_for_max_model_len_is_refused(path):
 
 def test_int8_kv_compression_keeps_greedy_output_on_a_decisive_model(path, reference):
     prompts = _prompts([30, 64, 90])
-    llm = LLM(path, num_blocks=256, max_model_len=256, kv_compression="int8")
+    llm = LLM(path, num_blocks=256, max_model_len=256, kv_compression="int8", mode="disaggregated")
     assert _ids(llm.generate(prompts, GREEDY)) == reference(prompts)
     with pytest.raises(ValueError, match="allowed: none, int8"):
-        LLM(path, num_blocks=64, max_model_len=256, kv_compression="zstd")
+        LLM(path, num_blocks=64, max_model_len=256, kv_compression="zstd", mode="disaggregated")
+    with pytest.raises(ValueError, match="mode='disaggregated'"):
+        LLM(path, num_blocks=64, max_model_len=256, kv_compression="int8")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        LLM(path, num_blocks=64, max_model_len=256, mode="split")

@@ -1,7 +1,8 @@
 """Greedy output equals transformers' own generate(), token for token, for every architecture.
 
-Runs the offline LLM, i.e. the disaggregated path: prefill engine -> in-process KV transfer ->
-decode engine. Prompts of mixed lengths are submitted together so they batch.
+Runs the offline LLM both ways: colocated (one engine; a small token budget so prompt chunks and
+decode rows share steps) and disaggregated (prefill engine -> in-process KV transfer -> decode
+engine). Prompts of mixed lengths are submitted together so they batch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from tests.checkpoints import SHAPES, VOCAB
 
 PROMPT_LENS = (3, 17, 40, 77)
 MAX_TOKENS = 24
+# colocated with a budget that splits the 40- and 77-token prompts, so steps are mixed
+MODE_KWARGS = {"colocated": dict(max_num_batched_tokens=32, max_num_seqs=8), "disaggregated": {}}
 
 
 def _prompts(seed: int = 1) -> list[list[int]]:
@@ -40,10 +43,16 @@ def _reference(path, prompts, dtype=torch.float32):
 def test_greedy_matches_transformers_for_every_architecture(checkpoint, shape):
     path = checkpoint(shape)
     prompts = _prompts()
-    llm = LLM(str(path), num_blocks=128, max_model_len=256)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3))
-    for prompt, out, (ref_tokens, ref_logprobs) in zip(prompts, outs, _reference(path, prompts)):
-        assert out.token_ids == ref_tokens, f"{shape}: prompt of {len(prompt)} tokens diverged"
+    refs = _reference(path, prompts)
+    for mode, kwargs in MODE_KWARGS.items():
+        llm = LLM(str(path), num_blocks=128, max_model_len=256, mode=mode, **kwargs)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+        _assert_matches(f"{shape}, {mode}", prompts, llm.generate(prompts, params), refs)
+
+
+def _assert_matches(label, prompts, outs, refs):
+    for prompt, out, (ref_tokens, ref_logprobs) in zip(prompts, outs, refs):
+        assert out.token_ids == ref_tokens, f"{label}: prompt of {len(prompt)} tokens diverged"
         assert out.finish_reason == "length"
         ours = torch.tensor([lp.logprob for lp in out.logprobs])
         theirs = ref_logprobs.gather(1, torch.tensor(ref_tokens)[:, None]).squeeze(1)
@@ -59,11 +68,13 @@ def test_greedy_matches_transformers_in_half_precision(checkpoint, dtype):
     tdtype = getattr(torch, dtype)
     path = checkpoint("llama-gqa", dtype=tdtype)
     prompts = _prompts(2)
-    llm = LLM(str(path), dtype=dtype, num_blocks=128, max_model_len=256)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    for out, (ref_tokens, _) in zip(outs, _reference(path, prompts, tdtype)):
-        assert out.token_ids == ref_tokens
-    assert llm.decode.engine.runner.kv_caches[0].dtype == tdtype
+    refs = _reference(path, prompts, tdtype)
+    for mode, kwargs in MODE_KWARGS.items():
+        llm = LLM(str(path), dtype=dtype, num_blocks=128, max_model_len=256, mode=mode, **kwargs)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        for out, (ref_tokens, _) in zip(outs, refs):
+            assert out.token_ids == ref_tokens, mode
+        assert all(e.runner.kv_caches[0].dtype == tdtype for e in llm.engines)
 
 
 def test_builtin_model_matches_transformers(builtin_path):
