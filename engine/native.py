@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.c"))
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
+# OpenMP: the kernels then run on torch's own OpenMP threads (libgomp.so.1, which torch has already
+# loaded, is the one the dynamic loader binds); where the compiler lacks it, POSIX threads.
+OPENMP = ["-fopenmp"]
 LIBS = ["-lpthread", "-lm"]
 BUILD_TIMEOUT_S = 120
 
@@ -50,8 +53,16 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
+    try:
+        return _build_with(cc, FLAGS + OPENMP)
+    except (RuntimeError, subprocess.SubprocessError) as e:
+        log.info("native kernels: building without OpenMP (%s)", e)
+        return _build_with(cc, FLAGS)
+
+
+def _build_with(cc: str, flags: list[str]) -> Path:
     text = b"".join(src.read_bytes() for src in SOURCES)
-    key = hashlib.sha256(text + " ".join([cc, *FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([cc, *flags]).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out_dir = cache_root() / "native"
     target = out_dir / f"pdcluster_kernels-{key}.so"
     if target.is_file():
@@ -63,7 +74,7 @@ def _build(cc: str) -> Path:
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True, text=True,
+            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} exited with {proc.returncode}: {proc.stderr.strip()[:500]}")

@@ -161,9 +161,9 @@ def run_ours(model: str, prompts: list[list[int]], outputs: list[int], llm_kwarg
         raise RuntimeError(f"ours: request(s) {bad[:5]} did not generate their full output length")
     info = {
         "num_cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
-        "prefill_preemptions": llm.prefill.engine.scheduler.num_preemptions,
-        "decode_preemptions": llm.decode.engine.scheduler.num_preemptions,
-        "decode_num_blocks": llm.decode.engine.runner.num_blocks,
+        "mode": llm.mode,
+        "preemptions": sum(e.scheduler.num_preemptions for e in llm.engines),
+        "num_blocks": llm.engines[-1].runner.num_blocks,  # of the engine that decodes
     }
     del llm, outs
     gc.collect()

@@ -4,15 +4,18 @@
  * Layout (engine/attention.py): a layer's cache is kv[2][num_blocks][block_size][kvh][hd];
  * token t of sequence i lives at block tables[i * max_blocks + t / block_size], offset
  * t % block_size. q and out are [b][H][hd], H = kvh * group. Work is split over units of
- * (sequence, slice of kv heads) across `threads` POSIX threads; a unit reads each token row of
+ * (sequence, slice of kv heads) across `threads` threads; a unit reads each token row of
  * its slice once, in order, and keeps its query rows, running max, running sum and accumulators
- * on its stack.
+ * on its stack. Built with OpenMP, the threads are torch's own (see the end); else POSIX threads.
  * Built by engine/native.py with the host compiler; float32 and bfloat16 caches.
  */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define MAX_HD 256
 #define MAX_BS 64
@@ -46,6 +49,52 @@ static inline float dot(const float *a, const float *b, int n) {
     float tail = 0.f;
     for (; d < n; d++) tail += a[d] * b[d];
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) + tail;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* e^x for 8 floats, x <= 0 (scores minus their running max): x = n ln2 + f with |f| <= ln2 / 2 (ln2
+ * split in two for exactness), e^f by a degree-6 polynomial (Cephes' expf coefficients), times 2^n
+ * built in the exponent bits. Within 2 ulp of expf; below -87 it returns 0 (expf: a denormal or 0). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+/* s[t] = e^(s[t] - mx) for t < n; returns their sum. */
+static inline float exp_shifted(float *s, int n, float mx) {
+    int t = 0;
+    float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float part[8];
+    _mm256_storeu_ps(part, acc);
+    sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+#endif
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - mx);
+        sum += s[t];
+    }
+    return sum;
 }
 
 static inline const float *row_f32(const void *base, int64_t off, int is_bf16, float *buf, int hd) {
@@ -91,10 +140,7 @@ static void one_unit(const job_t *j, int i, int h0, int h1) {
             const float corr = expf(m[r] - mnew);  /* 0 on the first block (m = -inf) */
             l[r] *= corr;
             for (int d = 0; d < hd; d++) acc[r][d] *= corr;
-            for (int t = 0; t < cnt; t++) {
-                s[r][t] = expf(s[r][t] - mnew);
-                l[r] += s[r][t];
-            }
+            l[r] += exp_shifted(s[r], cnt, mnew);
             m[r] = mnew;
         }
         for (int t = 0; t < cnt; t++) {
@@ -140,11 +186,20 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     int splits = 1;
     while (b * splits < threads && splits < kvh) splits++;
     job_t jobs[64];
+#ifndef _OPENMP
     pthread_t tids[64];
+#endif
     for (int t = 0; t < threads; t++) {
         jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, out, b, kvh, group, hd, bs, max_blocks, is_bf16, t,
                           threads, splits, scale};
     }
+#ifdef _OPENMP
+    /* torch's own OpenMP runtime (libgomp.so.1, already loaded by torch): its worker threads, which
+     * spin for a while after every torch op, take these jobs at once instead of competing with new
+     * threads for the cores. */
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) run(&jobs[t]);
+#else
     int spawned = 0;
     for (int t = 1; t < threads; t++) {
         if (pthread_create(&tids[t], NULL, run, &jobs[t]) != 0) break;
@@ -154,5 +209,6 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     for (int t = spawned + 1; t < threads; t++) run(&jobs[t]);
     run(&jobs[0]);
     for (int t = 1; t <= spawned; t++) pthread_join(tids[t], NULL);
+#endif
     return 0;
 }

@@ -394,7 +394,7 @@ def test_prefill_then_decode_matches_the_offline_llm(checkpoint, kv):
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     seqs = run_disaggregated(checkpoint, kv.decode, kv.backend, params)
-    llm = LLM(str(checkpoint("llama-gqa")), num_blocks=128, max_model_len=256)
+    llm = LLM(str(checkpoint("llama-gqa")), num_blocks=128, max_model_len=256, mode="disaggregated")
     try:
         want = llm.generate(PROMPTS, params)
     finally:

@@ -65,12 +65,12 @@ def test_eager_and_packed_engines_give_the_same_tokens(checkpoint):
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     fast_llm = LLM(path, num_blocks=64, max_model_len=128)
     # the default engine is the fast one: prepacked linears and, with a compiler here, the native decode
-    assert isinstance(fast_llm.decode.engine.runner.model.lm_head, PackedLinear)
-    assert fast_llm.decode.engine.runner.native_decode == (native_lib() is not None)
+    assert isinstance(fast_llm.engine.runner.model.lm_head, PackedLinear)
+    assert fast_llm.engine.runner.native_decode == (native_lib() is not None)
     fast = fast_llm.generate(prompts, sp)
     eager_llm = LLM(path, num_blocks=64, max_model_len=128, enforce_eager=True)
-    assert not any(isinstance(m, PackedLinear) for m in eager_llm.prefill.engine.runner.model.modules())
-    assert not eager_llm.decode.engine.runner.native_decode
+    assert not any(isinstance(m, PackedLinear) for m in eager_llm.engine.runner.model.modules())
+    assert not eager_llm.engine.runner.native_decode
     eager = eager_llm.generate(prompts, sp)
     assert [o.token_ids for o in fast] == [o.token_ids for o in eager]
 

@@ -10,6 +10,7 @@ import zlib
 from typing import Callable, NamedTuple
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from engine.block_manager import BlockManager
@@ -51,9 +52,10 @@ def make_sched(
     max_num_seqs: int = 16,
     caching: bool = True,
     handoff: bool = False,
+    mixed: bool = True,
 ) -> Scheduler:
     bm = BlockManager(num_blocks, BS, caching)
-    return Scheduler(bm, budget, max_num_seqs, handoff_after_prefill=handoff)
+    return Scheduler(bm, budget, max_num_seqs, handoff_after_prefill=handoff, mixed=mixed)
 
 
 def check_state(sched: Scheduler) -> None:
@@ -124,7 +126,7 @@ def assert_all_free(sched: Scheduler) -> None:
 
 
 def test_prefill_first_new_prompts_run_before_decodes():
-    sched = make_sched()
+    sched = make_sched(mixed=False)
     a = make_seq("a", 6, max_tokens=8)
     sched.add(a)
     batch, sampled = step(sched)
@@ -135,6 +137,24 @@ def test_prefill_first_new_prompts_run_before_decodes():
     sched.add(b)
     batch, _ = step(sched)
     assert [(i.seq, i.num_tokens) for i in batch] == [(b, 5)]  # a does not decode in a prefill step
+    batch, _ = step(sched)
+    assert [(i.seq, i.num_tokens) for i in batch] == [(a, 1), (b, 1)]
+    run_to_completion(sched)
+    assert_all_free(sched)
+
+
+def test_mixed_steps_put_decode_rows_first_then_prompt_chunks():
+    sched = make_sched(budget=8)
+    a = make_seq("a", 6, max_tokens=8)
+    sched.add(a)
+    batch, _ = step(sched)
+    assert [(i.seq, i.num_tokens) for i in batch] == [(a, 6)]
+    b = make_seq("b", 12, max_tokens=8)
+    sched.add(b)
+    batch, _ = step(sched)  # a decodes in the same pass as b's first chunk, inside the budget
+    assert [(i.seq, i.num_tokens) for i in batch] == [(a, 1), (b, 7)]
+    batch, _ = step(sched)
+    assert [(i.seq, i.num_tokens, i.completes) for i in batch] == [(a, 1, True), (b, 5, True)]
     batch, _ = step(sched)
     assert [(i.seq, i.num_tokens) for i in batch] == [(a, 1), (b, 1)]
     run_to_completion(sched)
@@ -201,16 +221,19 @@ def test_token_budget_is_shared_and_unfinished_chunks_go_first():
     budget=st.integers(min_value=1, max_value=24),
 )
 @settings(max_examples=60, deadline=None)
-def test_every_step_respects_budget_and_chunks_sum_to_prompt(prompts, budget):
-    sched = make_sched(num_blocks=128, budget=budget)
+@pytest.mark.parametrize("mixed", [True, False])
+def test_every_step_respects_budget_and_chunks_sum_to_prompt(mixed, prompts, budget):
+    sched = make_sched(num_blocks=128, budget=budget, mixed=mixed)
     seqs = [make_seq(f"s{i}", n, max_tokens=2) for i, n in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
     prefill_chunks: dict[str, list[tuple[int, bool]]] = {s.request_id: [] for s in seqs}
     while sched.has_work():
         batch, _ = step(sched)
-        # prefill steps are budgeted; a decode step runs every running sequence one token
-        assert sum(i.num_tokens for i in batch) <= budget or all(i.num_tokens == 1 for i in batch)
+        # prompt chunks stay inside the budget left by the decode rows (one token per running sequence)
+        decode_rows = sum(1 for i in batch if i.num_tokens == 1)
+        chunks = sum(i.num_tokens for i in batch if i.num_tokens > 1)
+        assert chunks <= max(0, budget - (decode_rows if mixed else 0))
         for i in batch:
             if i.outputs_before == 0:
                 prefill_chunks[i.seq.request_id].append((i.num_tokens, i.completes))
