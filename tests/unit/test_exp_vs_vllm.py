@@ -1,0 +1,39 @@
+"""scripts/exp_vs_vllm.py without servers: its flags' errors, the analysis of a bench serve result
+and the report (the end-to-end run is tests/integration/test_exp_vs_vllm.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.scripts import load_script
+
+
+def test_unknown_system_and_missing_vllm_are_clear_errors(tmp_path, capsys):
+    exp = load_script("exp_vs_vllm")
+    with pytest.raises(SystemExit):
+        exp.main(["--systems", "sglang", "--out", str(tmp_path)])
+    assert "--systems takes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        exp.main(["--vllm-python", str(tmp_path / "nope"), "--out", str(tmp_path)])
+    assert "install_vllm_cpu.sh" in capsys.readouterr().err
+
+
+def test_analysis_finds_each_systems_highest_rate_and_the_ratios():
+    exp = load_script("exp_vs_vllm")
+
+    def run(label, rate, attainment, tpot_p99):
+        return {"label": label, "rate": rate, "summary": {
+            "slo_attainment": attainment, "goodput": rate * attainment, "failed": 0, "unfinished": 0,
+            "ttft_ms": {"p50": 100.0 / rate, "p90": 200.0, "p99": 300.0},
+            "tpot_ms": {"p50": 10.0 * rate, "p99": tpot_p99}}}
+
+    runs = [run("vllm", 4, 0.99, 30), run("vllm", 8, 0.5, 90),
+            run("colocated", 4, 0.98, 40), run("colocated", 8, 0.95, 60),
+            run("disaggregated", 4, 1.0, 20), run("disaggregated", 8, 0.7, 24)]
+    a = exp.analyse({"runs": runs})
+    assert a["max_rate_meeting_slo"] == {"vllm": 4, "colocated": 8, "disaggregated": 4}
+    assert a["best_ours"] == "colocated" and a["sustained_ratio_vs_vllm"] == 2.0
+    assert a["disagg_over_colocated_tpot_p99"] == {"rate": 8, "ratio": 0.4}
+    assert a["lowest_rate"]["vllm"] == {"ttft_p50": 25.0, "tpot_p50": 40.0}
+    text = exp.report(a, "TTFT <= 1000 ms and TPOT <= 50 ms")
+    assert "**2.00x**" in text and "| 8 | colocated | 95% |" in text
