@@ -115,8 +115,8 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def warm_up(url: str, model: str) -> None:
-    for n in (8, 64, 300):
+def warm_up(url: str, model: str, words: tuple[int, ...] = (8, 64, 300)) -> None:
+    for n in words:
         httpx.post(f"{url}/v1/completions", timeout=300, json={
             "model": model, "prompt": "warm up " * n, "max_tokens": 8, "temperature": 0}).raise_for_status()
 
