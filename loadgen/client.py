@@ -233,9 +233,11 @@ class StreamState:
             rec.fail("stream error", self.error, rec.status)
         elif not self.done and rec.finish_reason is None:
             rec.fail("incomplete stream", "the stream ended without a finish reason or [DONE]", rec.status)
-        elif not rec.chunk_s and rec.output_tokens:
-            rec.fail("no content", f"{rec.output_tokens} output tokens but no chunk with text", rec.status)
         else:
+            if not rec.chunk_s and rec.output_tokens:
+                # tokens whose text never completed (e.g. one token, an incomplete UTF-8 byte): an answer,
+                # not a failure; its tokens count as arriving when the stream ended (TTFT = end to end)
+                rec.chunk_s, rec.chunk_tokens, rec.chunk_tokens_from = [rec.end_s], [rec.output_tokens], "usage"
             rec.outcome = "ok"
 
 

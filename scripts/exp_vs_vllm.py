@@ -13,7 +13,8 @@ systems interleaved per rate so machine noise hits all alike:
   vllm           vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, its own venv,
                  `--vllm-python`), one engine on both cores (`VLLM_CPU_OMP_THREADS_BIND`), chunked
                  prefill; the dtype ours serves (float32 on CPUs without native bf16)
-  colocated      `pdcluster up`, one colocated worker on both cores with 2 threads (mixed steps)
+  colocated      `pdcluster up`, one colocated worker on both cores with 2 threads (mixed steps), or
+                 with `--colocated-layout 2x1` two such workers with one thread each
   disaggregated  `pdcluster up`, a prefill worker pinned to CPU 0 and a decode worker pinned to CPU 1,
                  one thread each
 
@@ -54,16 +55,20 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def cluster_files(out: Path, model: str, max_model_len: int, cpus: tuple[int, int]) -> dict[str, Path]:
-    """Our two deployments, derived from cluster.yaml (SLO, timeouts as there)."""
+def cluster_files(out: Path, model: str, max_model_len: int, cpus: tuple[int, int],
+                  colocated_layout: str = "1x2") -> dict[str, Path]:
+    """Our two deployments, derived from cluster.yaml (SLO, timeouts as there). `colocated_layout`:
+    1x2, one worker with 2 threads; 2x1, two workers with one thread each (both on both cores)."""
     base = load_cluster_config(REPO / "cluster.yaml")
     a, b = cpus
+    workers, threads = (1, 2) if colocated_layout == "1x2" else (2, 1)
     common = dict(router=dataclasses.replace(base.router, grpc_port=0, http_port=0),
                   model=dataclasses.replace(base.model, path=model, max_model_len=max_model_len))
     systems = {
         "colocated": dataclasses.replace(base, mode="colocated", **common,
-                                         engine=dataclasses.replace(base.engine, num_threads=2),
-                                         pools=(PoolConfig("workers", "colocated", 1, "cpu", {"num_cpus": 2.0}, (a, b)),)),
+                                         engine=dataclasses.replace(base.engine, num_threads=threads),
+                                         pools=(PoolConfig("workers", "colocated", workers, "cpu",
+                                                           {"num_cpus": float(threads)}, (a, b)),)),
         "disaggregated": dataclasses.replace(base, mode="disaggregated", **common,
                                              engine=dataclasses.replace(base.engine, num_threads=1), pools=(
             PoolConfig("prefill", "prefill", 1, "cpu", {"num_cpus": 1.0}, (a,)),
@@ -168,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a local HF checkpoint dir")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--colocated-layout", choices=["1x2", "2x1"], default="1x2",
+                   help="our colocated system: one worker with 2 threads, or two workers with one thread each")
     p.add_argument("--workload", default="azure-conv", help="a bench serve workload (azure-conv, azure-code, ...)")
     p.add_argument("--rates", default="4,8,12,16")
     p.add_argument("--num-requests", type=int, default=120)
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     slo = load_cluster_config(REPO / "cluster.yaml").slo
     ttft, tpot = args.slo_ttft_ms or slo.ttft_ms, args.slo_tpot_ms or slo.tpot_ms
     max_model_len = args.max_context + 64
-    files = cluster_files(out, args.model, max_model_len, cpus)
+    files = cluster_files(out, args.model, max_model_len, cpus, args.colocated_layout)
     procs, urls = [], {}
     try:
         for name in systems:

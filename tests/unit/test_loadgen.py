@@ -342,6 +342,13 @@ def test_stream_errors_and_logprob_counts():
     rec, state = RequestRecord(0, 0.0, start_s=0.0), StreamState()
     state.finish(rec, 0.2)
     assert rec.error_kind == "incomplete stream"
+    # one token whose text is an incomplete UTF-8 byte: no text chunk, usage says 1 token: an answer
+    rec, state = RequestRecord(0, 0.0, start_s=0.0), StreamState()
+    for t, raw in ((0.3, '{"choices":[{"index":0,"text":"","finish_reason":"length"}]}'),
+                   (0.3, '{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":1}}'), (0.3, "[DONE]")):
+        state.take(parse_chunk(raw), t, rec)
+    state.finish(rec, 0.4)
+    assert rec.ok and rec.output_tokens == 1 and rec.ttft == pytest.approx(0.3) and rec.tpot is None
     two = parse_chunk('{"choices":[{"index":0,"text":"ab","logprobs":{"tokens":["a","b"]},"finish_reason":null}]}')
     assert two.content and two.tokens == 2
     chat = parse_chunk('{"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}')
