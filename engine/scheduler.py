@@ -13,9 +13,10 @@ running sequence that is generating (decode rows first), then fills the rest of
 `max_num_batched_tokens` with prompt chunks (unfinished prompts first, then newly admitted ones; a
 long prompt is split across steps). Decode tokens then ride in the large, efficient matmuls of
 prefill passes instead of waiting behind them. Not mixed (prefill first, as in nano-vllm): a step
-is either a prefill step or, when there is no prefill work, a decode step. Admission is first-come first-served by free blocks. When a decode step runs out of blocks the
-newest running sequence is preempted (blocks freed, put back at the head of the queue to be
-recomputed), which always leaves the oldest sequence able to progress: no deadlock, given
+is either a prefill step or, when there is no prefill work, a decode step. Admission is
+first-come first-served by free blocks. When a decode step runs out of blocks the newest
+running sequence is preempted (blocks freed, put back at the head of the queue to be recomputed),
+which always leaves the oldest sequence able to progress: no deadlock, given
 `num_blocks * block_size >= max_model_len` (checked by the model runner).
 """
 

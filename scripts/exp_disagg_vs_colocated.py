@@ -197,7 +197,10 @@ def report(a: dict, slo: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_bench_serve(argv_serve: list[str]) -> int:
+def run_bench_serve(urls: dict[str, str], workload_args: list[str]) -> int:
+    """One `pdcluster bench serve` run over every endpoint (label = system name), interleaved."""
+    argv_serve = [a for name, url in urls.items() for a in ("--endpoint", url, "--endpoint-label", name)]
+    argv_serve += workload_args
     print("pdcluster bench serve " + " ".join(argv_serve), flush=True)
     return bench_serve(argv_serve)
 
@@ -251,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             warm_up(url, model)
         if args.calibrate_live:
             calibrate_live(urls, out, tuple(int(x) for x in args.calibrate_levels.split(",")), args.calibrate_seconds)
-        argv_serve = []
-        for name, url in urls.items():
-            argv_serve += ["--endpoint", url, "--endpoint-label", name]
-        argv_serve += ["--workload", "azure-conv", "--num-requests", str(args.num_requests), "--rates", args.rates,
+        argv_serve = ["--workload", "azure-conv", "--num-requests", str(args.num_requests), "--rates", args.rates,
                        "--max-context", str(args.max_context), "--max-output", str(args.max_output),
                        "--tokenizer", "builtin:tiny-llama", "--ignore-eos", "--slo-ttft-ms", str(slo.ttft_ms),
                        "--slo-tpot-ms", str(slo.tpot_ms), "--time-limit-s", str(args.time_limit_s), "--out", str(out)]
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         argv_serve += ["--seed", str(args.seed)]
         if args.sample_seed is not None:
             argv_serve += ["--sample-seed", str(args.sample_seed)]
-        rc = run_bench_serve(argv_serve)
+        rc = run_bench_serve(urls, argv_serve)
         if rc != 0:
             return rc
     finally:

@@ -225,15 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         for url in urls.values():
             model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
             warm_up(url, model, (8, 64, min(300, args.max_context // 4)))  # ~2 tokens a word
-        argv_serve = []
-        for name, url in urls.items():
-            argv_serve += ["--endpoint", url, "--endpoint-label", name]
-        argv_serve += ["--workload", args.workload, "--num-requests", str(args.num_requests), "--rates", args.rates,
+        argv_serve = ["--workload", args.workload, "--num-requests", str(args.num_requests), "--rates", args.rates,
                        "--max-context", str(args.max_context), "--max-output", str(args.max_output),
                        "--tokenizer", str(path), "--ignore-eos", "--fresh-prompts", "--slo-ttft-ms", str(ttft),
                        "--slo-tpot-ms", str(tpot), "--time-limit-s", str(args.time_limit_s), "--seed", str(args.seed),
                        "--out", str(out)]
-        rc = run_bench_serve(argv_serve)
+        rc = run_bench_serve(urls, argv_serve)
         if rc != 0:
             return rc
     finally:

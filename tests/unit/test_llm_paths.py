@@ -71,9 +71,22 @@ def test_mixed_steps_batch_decode_rows_with_prompt_chunks(path, reference):
         return out
 
     engine.step = recording_step
+    prepare, metas = engine.runner._prepare, []
+
+    def recording_prepare(batch):
+        out = prepare(batch)
+        metas.append(out[2])
+        return out
+
+    engine.runner._prepare = recording_prepare
     assert _ids(llm.generate(prompts, GREEDY)) == reference(prompts)
     # steps with the two short prompts decoding (2 rows) and a 30-token chunk of the long one
     assert (3, 32) in shapes, shapes
+    mixed = [m for m in metas if m.spans and (m.native_decode is not None or m.spans[0].q_end - m.spans[0].q_start == 1)]
+    assert mixed, "no step batched decode rows with a prompt chunk"
+    if engine.runner.native_decode:  # the mixed step's decode rows went to the native kernel, the chunk to spans
+        m = next(m for m in metas if m.native_decode is not None and m.spans)
+        assert len(m.native_decode.context_lens) == m.spans[0].q_start == 2
     assert _used_blocks(llm) == 0
 
 
