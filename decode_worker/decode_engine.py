@@ -156,6 +156,11 @@ class DecodeEngine:
             return self.engine.abort(request_id) is not None
 
     @property
+    def lock(self) -> threading.RLock:
+        """Held while the engine steps: hold it to add a request to the engine directly (a local prefill)."""
+        return self._lock
+
+    @property
     def num_reserved(self) -> int:
         return len(self._reserved)
 

@@ -3,7 +3,9 @@
 Threads: gRPC handlers (Reserve / Stream / Abort / Health / Stats, and the KV receiver service on
 the same server) and one engine thread that steps the engine whenever there is work and hands each
 new token to the stream of its request. In colocated mode the same server runs an `Engine` that
-prefills too (`ReserveRequest.run_prefill`), so the router drives both modes the same way.
+prefills too (`ReserveRequest.run_prefill`), so the router drives both modes the same way. A
+decode worker takes `run_prefill` too: the router's local prefill of a short prompt
+(router/local_prefill.py) runs in this engine's mixed steps, and no KV moves.
 
 A request's stream is a queue created at Reserve; `Stream` drains it, so tokens produced before
 the router opened the stream are not lost. Reservations whose KV never commits expire after
@@ -49,6 +51,7 @@ class _Stream:
     committed_at: float | None = None  # KV arrived (decode queue starts)
     reserved_at: float = field(default_factory=time.monotonic)
     sent: int = 0  # tokens emitted so far
+    local: bool = False  # prefilled here (colocated, or a decode worker's local prefill)
 
 
 class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
@@ -81,6 +84,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             self.decode = DecodeEngine(self.engine, backend=kv_backend, server=self.server, endpoint=self.address,
                                        **(kv_options or {}))
         self._lock = threading.RLock()  # engine state (colocated mode; DecodeEngine has its own)
+        self._engine_lock = self.decode.lock if self.decode else self._lock  # held while the engine steps
         self._streams: dict[str, _Stream] = {}
         self._queued_tokens = 0
         self._prompt_tokens = 0  # cumulative, prompts prefilled here (colocated; engine thread)
@@ -115,7 +119,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
     def _iteration(self) -> None:
         self._expire_reservations()
         # iterated here only (Stats would race it); colocated Reserve adds to the queue under the lock
-        with self._lock:
+        with self._engine_lock:
             self._queued_tokens = sum(s.num_remaining for s in self.engine.scheduler.waiting)
         if not self._has_work():
             self._wake.wait(0.05)
@@ -140,7 +144,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         stream.sent += len(new)
         lps = seq.logprobs[first : first + len(new)] if seq.logprobs else []
         decode_queue_ms = 0.0
-        if first == 0 and self.colocated:  # queued until the prompt was first scheduled
+        if first == 0 and stream.local:  # queued until the prompt was first scheduled
             decode_queue_ms = seq.queue_ms
             self._prompt_tokens += seq.num_prompt_tokens
             self._cached_tokens += seq.num_cached_tokens
@@ -197,7 +201,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
                 if rid in self._streams:
                     raise ValueError(f"request id {rid!r} is already active on this worker")
                 self._streams[rid] = _Stream()
-            if self.decode:
+            if self.decode and not request.run_prefill:
                 try:
                     ticket = self.decode.reserve(rid, ids, params, on_commit=lambda: self._committed(rid),
                                                  transfer_id=request.transfer_id or None,
@@ -211,19 +215,20 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
                 log.debug("reserved %d blocks, transfer %s", len(ticket.block_ids), ticket.transfer_id)
                 return wk.ReserveResponse(ticket=ticket_to_proto(ticket))
-            with self._lock:
+            with self._engine_lock:
                 bm = self.engine.block_manager
                 if bm.blocks_needed(len(ids)) + len(self.engine.scheduler.running) > bm.num_free_blocks:
                     self._streams.pop(rid, None)
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker")
                 self._streams[rid].committed_at = time.monotonic()
+                self._streams[rid].local = True
                 try:
                     self.engine.add_request(rid, ids, params, request.resume_offset)
                 except ValueError:
                     self._streams.pop(rid, None)
                     raise
             self._wake.set()
-            log.debug("admitted: %d prompt tokens (colocated)", len(ids))
+            log.debug("admitted: %d prompt tokens (%s)", len(ids), "colocated" if self.colocated else "local prefill")
             return wk.ReserveResponse()
         except ValueError as e:
             log.warning("refused: %s", e)

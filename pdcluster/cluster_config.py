@@ -85,6 +85,7 @@ class RouterConfig:
     max_queued_prompt_tokens: int = 262144  # prompt tokens of admitted requests waiting for prefill
     tls_cert: str | None = None  # PEM certificate chain: the gRPC and HTTP ports serve TLS only
     tls_key: str | None = field(default=None, repr=False)  # its PEM private key (both or neither)
+    local_prefill_max_tokens: int = 0  # disaggregated: prompts up to this long may prefill on their decode worker
 
 
 @dataclass(frozen=True)
@@ -433,6 +434,8 @@ def _parse_router(path: str, v: Any) -> RouterConfig:
         max_queued_prompt_tokens=_get(d, path, RouterConfig, "max_queued_prompt_tokens", lambda p, x: _int(p, x, lo=1)),
         tls_cert=_get(d, path, RouterConfig, "tls_cert", lambda p, x: _str(p, x, none=True)),
         tls_key=_get(d, path, RouterConfig, "tls_key", lambda p, x: _str(p, x, none=True)),
+        local_prefill_max_tokens=_get(d, path, RouterConfig, "local_prefill_max_tokens",
+                                      lambda p, x: _int(p, x, lo=0)),
     )
     if (r.tls_cert is None) != (r.tls_key is None):
         missing = "tls_key" if r.tls_key is None else "tls_cert"

@@ -190,6 +190,8 @@ class RouterMetrics:
                               ["code"], registry=r)
         self.retries = Counter("pdcluster_request_retries", "Times a request went on from its tokens already sent "
                                "on another pair of workers after a worker or KV transfer failure.", registry=r)
+        self.local_prefills = Counter("pdcluster_local_prefills", "Disaggregated requests whose prompt was prefilled "
+                                      "on their decode worker (router.local_prefill_max_tokens).", registry=r)
         self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=r)
         self.generation_tokens = Counter("pdcluster_generation_tokens", "Tokens generated for finished requests.",

@@ -8,6 +8,9 @@ One `Generate` call, disaggregated mode:
     with finish reason, usage and the timing breakdown.
 
 Colocated mode: D.Reserve(run_prefill=True) and relay D.Stream (the worker does both phases).
+Disaggregated with `local_prefill_max_tokens` > 0: a short prompt that would queue behind more
+prompt tokens at the prefill workers goes the colocated way on its decode worker
+(router/local_prefill.py).
 A client disconnect or Abort aborts the request on every worker it reached, which frees its blocks.
 Every wait is bounded by the request deadline (the router's timeout, or the client's if sooner).
 
@@ -52,6 +55,7 @@ from proto.serving import Malformed, add_health_and_reflection, add_servicer, bi
 from proto.convert import sampling_from_proto, sampling_to_proto, unknown_fields
 from router import metrics as router_metrics
 from router.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits, Admitted, Refused
+from router.local_prefill import LocalPrefillPolicy
 from router.metrics import RequestMetrics, RouterMetrics
 from router.worker_pool import WorkerHandle, WorkerPool
 
@@ -110,6 +114,7 @@ class _Progress:
     token_times: list[float] = field(default_factory=list)
     timing: gen.Timing = field(default_factory=gen.Timing)
     attempts: int = 0
+    local: bool = False  # the first token came from a prefill on the decode worker (or a colocated one)
 
 
 class RouterServer(gen_grpc.PDClusterServicer):
@@ -129,9 +134,12 @@ class RouterServer(gen_grpc.PDClusterServicer):
         cluster_secret: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        local_prefill_max_tokens: int = 0,
     ) -> None:
         """`tls_cert` / `tls_key`: PEM files; with both, the public port serves TLS only, and a second,
-        plaintext port on 127.0.0.1 (`local_address`) serves the HTTP API in this process."""
+        plaintext port on 127.0.0.1 (`local_address`) serves the HTTP API in this process.
+        `local_prefill_max_tokens` (disaggregated): prompts up to this long may be prefilled on their
+        decode worker when the prefill workers are busier (router/local_prefill.py); 0: never."""
         path = resolve_model_path(model)
         self.model_name = model_name or model
         self.model_cfg = ModelConfig.from_pretrained(path)
@@ -143,6 +151,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.request_timeout_s = request_timeout_s
         self.api_keys = set(api_keys or [])
         self.max_retries = max_retries  # attempts after the first, per request, on a worker failure
+        self.local_prefill = LocalPrefillPolicy(local_prefill_max_tokens if mode == "disaggregated" else 0)
         self.admission = Admission(AdmissionLimits(max_requests, max_queued_prompt_tokens))
         self.pool = WorkerPool(cluster_secret=cluster_secret)
         self.metrics = RouterMetrics(self.pool.workers, mode)
@@ -314,9 +323,10 @@ class RouterServer(gen_grpc.PDClusterServicer):
 
     # ------------------------------------------------------------------ orchestration
     def _reserve(self, active: _Active, rid: str, ids: list[int], params: SamplingParams, offset: int,
-                 deadline: float, avoid: set[str]) -> tuple[WorkerHandle, wk.TransferTicket]:
+                 deadline: float, avoid: set[str]) -> tuple[WorkerHandle, wk.TransferTicket | None]:
         """Reserve on the least-loaded decode worker, those in `avoid` last; wait (bounded) while
-        all are full. `rid` is the request's id on the worker (a retry's differs)."""
+        all are full. `rid` is the request's id on the worker (a retry's differs). The ticket is None
+        when the worker prefills the prompt itself (colocated, or a local prefill)."""
         role = "colocated" if self.mode == "colocated" else "decode"
         req = wk.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
                                 sampling=sampling_to_proto(params), token_ids=ids, run_prefill=self.mode == "colocated",
@@ -327,11 +337,17 @@ class RouterServer(gen_grpc.PDClusterServicer):
             full, failed, last = False, [], ""
             while (w := self.pool.take(role, tried, avoid)) is not None:  # counted on w from here
                 tried.add(w.worker_id)
+                pending = 0
+                if self.mode != "colocated":
+                    req.run_prefill = self.local_prefill.local(len(ids), self.pool.prefill_queued(), w.local_tokens)
+                    pending = 0 if req.run_prefill else len(ids)
+                    self.pool.add_pending_prefill(pending)  # seen by requests arriving meanwhile
                 try:
                     resp = w.stub.Reserve(req, timeout=max(0.1, min(deadline - time.monotonic(), 30.0)))
-                    return w, resp.ticket
+                    return w, resp.ticket if not req.run_prefill else None
                 except grpc.RpcError as e:
                     self.pool.release(w)
+                    self.pool.add_pending_prefill(-pending)
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise RequestError(e.code(), e.details()) from None
                     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -391,7 +407,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         final.usage.completion_tokens = len(run.tokens)
         times = run.token_times
         timing.ttft_ms = (times[0] - arrival) * 1e3 if times else 0.0
-        if self.mode == "colocated":
+        if run.local:
             timing.prefill_compute_ms = max(0.0, timing.ttft_ms - timing.router_queue_ms - timing.decode_queue_ms)
         if len(times) > 1:
             timing.mean_tpot_ms = (times[-1] - times[0]) / (len(times) - 1) * 1e3
@@ -417,6 +433,12 @@ class RouterServer(gen_grpc.PDClusterServicer):
             return "length", gen.GenerateResponse(request_id=rid)
         params = run.params if not offset else dataclasses.replace(run.params, max_tokens=run.params.max_tokens - offset)
         decode, ticket = self._reserve(active, wrid, prompt, params, offset, deadline, avoid)  # counted on decode
+        local = ticket is None  # the decode worker prefills (colocated, or a local prefill)
+        pending = 0 if local else len(prompt)  # bound for a prefill worker (counted by _reserve), not yet given to one
+        if local and self.mode != "colocated":
+            self.pool.add_local(decode, len(prompt))  # until its first token
+            self.metrics.local_prefills.inc()
+            log.debug("prefill on decode worker %s (%d prompt tokens)", decode.worker_id, len(prompt))
         stream = None
         try:
             active.metrics.running()
@@ -426,7 +448,11 @@ class RouterServer(gen_grpc.PDClusterServicer):
                 run.timing.router_queue_ms = (time.monotonic() - arrival) * 1e3
             stream = decode.stub.Stream(wk.StreamRequest(request_id=wrid), timeout=max(0.1, deadline - time.monotonic()))
             seen = 0  # tokens of this attempt's sequence handled
-            if self.mode != "colocated":
+            if not run.tokens:
+                run.local = local
+            if not local:
+                self.pool.add_pending_prefill(-pending)
+                pending = 0
                 first = self._prefill(active, wrid, prompt, params, offset, ticket, deadline, avoid, decode)
                 if not run.tokens:
                     run.timing.prefill_queue_ms = first.prefill_queue_ms
@@ -444,6 +470,9 @@ class RouterServer(gen_grpc.PDClusterServicer):
                     return finish, msg
                 yield msg
             for chunk in stream:
+                if local and self.mode != "colocated" and chunk.token_ids and chunk.start_index == 0:
+                    self.pool.add_local(decode, -len(prompt))  # its prefill is done
+                    local = False
                 if chunk.start_index <= 1 and chunk.decode_queue_ms and not run.timing.decode_queue_ms:
                     run.timing.decode_queue_ms = chunk.decode_queue_ms
                 if chunk.finish_reason == "abort":
@@ -469,6 +498,9 @@ class RouterServer(gen_grpc.PDClusterServicer):
         finally:
             if stream is not None:
                 stream.cancel()  # a no-op once it finished
+            self.pool.add_pending_prefill(-pending)
+            if local and self.mode != "colocated":  # ended before its first token
+                self.pool.add_local(decode, -len(prompt))
             self.pool.release(decode)
 
     def _failure(self, active: _Active, what: str, e: grpc.RpcError, suspects: list[WorkerHandle],

@@ -30,6 +30,7 @@ class WorkerHandle:
     stub: object = field(repr=False)
     inflight: int = 0  # requests the router has on it
     inflight_tokens: int = 0  # prompt tokens the router has queued on it (prefill)
+    local_tokens: int = 0  # prompt tokens it prefills locally with no first token yet (decode)
     kv_blocks_free: int = 0
     healthy: bool = True
     stats: wk.WorkerStats | None = field(default=None, repr=False)  # last answer to Stats (None: none yet)
@@ -42,6 +43,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._interval = stats_interval_s
+        self._pending_prefill_tokens = 0  # prompts bound for a prefill worker, not yet given to one
         self._thread = threading.Thread(target=self._poll, name="router-stats", daemon=True)
         self._thread.start()
 
@@ -95,6 +97,24 @@ class WorkerPool:
         if role == "prefill":
             return min(candidates, key=lambda w: (w.inflight_tokens, w.inflight))
         return min(candidates, key=lambda w: (w.inflight, -w.kv_blocks_free))
+
+    def prefill_queued(self) -> int | None:
+        """Prompt tokens queued on the least-loaded healthy prefill worker, with its share of those
+        bound for the prefill workers and not yet given to one; None when no prefill worker is healthy."""
+        with self._lock:
+            queued = [w.inflight_tokens for w in self._workers.values() if w.role == "prefill" and w.healthy]
+            return min(queued) + self._pending_prefill_tokens // len(queued) if queued else None
+
+    def add_pending_prefill(self, tokens: int) -> None:
+        """Count (or, negative, uncount) a prompt that will go to a prefill worker once its decode
+        reservation is made: a request that arrives meanwhile sees it queued."""
+        with self._lock:
+            self._pending_prefill_tokens += tokens
+
+    def add_local(self, w: WorkerHandle, tokens: int) -> None:
+        """Count (or, negative, uncount) prompt tokens prefilled on decode worker `w`."""
+        with self._lock:
+            w.local_tokens += tokens
 
     def release(self, w: WorkerHandle, tokens: int = 0) -> None:
         with self._lock:

@@ -17,6 +17,9 @@ systems interleaved per rate so machine noise hits all alike:
                  with `--colocated-layout 2x1` two such workers with one thread each
   disaggregated  `pdcluster up`, a prefill worker pinned to CPU 0 and a decode worker pinned to CPU 1,
                  one thread each
+  elastic        the same, with local prefill (`router.local_prefill_max_tokens`,
+                 `--local-prefill-max-tokens`): a short prompt that would queue behind more prompt
+                 tokens at the prefill worker is prefilled on the decode worker's core
 
 Reported per system and rate: SLO attainment, goodput, TTFT and TPOT percentiles; per system the
 highest rate at which >= 90% of requests meet the SLO; the best of ours against vLLM by that rate;
@@ -48,7 +51,7 @@ from exp_disagg_vs_colocated import ATTAINMENT, run_bench_serve, start, stop, su
 
 from pdcluster.cluster_config import PoolConfig, load_cluster_config  # noqa: E402
 
-SYSTEMS = ("vllm", "colocated", "disaggregated")
+SYSTEMS = ("vllm", "colocated", "disaggregated", "elastic")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -56,9 +59,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def cluster_files(out: Path, model: str, max_model_len: int, cpus: tuple[int, int],
-                  colocated_layout: str = "1x2") -> dict[str, Path]:
-    """Our two deployments, derived from cluster.yaml (SLO, timeouts as there). `colocated_layout`:
-    1x2, one worker with 2 threads; 2x1, two workers with one thread each (both on both cores)."""
+                  colocated_layout: str = "1x2", local_prefill_max_tokens: int = 512) -> dict[str, Path]:
+    """Our deployments, derived from cluster.yaml (SLO, timeouts as there). `colocated_layout`:
+    1x2, one worker with 2 threads; 2x1, two workers with one thread each (both on both cores).
+    elastic: disaggregated with `router.local_prefill_max_tokens`."""
     base = load_cluster_config(REPO / "cluster.yaml")
     a, b = cpus
     workers, threads = (1, 2) if colocated_layout == "1x2" else (2, 1)
@@ -74,6 +78,8 @@ def cluster_files(out: Path, model: str, max_model_len: int, cpus: tuple[int, in
             PoolConfig("prefill", "prefill", 1, "cpu", {"num_cpus": 1.0}, (a,)),
             PoolConfig("decode", "decode", 1, "cpu", {"num_cpus": 1.0}, (b,)))),
     }
+    systems["elastic"] = dataclasses.replace(systems["disaggregated"], router=dataclasses.replace(
+        common["router"], local_prefill_max_tokens=local_prefill_max_tokens))
     files = {}
     for name, cfg in systems.items():
         path = out / f"{name}.yaml"
@@ -175,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--colocated-layout", choices=["1x2", "2x1"], default="1x2",
                    help="our colocated system: one worker with 2 threads, or two workers with one thread each")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=512,
+                   help="elastic: the longest prompt prefilled on the decode worker")
     p.add_argument("--workload", default="azure-conv", help="a bench serve workload (azure-conv, azure-code, ...)")
     p.add_argument("--rates", default="4,8,12,16")
     p.add_argument("--num-requests", type=int, default=120)
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     slo = load_cluster_config(REPO / "cluster.yaml").slo
     ttft, tpot = args.slo_ttft_ms or slo.ttft_ms, args.slo_tpot_ms or slo.tpot_ms
     max_model_len = args.max_context + 64
-    files = cluster_files(out, args.model, max_model_len, cpus, args.colocated_layout)
+    files = cluster_files(out, args.model, max_model_len, cpus, args.colocated_layout, args.local_prefill_max_tokens)
     procs, urls = [], {}
     try:
         for name in systems:

@@ -87,6 +87,7 @@ def test_names_units_types_and_buckets_follow_prometheus_conventions():
         "pdcluster_requests_finished": "counter",
         "pdcluster_request_errors": "counter",
         "pdcluster_request_retries": "counter",
+        "pdcluster_local_prefills": "counter",
         "pdcluster_prompt_tokens": "counter",
         "pdcluster_generation_tokens": "counter",
     }

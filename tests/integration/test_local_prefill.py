@@ -1,0 +1,116 @@
+"""Disaggregated mode with local prefill: short prompts go to the decode worker when the prefill
+worker is busier, and every output equals transformers' greedy generate token for token.
+
+Real gRPC servers of both workers and the router in this process (no Ray needed for this)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from decode_worker.server import DecodeWorkerServer
+from engine.config import EngineConfig
+from pdcluster.client import Client
+from prefill_worker.server import PrefillWorkerServer
+from router.server import RouterServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint):
+    return str(checkpoint("llama-gqa"))
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def ref(ids: list[int], n: int) -> list[int]:
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    return ref
+
+
+def _cluster(path: str, max_tokens: int):
+    # a small token budget: a local prompt is chunked into the decode worker's mixed steps
+    cfg = EngineConfig(model=path, num_blocks=256, max_model_len=256, num_threads=1, max_num_batched_tokens=32, max_num_seqs=16,
+                       dtype="float32")
+    decode = DecodeWorkerServer(cfg, "decode-0")
+    prefill = PrefillWorkerServer(cfg, "prefill-0", kv_timeout_s=5.0)
+    router = RouterServer(path, max_model_len=256, request_timeout_s=60, local_prefill_max_tokens=max_tokens)
+    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
+    return router, prefill, decode
+
+
+def _blocks_free(decode, prefill, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if decode.engine.block_manager.num_used_blocks == 0 and prefill.engine.block_manager.num_used_blocks == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_busy_prefill_worker_sends_short_prompts_to_the_decode_worker_token_identical(path, reference, monkeypatch):
+    router, prefill, decode = _cluster(path, max_tokens=48)
+    step = prefill.prefill.step
+
+    def slow_step():  # the tiny model prefills in a millisecond: make the prefill worker's queue build up
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(prefill.prefill, "step", slow_step)
+    try:
+        prompts = [[(5 + 7 * i + 3 * j) % 120 + 3 for j in range(20 + 9 * i)] for i in range(12)]  # 20..119 tokens
+        with Client(router.address) as client, cf.ThreadPoolExecutor(12) as pool:
+            outs = list(pool.map(lambda p: client.complete(p, max_tokens=10, temperature=0.0, ignore_eos=True),
+                                 prompts))
+        local = router.metrics.local_prefills._value.get()
+        assert 0 < local < len(prompts), local  # some prompts went local, not all
+        assert router.pool.workers("decode")[0].local_tokens == 0  # every local prompt's count released
+        assert decode.stats().prompt_tokens > 0  # prompts prefilled on the decode worker
+        for p, out in zip(prompts, outs):
+            assert out.token_ids == reference(p, 10), len(p)
+        assert _blocks_free(decode, prefill)
+    finally:
+        for s in (router, prefill, decode):
+            s.stop()
+
+
+def test_idle_prefill_worker_takes_every_prompt_and_zero_turns_it_off(path):
+    for max_tokens in (0, 48):
+        router, prefill, decode = _cluster(path, max_tokens)
+        try:
+            with Client(router.address) as client:
+                for i in range(3):  # one at a time: the prefill worker is idle at each arrival
+                    client.complete([5 + i, 6, 7, 8, 9], max_tokens=4, temperature=0.0, ignore_eos=True)
+            assert router.metrics.local_prefills._value.get() == 0
+            assert decode.stats().prompt_tokens == 0
+        finally:
+            for s in (router, prefill, decode):
+                s.stop()
+
+
+def test_a_local_prefill_aborted_mid_stream_frees_its_blocks(path):
+    router, prefill, decode = _cluster(path, max_tokens=64)
+    try:
+        prefill.stop()  # no prefill worker: a short prompt is prefilled locally rather than failing
+        deadline = time.monotonic() + 10
+        while router.pool.prefill_queued() is not None and time.monotonic() < deadline:
+            time.sleep(0.1)  # the router's stats poll finds it gone
+        with Client(router.address) as client:
+            stream = client.stream([9, 8, 7, 6, 5] * 4, max_tokens=200, temperature=0.0, ignore_eos=True)
+            next(stream)
+            stream.close()  # the client goes away mid-stream
+        assert router.metrics.local_prefills._value.get() == 1
+        assert _blocks_free(decode, prefill)
+    finally:
+        for s in (router, decode):
+            s.stop()
