@@ -142,6 +142,7 @@ def _plan(argv: list[str]) -> int:
         plan_json,
         table_rows,
         text_table,
+        why_mode,
         write_cluster_yaml,
     )
     from planner.search import Searcher, SearchSpace, SLOTarget
@@ -218,6 +219,7 @@ def _plan(argv: list[str]) -> int:
     written.append(yaml_path)
     if why:
         print(why)
+    print(why_mode(result.ranked))
     print(f"best: {best.plan.label()} -> {yaml_path}")
     print("wrote " + ", ".join(map(str, written)))
     return 0

@@ -44,6 +44,7 @@ class Plan:
     decode: Pool  # the decode pool, or the colocated pool
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    local_prefill_max_tokens: int = 0  # disaggregated: router.local_prefill_max_tokens (0: a fixed split)
 
     @property
     def pools(self) -> list[Pool]:
@@ -61,12 +62,13 @@ class Plan:
     def label(self) -> str:
         if self.mode == "colocated":
             return f"colocated {self.decode}"
-        return f"P {self.prefill} | D {self.decode}"
+        local = f" + local prefill <= {self.local_prefill_max_tokens}" if self.local_prefill_max_tokens else ""
+        return f"P {self.prefill} | D {self.decode}{local}"
 
     def with_counts(self, n_prefill: int, n_decode: int) -> Plan:
         pre = Pool(self.prefill.hardware, n_prefill, self.prefill.tp) if self.prefill else None
         return Plan(self.mode, pre, Pool(self.decode.hardware, n_decode, self.decode.tp),
-                    self.max_num_batched_tokens, self.max_num_seqs)
+                    self.max_num_batched_tokens, self.max_num_seqs, self.local_prefill_max_tokens)
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,8 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
                        router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,
                        host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu,
                        transfer_in_step=ctx.transfer_in_step(plan),
-                       commit_waits_lock=ctx.commit_waits_lock(plan))
+                       commit_waits_lock=ctx.commit_waits_lock(plan),
+                       local_prefill_max_tokens=plan.local_prefill_max_tokens if plan.mode == "disaggregated" else 0)
 
 
 def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:

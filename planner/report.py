@@ -37,6 +37,26 @@ def table_rows(ranked: list[Evaluation], slo: SLOTarget, target: float | None) -
     return rows
 
 
+def kind(plan: Plan) -> str:
+    """colocated, disaggregated (a fixed split) or disaggregated + local prefill."""
+    if plan.mode == "colocated":
+        return "colocated"
+    return "disaggregated + local prefill" if plan.local_prefill_max_tokens else "disaggregated (fixed split)"
+
+
+def why_mode(ranked: list[Evaluation]) -> str:
+    """Why the best plan's kind of serving: each kind's best simulated plan beside it."""
+    best_of: dict[str, Evaluation] = {}
+    for e in ranked:  # best first
+        best_of.setdefault(kind(e.plan), e)
+    if not ranked:
+        return ""
+    top = ranked[0]
+    parts = [f"{k}: {e.plan.label()} {e.goodput:.3g} req/s within the SLO, {e.goodput_per_dollar:.4g} req per $"
+             for k, e in best_of.items()]
+    return f"why {kind(top.plan)}: the best simulated plan of each kind: " + "; ".join(parts)
+
+
 def text_table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
@@ -115,7 +135,9 @@ def cluster_dict(plan: Plan, ctx: PlanContext, slo: SLOTarget, model_path: str, 
         "ray": {"address": None},
         "model": {"path": model_path, "dtype": "float32" if all(cpu) else ctx.dtype, "max_model_len": max_len},
         "mode": plan.mode,
-        "router": {"host": "127.0.0.1", "grpc_port": 50051, "http_port": 8000, "api_keys": []},
+        "router": {"host": "127.0.0.1", "grpc_port": 50051, "http_port": 8000, "api_keys": [],
+                   **({"local_prefill_max_tokens": plan.local_prefill_max_tokens}
+                      if plan.local_prefill_max_tokens else {})},
         "pools": pools,
         "kv_cache": {"block_size": ctx.block_size, "num_blocks": "auto", "memory_mb": 512 if all(cpu) else None},
         "engine": {"max_num_batched_tokens": plan.max_num_batched_tokens, "max_num_seqs": plan.max_num_seqs,

@@ -74,6 +74,9 @@ class SearchSpace:
     max_num_seqs: tuple[int, ...] = (256,)
     max_workers: int = 8
     max_devices: dict[str, int] = field(default_factory=dict)  # hardware -> devices available (a node pool's size)
+    # disaggregated plans whose pools are all CPUs of this machine (the phases share its cores) are
+    # also tried with local prefill of prompts up to this long (router.local_prefill_max_tokens); 0: not
+    cpu_local_prefill_max_tokens: int = 512
 
     def allows(self, plan: Plan) -> bool:
         used: dict[str, int] = {}
@@ -300,6 +303,10 @@ class Searcher:
                                 plan = Plan(mode, replace(kp[2], count=a), replace(kd[2], count=b), mnbt, mns)
                                 if space.allows(plan):
                                     out.append(self.estimate(plan, min(a * gp, b * gd)))
+                                    if space.cpu_local_prefill_max_tokens and all(
+                                            self.ctx.hardware(p.hardware).is_cpu for p in plan.pools):
+                                        local = replace(plan, local_prefill_max_tokens=space.cpu_local_prefill_max_tokens)
+                                        out.append(self.estimate(local, min(a * gp, b * gd)))
         return out
 
     def _verify(self, composed: list[Evaluation], target: float | None, k: int,

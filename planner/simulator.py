@@ -29,6 +29,10 @@ real code, with step times from a cost model (cost_model.py) instead of forward 
         that worker (prefill first: no mixed steps), which samples their next token.
     colocated: one engine per worker does both: prefill steps (stalling decode) whenever a prompt
         waits and fits, else a decode step.
+    local prefill (disaggregated, `local_prefill_max_tokens` > 0): the router's rule
+        (router/local_prefill.py, the same code) sends a short prompt to its decode worker when the
+        least-loaded prefill worker has at least as many prompt tokens queued as the decode worker
+        already prefills plus this prompt; it is prefilled there as a preempted sequence is.
 
 A decode worker's running sequences are kept as aggregates, so a step costs O(log n), not O(batch):
 with k decode steps done, a sequence that joined at step j with c tokens has c + (k - j) now, so
@@ -61,6 +65,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from planner.cost_model import CostModel
+from router.local_prefill import LocalPrefillPolicy
 
 NAN = float("nan")
 
@@ -100,6 +105,7 @@ class ClusterSpec:
     # with transfer_in_step: the measured steps had the commit's wait for the decode worker's lock
     # taken out (calibrate_bench), so the simulator makes it: the commit waits for the step in progress
     commit_waits_lock: bool = False
+    local_prefill_max_tokens: int = 0  # disaggregated: router.local_prefill_max_tokens (0: never)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -138,6 +144,7 @@ class _Seq:
         "i",
         "join_k",
         "keys",
+        "local",
         "need",
         "out",
         "p",
@@ -153,6 +160,7 @@ class _Seq:
         self.computed = 0  # tokens of the current prefill whose KV is computed
         self.blocks = 0  # blocks held for a prefill in progress
         self.need = 0  # blocks reserved on the decode worker (disaggregated)
+        self.local = False  # prefilled on its decode worker (local prefill), first token not yet out
         self.join_k = 0
         self.ctx_term = 0
         self.ver = 0
@@ -180,6 +188,7 @@ class _Worker:
         self.busy = False
         self.inflight = 0
         self.inflight_tokens = 0
+        self.local_tokens = 0  # decode: prompt tokens prefilled here (local prefill), no first token yet
         self.link_free = 0.0
         self.pending_commits = 0  # prefill: finished prompts whose KV commit has not returned
         self.lock_wait_from = 0.0  # prefill (commit_waits_lock): when its commits began to wait
@@ -267,8 +276,9 @@ class Simulator:
         STEP, COMMIT, RESERVED = 0, 1, 2  # events; RESERVED only waits on a worker's lock
         waiting_reserve: deque[_Seq] = deque()
         st = {"finished": 0, "ttft_miss": 0, "tpot_miss": 0, "preempt": 0, "psteps": 0, "dsteps": 0, "dseqs": 0,
-              "dstep_s": 0.0, "pstep_s": 0.0, "last": 0.0, "in_system": 0, "area": 0.0}  # area: integral of requests in the system over time
+              "dstep_s": 0.0, "pstep_s": 0.0, "last": 0.0, "in_system": 0, "area": 0.0, "local": 0}  # area: integral of requests in the system over time
         colocated = c.mode == "colocated"
+        policy = LocalPrefillPolicy(0 if colocated else c.local_prefill_max_tokens)
         stop = False
 
         def push(t: float, kind: int, obj: object) -> None:
@@ -327,7 +337,14 @@ class Simulator:
 
         def reserved(s: _Seq, now: float) -> None:
             w = s.d
-            if colocated:
+            if colocated or (policy.enabled and policy.local(
+                    s.prompt, min(x.inflight_tokens for x in prefill), w.local_tokens)):
+                if not colocated:  # the router's local prefill: no reservation, no transfer
+                    w.reserved -= s.need
+                    s.need = 0
+                    s.local = True
+                    w.local_tokens += s.prompt
+                    st["local"] += 1
                 w.waiting.append(s)
                 wake(w, now)
                 return
@@ -489,6 +506,9 @@ class Simulator:
                     continue
                 if s.done == 1:
                     first_token(s, now)
+                    if s.local:
+                        w.local_tokens -= s.prompt
+                        s.local = False
                 if s.done >= s.out:
                     finish_seq(s, (now + c.first_token_out_s) if s.done == 1 else (now + c.token_out_s))
                     if waiting_reserve:
@@ -604,4 +624,5 @@ class Simulator:
             st["dsteps"], max((w.max_batch for w in decode), default=0), events,
             {"busy_s": [w.busy_s for w in workers], "kv_blocks": [w.num_blocks for w in workers],
              "in_system_area": st["area"], "cached_tokens": [w.cached_tokens for w in workers],
-             "decode_step_s": st["dstep_s"], "decode_seqs": st["dseqs"], "prefill_step_s": st["pstep_s"]})
+             "decode_step_s": st["dstep_s"], "decode_seqs": st["dseqs"], "prefill_step_s": st["pstep_s"],
+             "local_prefills": st["local"]})

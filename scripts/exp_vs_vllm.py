@@ -5,6 +5,7 @@
     python scripts/exp_vs_vllm.py --model builtin:llama-200m --rates 0.5,1,2,3 --slo-ttft-ms 2000 \\
         --slo-tpot-ms 100 --num-requests 60
     python scripts/exp_vs_vllm.py --workload azure-code --rates 2,4,6,8
+    python scripts/exp_vs_vllm.py --combine OUT1 OUT2 OUT3 --out OUT      # medians over repeats
 
 Three systems run side by side on this machine and one `pdcluster bench serve` run drives them
 with the same requests (trace lengths scaled to the context, Poisson arrivals, `ignore_eos`), the
@@ -32,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -134,7 +137,8 @@ def analyse(result: dict) -> dict:
                  "table": {k: {str(r): v for r, v in t.items()} for k, t in table.items()}}
     ours = {k: v for k, v in sustained.items() if k != "vllm"}
     if "vllm" in sustained and ours:
-        best = max(ours, key=lambda k: ours[k] or 0)
+        # ties: the higher attainment at that rate
+        best = max(ours, key=lambda k: (ours[k] or 0, table[k][ours[k]]["attainment"] or 0 if ours[k] else 0))
         out["best_ours"] = best
         if sustained["vllm"] and ours[best]:
             out["sustained_ratio_vs_vllm"] = ours[best] / sustained["vllm"]
@@ -175,6 +179,35 @@ def report(a: dict, slo: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def combine(summaries: list[dict]) -> str:
+    """Repeats of one experiment (their exp_summary.json): per system and rate the median SLO
+    attainment (its range) and latencies; per repeat each system's highest rate meeting the SLO and
+    the best of ours against vLLM; the median of those ratios."""
+    med = statistics.median
+    rates = sorted(set.intersection(*(set(map(float, a["table"][next(iter(a["table"]))])) for a in summaries)))
+    systems = list(summaries[0]["table"])
+    lines = [f"{len(summaries)} repeats; medians (range)", "",
+             "| rate | system | SLO attainment | TTFT p50 / p90 ms | TPOT p50 / p99 ms |", "|---|---|---|---|---|"]
+    for r in rates:
+        for name in systems:
+            rows = [a["table"][name][str(r)] for a in summaries if str(r) in a["table"].get(name, {})]
+            att = [x["attainment"] or 0.0 for x in rows]
+            lines.append(f"| {r:g} | {name} | {med(att):.0%} ({min(att):.0%}-{max(att):.0%}) | "
+                         f"{med(x['ttft_p50'] for x in rows):.0f} / {med(x['ttft_p90'] for x in rows):.0f} | "
+                         f"{med(x['tpot_p50'] for x in rows):.1f} / {med(x['tpot_p99'] for x in rows):.1f} |")
+    lines += ["", "| repeat | highest rate meeting the SLO | best of ours / vLLM |", "|---|---|---|"]
+    ratios = []
+    for i, a in enumerate(summaries, 1):
+        sus = ", ".join(f"{k} {v if v is not None else 'none'}" for k, v in a["max_rate_meeting_slo"].items())
+        ratio = a.get("sustained_ratio_vs_vllm")
+        if ratio is not None:
+            ratios.append(ratio)
+        lines.append(f"| {i} | {sus} | " + (f"{ratio:.2f}x ({a['best_ours']})" if ratio is not None else "-") + " |")
+    if ratios:
+        lines.append(f"| median | | **{med(ratios):.2f}x** (goal >= 1.5) |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a local HF checkpoint dir")
@@ -195,7 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(REPO / ".venv-vllm/bin/python")))
     p.add_argument("--vllm-timeout-s", type=float, default=1200.0, help="its first start compiles for minutes")
     p.add_argument("--out", default="bench_results/exp_vs_vllm")
+    p.add_argument("--combine", nargs="+", metavar="DIR", default=None,
+                   help="no run: the medians over the repeats in these --out directories, written to --out")
     args = p.parse_args(argv)
+    if args.combine:
+        text = combine([json.loads((Path(d) / "exp_summary.json").read_text()) for d in args.combine])
+        out = (REPO / args.out).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "combined.md").write_text(text)
+        print(text)
+        return 0
     systems = [s for s in args.systems.split(",") if s]
     if not systems or set(systems) - set(SYSTEMS):
         p.error(f"--systems takes {', '.join(SYSTEMS)}")

@@ -10,7 +10,7 @@ from pdcluster.cluster_config import ClusterConfig
 from planner.catalog import load_catalog
 from planner.models import PRESETS
 from planner.plan import Plan, PlanContext, Pool, build_cluster
-from planner.report import cluster_dict
+from planner.report import cluster_dict, kind, why_mode
 from planner.search import Evaluation, Searcher, SearchSpace, SLOTarget, pareto, rank
 from planner.workload import load_plan_workload
 
@@ -159,3 +159,30 @@ def test_search_simulates_mooncake_with_prefix_caching():
     hit, miss = with_keys.simulate(cluster, 2.0, early_stop=False)[4], without.simulate(cluster, 2.0, early_stop=False)[4]
     mean = lambda xs: sum(xs) / len(xs)
     assert mean(hit.ttft) < mean(miss.ttft)  # shared conversation prefixes are not prefilled again
+
+
+def _cpu_ctx() -> PlanContext:
+    coeffs = {"prefill": {"a": 0.01, "b": 2e-4, "c": 1e-7}, "decode": {"a": 0.007, "b": 4e-6, "c": 4e-4},
+              "kv_capacity_tokens": 58240, "kv_bytes_per_token": 9216, "model_shape": {"name": "tiny"}}
+    return PlanContext(PRESETS["Llama-3-8B"], load_catalog(), coefficients=coeffs)
+
+
+def test_cpu_disaggregated_plans_are_also_tried_with_local_prefill_and_the_yaml_carries_it():
+    ctx = _cpu_ctx()
+    w = load_plan_workload("synthetic", 600, synthetic_input="lognormal:300:0.5",
+                           synthetic_output="lognormal:40:0.5", seed=1)
+    searcher = Searcher(ctx, w, SLO, min_requests=200, min_span_s=10.0)
+    result = searcher.search(SearchSpace(["cpu"], ["cpu"], tps=(1,), max_workers=1), verify=3)
+    labels = [e.plan.label() for e in result.ranked]
+    assert "P 1x cpu | D 1x cpu" in labels and "P 1x cpu | D 1x cpu + local prefill <= 512" in labels
+    line = why_mode(result.ranked)
+    assert line.startswith(f"why {kind(result.ranked[0].plan)}:")
+    for k in ("colocated", "disaggregated (fixed split)", "disaggregated + local prefill"):
+        assert k in line
+    local = next(e.plan for e in result.ranked if e.plan.local_prefill_max_tokens)
+    assert build_cluster(local, ctx).local_prefill_max_tokens == 512
+    cfg = ClusterConfig.from_dict(cluster_dict(local, ctx, SLO, "builtin:tiny-llama", 1000))
+    assert cfg.router.local_prefill_max_tokens == 512 and cfg.mode == "disaggregated"
+    gpu = SearchSpace(["A100-80GB"], ["A100-80GB"], ("disaggregated",), tps=(1,), max_workers=1)
+    assert not any(e.plan.local_prefill_max_tokens for e in Searcher(
+        PlanContext(PRESETS["Llama-3-8B"], load_catalog()), w, SLO, min_requests=200).search(gpu, verify=2).composed)

@@ -222,3 +222,21 @@ def test_a_prompt_prefilled_before_is_served_from_the_prefix_cache():
     assert warm.stats["cached_tokens"] == [288]
     fresh = Simulator(_cluster("colocated")).run([0.0], [300], [2], block_keys=keys)
     assert fresh.ttft[0] == cold.ttft[0]  # without keep_caches every run starts cold
+
+
+def test_local_prefill_sends_short_prompts_to_the_decode_worker_only_while_the_prefill_worker_is_busy():
+    prompts = [200] * 300
+    outputs = [20] * 300
+    quiet = Simulator(_cluster("disaggregated", local_prefill_max_tokens=512)).run(
+        [i * 1.0 for i in range(20)], prompts[:20], outputs[:20])
+    assert quiet.stats["local_prefills"] == 0  # one at a time: the prefill worker is idle at each arrival
+    arrivals = _poisson(300, 30.0, seed=3)  # more prompt tokens than one prefill worker computes
+    fixed = Simulator(_cluster("disaggregated")).run(arrivals, prompts, outputs)
+    local = Simulator(_cluster("disaggregated", local_prefill_max_tokens=512)).run(arrivals, prompts, outputs)
+    assert fixed.stats["local_prefills"] == 0
+    assert 0 < local.stats["local_prefills"] < 300
+    assert local.finished == fixed.finished == 300
+    p50 = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    assert p50(local.ttft) < 0.8 * p50(fixed.ttft)  # the decode worker takes prefill work off the queue
+    too_long = Simulator(_cluster("disaggregated", local_prefill_max_tokens=199)).run(arrivals, prompts, outputs)
+    assert too_long.stats["local_prefills"] == 0
