@@ -184,15 +184,15 @@ def combine(summaries: list[dict]) -> str:
     attainment (its range) and latencies; per repeat each system's highest rate meeting the SLO and
     the best of ours against vLLM; the median of those ratios."""
     med = statistics.median
-    rates = sorted(set.intersection(*(set(map(float, a["table"][next(iter(a["table"]))])) for a in summaries)))
+    rates = sorted(set.intersection(*(set(a["table"][next(iter(a["table"]))]) for a in summaries)), key=float)
     systems = list(summaries[0]["table"])
     lines = [f"{len(summaries)} repeats; medians (range)", "",
              "| rate | system | SLO attainment | TTFT p50 / p90 ms | TPOT p50 / p99 ms |", "|---|---|---|---|---|"]
     for r in rates:
         for name in systems:
-            rows = [a["table"][name][str(r)] for a in summaries if str(r) in a["table"].get(name, {})]
+            rows = [a["table"][name][r] for a in summaries if r in a["table"].get(name, {})]
             att = [x["attainment"] or 0.0 for x in rows]
-            lines.append(f"| {r:g} | {name} | {med(att):.0%} ({min(att):.0%}-{max(att):.0%}) | "
+            lines.append(f"| {float(r):g} | {name} | {med(att):.0%} ({min(att):.0%}-{max(att):.0%}) | "
                          f"{med(x['ttft_p50'] for x in rows):.0f} / {med(x['ttft_p90'] for x in rows):.0f} | "
                          f"{med(x['tpot_p50'] for x in rows):.1f} / {med(x['tpot_p99'] for x in rows):.1f} |")
     lines += ["", "| repeat | highest rate meeting the SLO | best of ours / vLLM |", "|---|---|---|"]

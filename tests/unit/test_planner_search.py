@@ -163,7 +163,7 @@ def test_search_simulates_mooncake_with_prefix_caching():
 
 def _cpu_ctx() -> PlanContext:
     coeffs = {"prefill": {"a": 0.01, "b": 2e-4, "c": 1e-7}, "decode": {"a": 0.007, "b": 4e-6, "c": 4e-4},
-              "kv_capacity_tokens": 58240, "kv_bytes_per_token": 9216, "model_shape": {"name": "tiny"}}
+              "kv_capacity_tokens": 58240, "kv_bytes_per_token": 9216, "model_shape": {"name": "Llama-3-8B"}}
     return PlanContext(PRESETS["Llama-3-8B"], load_catalog(), coefficients=coeffs)
 
 
