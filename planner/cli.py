@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo-ttft-ms", type=float, required=True)
     s.add_argument("--slo-tpot-ms", type=float, required=True)
     s.add_argument("--percentile", type=float, default=90.0, help="the SLO holds for this percentile of requests")
+    s.add_argument("--slo-criterion", choices=["percentile", "attainment"], default="percentile",
+                   help="percentile: p-th percentile TTFT and TPOT each within its bound (DistServe); attainment: "
+                        ">= p%% of requests meet both bounds (bench serve's SLO attainment)")
     s.add_argument("--rate", type=float, default=None,
                    help="target request rate: the cheapest plan meeting the SLO at it (default: best goodput per $)")
     g = p.add_argument_group("search space")
@@ -164,7 +167,7 @@ def _plan(argv: list[str]) -> int:
     least = args.num_requests
     args.num_requests = max(least, args.max_requests)
     workload = _workload(args)
-    slo = SLOTarget(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)
+    slo = SLOTarget(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile, getattr(args, "slo_criterion", "percentile"))
     space = SearchSpace(pre, dec, modes, args.tp, args.max_num_batched_tokens, args.max_num_seqs, args.max_workers,
                         caps)
     command = "pdcluster plan " + shlex.join(argv)
@@ -176,7 +179,10 @@ def _plan(argv: list[str]) -> int:
         hw = ctx.catalog[h]
         print(f"hardware   {h}: {hw.tflops_bf16:g} TFLOP/s, {hw.hbm_gbps:g} GB/s, {hw.hbm_gb:g} GB, "
               f"${hw.price_per_hour:g}/h" + (" (fitted step times)" if hw.is_cpu and ctx.coefficients else ""))
-    print(f"SLO        p{slo.percentile:g} TTFT <= {slo.ttft_ms:g} ms and p{slo.percentile:g} TPOT <= {slo.tpot_ms:g} ms"
+    bounds = (f">= {slo.percentile:g}% of requests with TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms"
+              if slo.criterion == "attainment" else
+              f"p{slo.percentile:g} TTFT <= {slo.ttft_ms:g} ms and p{slo.percentile:g} TPOT <= {slo.tpot_ms:g} ms")
+    print(f"SLO        {bounds}"
           + (f"; target {args.rate:g} req/s: the cheapest plan" if args.rate else "; objective: goodput per dollar"),
           flush=True)
 

@@ -39,6 +39,13 @@ class SLOTarget:
     ttft_ms: float
     tpot_ms: float
     percentile: float = 90.0
+    # percentile: the p-th percentile of TTFT and of TPOT each within its bound (DistServe's);
+    # attainment: at least p% of requests meet both bounds (bench serve's SLO attainment)
+    criterion: str = "percentile"
+
+    def __post_init__(self) -> None:
+        if self.criterion not in ("percentile", "attainment"):
+            raise ValueError(f"SLO criterion must be percentile or attainment, got {self.criterion!r}")
 
     @property
     def max_miss_fraction(self) -> float:
@@ -123,9 +130,13 @@ def evaluate(result: SimResult, slo: SLOTarget, check_ttft: bool = True, check_t
     p_p = percentile(tpot, slo.percentile) if tpot else 0.0
     bound = SLO(slo.ttft_ms if check_ttft else None, slo.tpot_ms if check_tpot else None)
     met = sum(bound.met(RequestTimes(a, b)) for a, b in zip(ttft_s, tpot_s))
-    ok = (not result.stopped_early and result.finished == len(result.ttft)
-          and (not check_ttft or t_p <= slo.ttft_ms) and (not check_tpot or p_p <= slo.tpot_ms))
-    return ok, t_p, p_p, met / n if n else 0.0
+    att = met / n if n else 0.0
+    ok = not result.stopped_early and result.finished == len(result.ttft)
+    if slo.criterion == "attainment":
+        ok = ok and att >= slo.percentile / 100.0
+    else:
+        ok = ok and (not check_ttft or t_p <= slo.ttft_ms) and (not check_tpot or p_p <= slo.tpot_ms)
+    return ok, t_p, p_p, att
 
 
 @dataclass

@@ -7,10 +7,11 @@
 Input: result.json files as `pdcluster bench serve` writes them (loadgen/report.py): per run the
 system label, the rate, and per request its send time, prompt and output tokens and the measured
 times. Each run's label names its cluster (`--system LABEL=MODE` overrides the guess from the
-label: "coloc" in it -> colocated, else disaggregated):
+label: "coloc" in it -> colocated, "elastic" -> elastic, else disaggregated):
 
     disaggregated  1 prefill worker + 1 decode worker, one CPU core each
     colocated      2 colocated workers, one CPU core each
+    elastic        disaggregated with local prefill of prompts up to 512 tokens
 
 The simulator (planner/simulator.py) replays exactly the requests the run sent -- same prompt and
 output lengths, arrivals at the times the client actually sent them -- through that cluster, the
@@ -60,13 +61,18 @@ ATTAINMENT = 0.9
 
 
 def system_of(label: str, overrides: dict[str, str]) -> str:
-    return overrides.get(label) or ("colocated" if "coloc" in label.lower() else "disaggregated")
+    if label in overrides:
+        return overrides[label]
+    low = label.lower()
+    return "colocated" if "coloc" in low else "elastic" if "elastic" in low else "disaggregated"
 
 
-def plan_for(mode: str, mnbt: int, mns: int) -> Plan:
+def plan_for(mode: str, mnbt: int, mns: int, local_prefill_max_tokens: int = 512) -> Plan:
+    """elastic: disaggregated with local prefill (router.local_prefill_max_tokens)."""
     if mode == "colocated":
         return Plan("colocated", None, Pool("cpu", 2), mnbt, mns)
-    return Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), mnbt, mns)
+    local = local_prefill_max_tokens if mode == "elastic" else 0
+    return Plan("disaggregated", Pool("cpu", 1), Pool("cpu", 1), mnbt, mns, local)
 
 
 def simulate_run(run: dict, sim: Simulator, block_size: int, fresh_prompts: bool = False) -> dict:
@@ -317,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", nargs="+", type=Path, help="bench serve result.json file(s)")
     ap.add_argument("--coefficients", type=Path, default=CPU_COEFFICIENTS)
     ap.add_argument("--system", action="append", default=[], metavar="LABEL=MODE",
-                    help="the cluster of a run label: disaggregated or colocated")
+                    help="the cluster of a run label: disaggregated, colocated or elastic")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as the clusters ran (cluster.yaml)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--no-worker-streaming", action="store_true",

@@ -186,3 +186,20 @@ def test_cpu_disaggregated_plans_are_also_tried_with_local_prefill_and_the_yaml_
     gpu = SearchSpace(["A100-80GB"], ["A100-80GB"], ("disaggregated",), tps=(1,), max_workers=1)
     assert not any(e.plan.local_prefill_max_tokens for e in Searcher(
         PlanContext(PRESETS["Llama-3-8B"], load_catalog()), w, SLO, min_requests=200).search(gpu, verify=2).composed)
+
+
+def test_the_attainment_criterion_counts_requests_meeting_both_bounds():
+    from planner.search import evaluate
+    from planner.simulator import SimResult
+
+    # 10 requests: 1 misses TTFT only, 1 misses TPOT only -> each percentile is within its bound at p80,
+    # but only 8 of 10 (80%) meet both
+    ttft = [0.1] * 9 + [2.0]
+    tpot = [0.01] * 8 + [0.2, 0.01]
+    res = SimResult(ttft, tpot, [1.0] * 10, 10, 10.0)
+    p80 = SLOTarget(1000, 50, 80.0)
+    assert evaluate(res, p80)[0] and evaluate(res, p80)[3] == pytest.approx(0.8)
+    assert evaluate(res, SLOTarget(1000, 50, 80.0, "attainment"))[0]
+    assert not evaluate(res, SLOTarget(1000, 50, 85.0, "attainment"))[0]
+    with pytest.raises(ValueError, match="criterion"):
+        SLOTarget(1000, 50, 90.0, "mean")
