@@ -190,7 +190,8 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
                        host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu,
                        transfer_in_step=ctx.transfer_in_step(plan),
                        commit_waits_lock=ctx.commit_waits_lock(plan),
-                       local_prefill_max_tokens=plan.local_prefill_max_tokens if plan.mode == "disaggregated" else 0)
+                       local_prefill_max_tokens=plan.local_prefill_max_tokens if plan.mode == "disaggregated" else 0,
+                       mixed_steps=plan.mode == "disaggregated" and plan.local_prefill_max_tokens > 0)
 
 
 def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:

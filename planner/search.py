@@ -375,7 +375,8 @@ class Searcher:
 
 
 def rank_key(e: Evaluation) -> tuple:
-    return (-e.goodput_per_dollar, e.cost_per_hour, -e.goodput)
+    """Goodput per dollar, then lower cost, higher goodput, and more requests meeting the SLO there."""
+    return (-e.goodput_per_dollar, e.cost_per_hour, -e.goodput, -(e.attainment or 0.0))
 
 
 def rank(evals: list[Evaluation], target: float | None = None) -> list[Evaluation]:

@@ -106,6 +106,9 @@ class ClusterSpec:
     # taken out (calibrate_bench), so the simulator makes it: the commit waits for the step in progress
     commit_waits_lock: bool = False
     local_prefill_max_tokens: int = 0  # disaggregated: router.local_prefill_max_tokens (0: never)
+    # decode workers run their prefills (local prompts, recomputed sequences) in mixed steps: the
+    # running batch's tokens plus prompt chunks in the rest of the token budget, one forward pass
+    mixed_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -195,6 +198,7 @@ class _Worker:
         self.lock_waiters: list = []  # Reserves and commits waiting for the step in progress
         self.locked = False  # a step is running (it holds the engine lock)
         self.batch: list[tuple[_Seq, int]] | None = None  # the prefill step in progress
+        self.mixed = False  # the step in progress also advances the running batch (mixed_steps)
         self.step_start = 0.0
         self.step_dt = 0.0
         self.max_batch = 0
@@ -374,7 +378,11 @@ class Simulator:
                 join(w, s)
                 joined += 1
             del w.committed[:joined]
-            dt = schedule_prefill(w)
+            dt = None
+            if c.mixed_steps and w.role == "decode" and w.running and (w.waiting or w.chunked):
+                dt = schedule_mixed(w, now)
+            if dt is None:
+                dt = schedule_prefill(w)
             if dt is None:
                 dt = schedule_decode(w, now)
             if dt is None:
@@ -402,8 +410,25 @@ class Simulator:
                 return (1.0 + slope * tokens_per_s) * (max(1.0, busy / c.host_cores) if c.host_cores else 1.0)
             return max(1.0, (busy + c.host_cpu_per_token_s * tokens_per_s) / c.host_cores)
 
-        def schedule_prefill(w: _Worker) -> float | None:
-            budget = w.budget
+        def schedule_mixed(w: _Worker, now: float) -> float | None:
+            """Decode rows first, then prompt chunks in the rest of the budget (engine/scheduler.py);
+            one pass: the decode step's time plus the chunks' variable prefill cost."""
+            while w.running and w.used_blocks() + len(w.running) / w.bs > w.num_blocks:
+                preempt(w, now)
+            b = len(w.running)
+            if not b or b >= w.budget:
+                return None
+            dt_p = schedule_prefill(w, w.budget - b)
+            if dt_p is None:
+                return None
+            w.mixed = True
+            w.max_batch = max(w.max_batch, b)
+            st["dsteps"] += 1
+            st["dseqs"] += b
+            return w.cost.decode_time(b, w.sum_ctx_term + b * w.k) + dt_p - w.cost.prefill_time(0, 0)
+
+        def schedule_prefill(w: _Worker, budget: int | None = None) -> float | None:
+            budget = w.budget if budget is None else budget
             batch: list[tuple[_Seq, int]] = []
             for s in w.chunked:
                 if budget <= 0:
@@ -473,22 +498,29 @@ class Simulator:
             w.waiting.appendleft(s)  # recomputed first (prefill first), all its tokens
             st["preempt"] += 1
 
+        def advance_decode(w: _Worker, now: float) -> None:
+            """The running batch got a token each (a decode step, or a mixed step's decode rows)."""
+            w.k += 1
+            freed = False
+            while w.finish and w.finish[0][0] <= w.k:
+                _, ver, _, s = heapq.heappop(w.finish)
+                if ver != s.ver or s.i not in w.running:
+                    continue
+                leave(w, s)
+                finish_seq(s, now + c.token_out_s)
+                freed = True
+            if freed and waiting_reserve:
+                retry_reservations(now)
+
         def end_step(w: _Worker, now: float) -> None:
             if w.batch is None:  # decode step
-                w.k += 1
-                freed = False
-                while w.finish and w.finish[0][0] <= w.k:
-                    _, ver, _, s = heapq.heappop(w.finish)
-                    if ver != s.ver or s.i not in w.running:
-                        continue
-                    leave(w, s)
-                    finish_seq(s, now + c.token_out_s)
-                    freed = True
-                if freed and waiting_reserve:
-                    retry_reservations(now)
+                advance_decode(w, now)
                 release_lock(w, now)
                 start_step(w, now)
                 return
+            if w.mixed:
+                w.mixed = False
+                advance_decode(w, now)
             batch, w.batch = w.batch, None
             for s, m in batch:
                 s.computed += m

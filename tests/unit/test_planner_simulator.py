@@ -240,3 +240,14 @@ def test_local_prefill_sends_short_prompts_to_the_decode_worker_only_while_the_p
     assert p50(local.ttft) < 0.8 * p50(fixed.ttft)  # the decode worker takes prefill work off the queue
     too_long = Simulator(_cluster("disaggregated", local_prefill_max_tokens=199)).run(arrivals, prompts, outputs)
     assert too_long.stats["local_prefills"] == 0
+
+
+def test_mixed_steps_advance_the_running_batch_while_a_local_prompt_prefills():
+    arrivals = _poisson(300, 30.0, seed=3)
+    prompts, outputs = [200] * 300, [20] * 300
+    first = Simulator(_cluster("disaggregated", local_prefill_max_tokens=512)).run(arrivals, prompts, outputs)
+    mixed = Simulator(_cluster("disaggregated", local_prefill_max_tokens=512, mixed_steps=True)).run(
+        arrivals, prompts, outputs)
+    assert mixed.finished == first.finished == 300 and mixed.stats["local_prefills"] > 0
+    p50 = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    assert p50(mixed.tpot) < p50(first.tpot)  # no decode step waits for a whole local prefill
