@@ -29,6 +29,14 @@ from kv_transfer import KVReceiver, KVTransferError, TransferTicket, create_rece
 from kv_transfer.base import block_runs, copy_runs
 
 
+def fits(engine: Engine, num_tokens: int) -> bool:
+    """A new prompt of `num_tokens` fits in `engine`'s free blocks, keeping one block of headroom
+    per running sequence so that new prompts do not starve decode (reservations, local prefills,
+    colocated admissions: one rule)."""
+    bm = engine.block_manager
+    return bm.blocks_needed(num_tokens) + len(engine.scheduler.running) <= bm.num_free_blocks
+
+
 class DecodeEngine:
     """Implements `kv_transfer.KVSink` for its receiver."""
 
@@ -65,12 +73,9 @@ class DecodeEngine:
         with self._lock:
             if transfer_id in self._reserved:
                 raise ValueError(f"transfer id {transfer_id!r} is already in use")
-            bm = self.engine.block_manager
-            # keep one block of headroom per running sequence so reservations do not starve decode
-            headroom = len(self.engine.scheduler.running)
-            if bm.blocks_needed(len(token_ids)) + headroom > bm.num_free_blocks:
+            if not fits(self.engine, len(token_ids)):
                 return None
-            seq.block_table = bm.allocate_blocks(len(token_ids))
+            seq.block_table = self.engine.block_manager.allocate_blocks(len(token_ids))
             ticket = TransferTicket(
                 transfer_id=transfer_id,
                 kv_endpoint=self.receiver.endpoint,
@@ -155,10 +160,20 @@ class DecodeEngine:
                     return True
             return self.engine.abort(request_id) is not None
 
-    @property
-    def lock(self) -> threading.RLock:
-        """Held while the engine steps: hold it to add a request to the engine directly (a local prefill)."""
-        return self._lock
+    def add_local(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                  output_offset: int = 0) -> bool:
+        """Prefill a prompt here (the router's local prefill): it joins the engine's queue and runs in
+        its mixed steps; no KV arrives. False when the cache is too full right now."""
+        with self._lock:
+            if not fits(self.engine, len(token_ids)):
+                return False
+            self.engine.add_request(request_id, token_ids, params, output_offset)
+            return True
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens waiting to be prefilled here (local prefills, recomputed sequences)."""
+        with self._lock:
+            return sum(s.num_remaining for s in self.engine.scheduler.waiting)
 
     @property
     def num_reserved(self) -> int:

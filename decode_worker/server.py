@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_worker.decode_engine import DecodeEngine
+from decode_worker.decode_engine import DecodeEngine, fits
 from engine.engine import Engine
+from engine.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.step_stats import StepTotals
@@ -84,7 +85,6 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             self.decode = DecodeEngine(self.engine, backend=kv_backend, server=self.server, endpoint=self.address,
                                        **(kv_options or {}))
         self._lock = threading.RLock()  # engine state (colocated mode; DecodeEngine has its own)
-        self._engine_lock = self.decode.lock if self.decode else self._lock  # held while the engine steps
         self._streams: dict[str, _Stream] = {}
         self._queued_tokens = 0
         self._prompt_tokens = 0  # cumulative, prompts prefilled here (colocated; engine thread)
@@ -118,9 +118,12 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
 
     def _iteration(self) -> None:
         self._expire_reservations()
-        # iterated here only (Stats would race it); colocated Reserve adds to the queue under the lock
-        with self._engine_lock:
-            self._queued_tokens = sum(s.num_remaining for s in self.engine.scheduler.waiting)
+        # iterated here only (Stats would race it); Reserve adds to the queue under the engine's lock
+        if self.decode:
+            self._queued_tokens = self.decode.queued_prompt_tokens()
+        else:
+            with self._lock:
+                self._queued_tokens = sum(s.num_remaining for s in self.engine.scheduler.waiting)
         if not self._has_work():
             self._wake.wait(0.05)
             self._wake.clear()
@@ -215,24 +218,30 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
                 log.debug("reserved %d blocks, transfer %s", len(ticket.block_ids), ticket.transfer_id)
                 return wk.ReserveResponse(ticket=ticket_to_proto(ticket))
-            with self._engine_lock:
-                bm = self.engine.block_manager
-                if bm.blocks_needed(len(ids)) + len(self.engine.scheduler.running) > bm.num_free_blocks:
-                    self._streams.pop(rid, None)
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker")
-                self._streams[rid].committed_at = time.monotonic()
-                self._streams[rid].local = True
-                try:
-                    self.engine.add_request(rid, ids, params, request.resume_offset)
-                except ValueError:
-                    self._streams.pop(rid, None)
-                    raise
+            stream = self._streams[rid]  # prefilled here: no KV to wait for
+            stream.committed_at, stream.local = time.monotonic(), True
+            try:
+                admitted = (self.decode.add_local if self.decode else self._add_colocated)(
+                    rid, ids, params, request.resume_offset)
+            except ValueError:
+                self._streams.pop(rid, None)
+                raise
+            if not admitted:
+                self._streams.pop(rid, None)
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker")
             self._wake.set()
             log.debug("admitted: %d prompt tokens (%s)", len(ids), "colocated" if self.colocated else "local prefill")
             return wk.ReserveResponse()
         except ValueError as e:
             log.warning("refused: %s", e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _add_colocated(self, rid: str, ids: list[int], params: SamplingParams, output_offset: int) -> bool:
+        with self._lock:
+            if not fits(self.engine, len(ids)):
+                return False
+            self.engine.add_request(rid, ids, params, output_offset)
+            return True
 
     def _committed(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

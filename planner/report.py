@@ -46,11 +46,11 @@ def kind(plan: Plan) -> str:
 
 def why_mode(ranked: list[Evaluation]) -> str:
     """Why the best plan's kind of serving: each kind's best simulated plan beside it."""
+    if not ranked:
+        return ""
     best_of: dict[str, Evaluation] = {}
     for e in ranked:  # best first
         best_of.setdefault(kind(e.plan), e)
-    if not ranked:
-        return ""
     top = ranked[0]
     parts = [f"{k}: {e.plan.label()} {e.goodput:.3g} req/s within the SLO, {e.goodput_per_dollar:.4g} req per $"
              for k, e in best_of.items()]

@@ -339,15 +339,18 @@ class RouterServer(gen_grpc.PDClusterServicer):
                 tried.add(w.worker_id)
                 pending = 0
                 if self.mode != "colocated":
-                    req.run_prefill = self.local_prefill.local(len(ids), self.pool.prefill_queued(), w.local_tokens)
-                    pending = 0 if req.run_prefill else len(ids)
-                    self.pool.add_pending_prefill(pending)  # seen by requests arriving meanwhile
+                    req.run_prefill = self.local_prefill.enabled and self.local_prefill.local(
+                        len(ids), self.pool.prefill_queued(), w.local_tokens)
+                    if not req.run_prefill:
+                        pending = len(ids)
+                        self.pool.add_pending_prefill(pending)  # seen by requests arriving meanwhile
                 try:
                     resp = w.stub.Reserve(req, timeout=max(0.1, min(deadline - time.monotonic(), 30.0)))
                     return w, resp.ticket if not req.run_prefill else None
                 except grpc.RpcError as e:
                     self.pool.release(w)
-                    self.pool.add_pending_prefill(-pending)
+                    if pending:
+                        self.pool.add_pending_prefill(-pending)
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise RequestError(e.code(), e.details()) from None
                     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -434,11 +437,15 @@ class RouterServer(gen_grpc.PDClusterServicer):
         params = run.params if not offset else dataclasses.replace(run.params, max_tokens=run.params.max_tokens - offset)
         decode, ticket = self._reserve(active, wrid, prompt, params, offset, deadline, avoid)  # counted on decode
         local = ticket is None  # the decode worker prefills (colocated, or a local prefill)
-        pending = 0 if local else len(prompt)  # bound for a prefill worker (counted by _reserve), not yet given to one
-        if local and self.mode != "colocated":
-            self.pool.add_local(decode, len(prompt))  # until its first token
+        # prompt tokens this attempt has counted in the pool until they are handed on: bound for a
+        # prefill worker (counted by _reserve) until _prefill takes one; a local prefill's on the
+        # decode worker until its first token
+        pending = 0 if local else len(prompt)
+        local_tokens = len(prompt) if local and self.mode != "colocated" else 0
+        if local_tokens:
+            self.pool.add_local(decode, local_tokens)
             self.metrics.local_prefills.inc()
-            log.debug("prefill on decode worker %s (%d prompt tokens)", decode.worker_id, len(prompt))
+            log.debug("prefill on decode worker %s (%d prompt tokens)", decode.worker_id, local_tokens)
         stream = None
         try:
             active.metrics.running()
@@ -470,9 +477,9 @@ class RouterServer(gen_grpc.PDClusterServicer):
                     return finish, msg
                 yield msg
             for chunk in stream:
-                if local and self.mode != "colocated" and chunk.token_ids and chunk.start_index == 0:
-                    self.pool.add_local(decode, -len(prompt))  # its prefill is done
-                    local = False
+                if local_tokens and chunk.token_ids:  # the first token: its prefill is done
+                    self.pool.add_local(decode, -local_tokens)
+                    local_tokens = 0
                 if chunk.start_index <= 1 and chunk.decode_queue_ms and not run.timing.decode_queue_ms:
                     run.timing.decode_queue_ms = chunk.decode_queue_ms
                 if chunk.finish_reason == "abort":
@@ -498,9 +505,10 @@ class RouterServer(gen_grpc.PDClusterServicer):
         finally:
             if stream is not None:
                 stream.cancel()  # a no-op once it finished
-            self.pool.add_pending_prefill(-pending)
-            if local and self.mode != "colocated":  # ended before its first token
-                self.pool.add_local(decode, -len(prompt))
+            if pending:  # failed before a prefill worker took it
+                self.pool.add_pending_prefill(-pending)
+            if local_tokens:  # ended before its first token
+                self.pool.add_local(decode, -local_tokens)
             self.pool.release(decode)
 
     def _failure(self, active: _Active, what: str, e: grpc.RpcError, suspects: list[WorkerHandle],

@@ -75,6 +75,7 @@ def test_busy_prefill_worker_sends_short_prompts_to_the_decode_worker_token_iden
         local = router.metrics.local_prefills._value.get()
         assert 0 < local < len(prompts), local  # some prompts went local, not all
         assert router.pool.workers("decode")[0].local_tokens == 0  # every local prompt's count released
+        assert router.pool.prefill_queued() == 0  # and every remote one's, pending and queued
         assert decode.stats().prompt_tokens > 0  # prompts prefilled on the decode worker
         for p, out in zip(prompts, outs):
             assert out.token_ids == reference(p, 10), len(p)
@@ -98,6 +99,25 @@ def test_idle_prefill_worker_takes_every_prompt_and_zero_turns_it_off(path):
                 s.stop()
 
 
+def test_a_decode_worker_refuses_a_local_prefill_its_free_blocks_cannot_hold(path):
+    router, prefill, decode = _cluster(path, max_tokens=64)
+    try:
+        from decode_worker.decode_engine import fits
+
+        from engine.sampling_params import SamplingParams
+
+        bm = decode.engine.block_manager
+        room = bm.num_free_blocks * bm.block_size  # no sequence runs: no headroom kept
+        assert fits(decode.engine, room) and not fits(decode.engine, room + 1)
+        assert not decode.decode.add_local("x", [5] * (room + 1), SamplingParams(max_tokens=1))
+        assert decode.decode.add_local("y", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert decode.decode.queued_prompt_tokens() in (0, 3)  # 0 once the engine thread took it
+        assert _blocks_free(decode, prefill)
+    finally:
+        for s in (router, prefill, decode):
+            s.stop()
+
+
 def test_a_local_prefill_aborted_mid_stream_frees_its_blocks(path):
     router, prefill, decode = _cluster(path, max_tokens=64)
     try:
@@ -111,6 +131,7 @@ def test_a_local_prefill_aborted_mid_stream_frees_its_blocks(path):
             stream.close()  # the client goes away mid-stream
         assert router.metrics.local_prefills._value.get() == 1
         assert _blocks_free(decode, prefill)
+        assert router.pool.workers("decode")[0].local_tokens == 0  # released when the stream ended early
     finally:
         for s in (router, decode):
             s.stop()
