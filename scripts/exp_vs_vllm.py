@@ -55,6 +55,8 @@ from exp_disagg_vs_colocated import ATTAINMENT, run_bench_serve, start, stop, su
 from pdcluster.cluster_config import PoolConfig, load_cluster_config  # noqa: E402
 
 SYSTEMS = ("vllm", "colocated", "disaggregated", "elastic")
+VLLM_KV_CACHE_BYTES = 2 * 512 * 2**20
+VLLM_FAILED = "Engine core initialization failed"
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -103,15 +105,19 @@ def start_vllm(python: str, path: Path, dtype: str, max_model_len: int, cpus: tu
     port = _free_port()
     bind = f"{cpus[0]}-{cpus[1]}" if cpus[1] == cpus[0] + 1 else f"{cpus[0]},{cpus[1]}"
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind)
-    # gpu_memory_utilization: on CPU, the share of host memory for its KV cache
+    # its KV cache as large as our two workers' together (cluster.yaml kv_cache.memory_mb: 512 each),
+    # set in bytes: a share of host memory (--gpu-memory-utilization) fails on a machine whose memory
+    # node vLLM reads as small
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-           "--gpu-memory-utilization", "0.1"]
+           "--kv-cache-memory-bytes", str(VLLM_KV_CACHE_BYTES)]
     log = (out / "vllm.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
+        if VLLM_FAILED in (out / "vllm.log").read_text(errors="replace"):
+            break  # its API server stays up for a long while after its engine failed to start
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return proc, url
