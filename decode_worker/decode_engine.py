@@ -29,14 +29,6 @@ from kv_transfer import KVReceiver, KVTransferError, TransferTicket, create_rece
 from kv_transfer.base import block_runs, copy_runs
 
 
-def fits(engine: Engine, num_tokens: int) -> bool:
-    """A new prompt of `num_tokens` fits in `engine`'s free blocks, keeping one block of headroom
-    per running sequence so that new prompts do not starve decode (reservations, local prefills,
-    colocated admissions: one rule)."""
-    bm = engine.block_manager
-    return bm.blocks_needed(num_tokens) + len(engine.scheduler.running) <= bm.num_free_blocks
-
-
 class DecodeEngine:
     """Implements `kv_transfer.KVSink` for its receiver."""
 
@@ -45,7 +37,7 @@ class DecodeEngine:
             raise ValueError("DecodeEngine needs an Engine with role='decode'")
         self.engine = engine
         self.backend = backend
-        self.compat_hash = engine.runner.compat_hash
+        self.compat_hash = engine.compat_hash
         self.num_layers = engine.model_cfg.num_layers
         self._lock = threading.RLock()
         self._reserved: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its KV
@@ -73,9 +65,9 @@ class DecodeEngine:
         with self._lock:
             if transfer_id in self._reserved:
                 raise ValueError(f"transfer id {transfer_id!r} is already in use")
-            if not fits(self.engine, len(token_ids)):
+            if not self.engine.fits(len(token_ids)):
                 return None
-            seq.block_table = self.engine.block_manager.allocate_blocks(len(token_ids))
+            seq.block_table = self.engine.allocate_blocks(len(token_ids))
             ticket = TransferTicket(
                 transfer_id=transfer_id,
                 kv_endpoint=self.receiver.endpoint,
@@ -94,11 +86,11 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ KVSink
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
-        cache = self.engine.runner.kv_caches[0]
+        cache = self.engine.kv_caches[0]
         return (2, num_blocks, *cache.shape[2:])
 
     def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> None:
-        cache = self.engine.runner.kv_caches[layer]
+        cache = self.engine.kv_caches[layer]
         kv = kv.to(device=cache.device, dtype=cache.dtype)
         copy_runs(cache, block_runs(ticket.block_ids[first_block : first_block + kv.shape[1]]), kv)
 
@@ -106,14 +98,14 @@ class DecodeEngine:
         """Re-home a CPU cache (its contents too) into the tensor `place(num_layers, layer_shape,
         dtype)` returns, of shape (num_layers, *layer_shape): shared memory for the shm backend.
         A cache on an accelerator stays where it is (place is not called)."""
-        caches = self.engine.runner.kv_caches
+        caches = self.engine.kv_caches
         if caches[0].device.type != "cpu":
             return
         with self._lock:
             storage = place(len(caches), tuple(caches[0].shape), caches[0].dtype)
             for dst, src in zip(storage, caches):
                 dst.copy_(src)
-            self.engine.runner.kv_caches = list(storage.unbind(0))
+            self.engine.replace_kv_caches(list(storage.unbind(0)))
 
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:
         vocab = self.engine.model_cfg.vocab_size
@@ -143,7 +135,7 @@ class DecodeEngine:
             self._on_commit.pop(transfer_id, None)
             if seq is not None:
                 del self._by_request[seq.request_id]
-                self.engine.block_manager.free(seq)
+                self.engine.free(seq)
 
     # ------------------------------------------------------------------ requests
     def abort_request(self, request_id: str) -> bool:
@@ -156,7 +148,7 @@ class DecodeEngine:
             for seq in list(self._committed):
                 if seq.request_id == request_id:
                     self._committed.remove(seq)
-                    self.engine.block_manager.free(seq)
+                    self.engine.free(seq)
                     return True
             return self.engine.abort(request_id) is not None
 
@@ -165,7 +157,7 @@ class DecodeEngine:
         """Prefill a prompt here (the router's local prefill): it joins the engine's queue and runs in
         its mixed steps; no KV arrives. False when the cache is too full right now."""
         with self._lock:
-            if not fits(self.engine, len(token_ids)):
+            if not self.engine.fits(len(token_ids)):
                 return False
             self.engine.add_request(request_id, token_ids, params, output_offset)
             return True
@@ -173,7 +165,7 @@ class DecodeEngine:
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens waiting to be prefilled here (local prefills, recomputed sequences)."""
         with self._lock:
-            return sum(s.num_remaining for s in self.engine.scheduler.waiting)
+            return self.engine.queued_prompt_tokens()
 
     @property
     def num_reserved(self) -> int:
@@ -187,13 +179,12 @@ class DecodeEngine:
         sequences waiting to be recomputed count against it, and go first), run one step; returns
         the sequences that got a token. A sequence beyond the cap keeps its blocks and waits."""
         with self._lock:
-            sched = self.engine.scheduler
-            while self._committed and len(sched.running) + len(sched.waiting) < sched.max_num_seqs:
+            while self._committed and self.engine.has_room():
                 seq = self._committed.popleft()
                 if seq.finish_reason is not None:  # cannot happen via the prefill path; be safe
-                    self.engine.block_manager.free(seq)
+                    self.engine.free(seq)
                     continue
-                sched.add_running(seq)
+                self.engine.add_running(seq)
             return self.engine.step()
 
     def close(self) -> None:

@@ -25,20 +25,20 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_worker.decode_engine import DecodeEngine, fits
+from common.logs import request_context
+from decode_worker.decode_engine import DecodeEngine
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.step_stats import StepTotals
-from pdcluster.logs import request_context
 from proto import generate_pb2 as gen
 from proto import kv_transfer_pb2
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import server_interceptors
+from proto.convert import logprob_to_proto, sampling_from_proto, step_stats_to_proto
 from proto.serving import add_health_and_reflection, bind_server
-from proto.convert import logprob_to_proto, sampling_from_proto, step_stats_to_proto, ticket_to_proto
 
 log = logging.getLogger("pdcluster.decode")
 SERVICE_NAME = wk.DESCRIPTOR.services_by_name["DecodeWorker"].full_name  # "pdcluster.v1.DecodeWorker"
@@ -123,7 +123,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
             self._queued_tokens = self.decode.queued_prompt_tokens()
         else:
             with self._lock:
-                self._queued_tokens = sum(s.num_remaining for s in self.engine.scheduler.waiting)
+                self._queued_tokens = self.engine.queued_prompt_tokens()
         if not self._has_work():
             self._wake.wait(0.05)
             self._wake.clear()
@@ -217,7 +217,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
                     log.debug("no free KV blocks for %d prompt tokens", len(ids))
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
                 log.debug("reserved %d blocks, transfer %s", len(ticket.block_ids), ticket.transfer_id)
-                return wk.ReserveResponse(ticket=ticket_to_proto(ticket))
+                return wk.ReserveResponse(ticket=ticket.to_proto())
             stream = self._streams[rid]  # prefilled here: no KV to wait for
             stream.committed_at, stream.local = time.monotonic(), True
             try:
@@ -238,7 +238,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
 
     def _add_colocated(self, rid: str, ids: list[int], params: SamplingParams, output_offset: int) -> bool:
         with self._lock:
-            if not fits(self.engine, len(ids)):
+            if not self.engine.fits(len(ids)):
                 return False
             self.engine.add_request(rid, ids, params, output_offset)
             return True
@@ -280,7 +280,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
         ok = self._thread.is_alive()
         return wk.HealthResponse(
             ok=ok, reason="" if ok else "engine thread died", worker_id=self.worker_id, role=self.role,
-            model=self.engine.cfg.model, compat_hash=self.engine.runner.compat_hash,
+            model=self.engine.cfg.model, compat_hash=self.engine.compat_hash,
         )
 
     def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
@@ -288,12 +288,11 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
 
     def stats(self) -> wk.WorkerStats:
         """Lengths and block counts are read live; the queued-token sum comes from the engine thread."""
-        bm = self.engine.block_manager
-        sched = self.engine.scheduler
-        queued = len(sched.waiting) + (self.decode.num_reserved if self.decode else 0)
+        load = self.engine.load()
+        queued = load.waiting + (self.decode.num_reserved if self.decode else 0)
         return wk.WorkerStats(
-            worker_id=self.worker_id, role=self.role, running=len(sched.running), queued=queued,
-            kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
+            worker_id=self.worker_id, role=self.role, running=load.running, queued=queued,
+            kv_blocks_used=load.blocks_used, kv_blocks_free=load.blocks_free,
             queued_prefill_tokens=self._queued_tokens, prefix_cache_hit_tokens=self._cached_tokens,
             prompt_tokens=self._prompt_tokens, **step_stats_to_proto(self.step_totals),
         )

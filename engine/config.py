@@ -6,9 +6,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a dtype or device is made: the router reads configs without it
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -18,24 +19,32 @@ SUPPORTED_ARCHITECTURES = (
 )
 KV_LAYOUT_VERSION = 2  # bump when the paged-KV tensor layout or the KV wire format changes (2: XXH3-64 checksums); part of the compatibility hash
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 AUTO_DTYPE = "auto"  # the checkpoint's own dtype (config.json `dtype` / `torch_dtype`), float32 if it names none
 
 
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+    if not isinstance(dtype, str):
+        if dtype not in _torch_dtypes().values():
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype}")
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or {AUTO_DTYPE!r}, got {dtype!r}")
-    return DTYPES[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)} or {AUTO_DTYPE!r}, got {dtype!r}")
+    return _torch_dtypes()[dtype]
 
 
 def cpu_has_native(dtype: torch.dtype) -> bool:
     """Whether this CPU does `dtype` matrix math in hardware (oneDNN's own test)."""
+    import torch
+
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:
@@ -45,10 +54,13 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
 
 def checkpoint_dtype(hf_config: Any) -> torch.dtype:
     """The dtype a checkpoint's config names (float32 when it names none or one not served here)."""
+    import torch
+
+    dtypes = _torch_dtypes()
     named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(named, str):
-        named = DTYPES.get(named.removeprefix("torch."))
-    return named if named in DTYPES.values() else torch.float32
+        named = dtypes.get(named.removeprefix("torch."))
+    return named if named in dtypes.values() else torch.float32
 
 
 @dataclass(frozen=True)
@@ -188,6 +200,8 @@ class EngineConfig:
         """The dtype weights and KV are held in. "auto": the checkpoint's, except float32 on a CPU
         without native 16-bit matrix math (no AVX-512 BF16 / AMX there: oneDNN falls back to
         emulation, measured 7x slower than float32 on an AVX2 EPYC)."""
+        import torch
+
         if self.dtype != AUTO_DTYPE:
             return parse_dtype(self.dtype)
         dtype = checkpoint_dtype(model_cfg.hf_config)
@@ -197,6 +211,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device is None:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -7,13 +7,17 @@ keeps generating). Engines in one process may share the same weights (`model=`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from engine.block_manager import BlockManager
 from engine.builtin_model import resolve_model_path
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner, ScheduledSeq
 from engine.models.llama import LlamaModel
+from engine.request_checks import validate_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -24,20 +28,12 @@ ROLES = ("colocated", "prefill", "decode")
 LayerHookFactory = Callable[[list[ScheduledSeq]], Callable[[int], None] | None]
 
 
-def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """Raise ValueError naming the problem with a request (shared by engines and the router)."""
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-    if len(token_ids) == 0:
-        raise ValueError("prompt is empty")
-    if len(token_ids) >= max_model_len:
-        raise ValueError(
-            f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len} "
-            "(the prompt must leave room for at least one generated token)"
-        )
-    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_free: int
 
 
 class Engine:
@@ -96,6 +92,66 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ what the workers use
+    # The worker engines (prefill_worker, decode_worker) and their servers go through these, never
+    # through the block manager, scheduler or model runner.
+    @property
+    def compat_hash(self) -> str:
+        """Two engines can exchange KV blocks only if theirs match (model, dtype, block size, layout)."""
+        return self.runner.compat_hash
+
+    @property
+    def model(self) -> LlamaModel:
+        """The loaded model (another engine in this process may share it)."""
+        return self.runner.model
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """One tensor per layer: (2, num_blocks, block_size, num_kv_heads, head_dim)."""
+        return self.runner.kv_caches
+
+    def replace_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """Serve from `caches` (same shapes, contents copied by the caller), e.g. shared memory."""
+        old = self.runner.kv_caches
+        if len(caches) != len(old) or any(c.shape != o.shape or c.dtype != o.dtype for c, o in zip(caches, old)):
+            raise ValueError("replacement KV caches must match the current ones in number, shape and dtype")
+        self.runner.kv_caches = list(caches)
+
+    def fits(self, num_tokens: int) -> bool:
+        """A new prompt of `num_tokens` fits in the free blocks, keeping one block of headroom per
+        running sequence so that new prompts do not starve decode (reservations, local prefills,
+        colocated admissions: one rule)."""
+        bm = self.block_manager
+        return bm.blocks_needed(num_tokens) + len(self.scheduler.running) <= bm.num_free_blocks
+
+    def allocate_blocks(self, num_tokens: int) -> list[int]:
+        """Fresh, unshared blocks for `num_tokens` (KV that arrives from elsewhere goes there)."""
+        return self.block_manager.allocate_blocks(num_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks (one the scheduler does not hold)."""
+        self.block_manager.free(seq)
+
+    def has_room(self) -> bool:
+        """Whether one more sequence may join the batch (max_num_seqs; waiting ones count)."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting) < self.scheduler.max_num_seqs
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose prompt KV is already in its blocks joins the running batch."""
+        self.scheduler.add_running(seq)
+
+    def queued_prompt_tokens(self, include_running: bool = False) -> int:
+        """Prompt tokens not yet computed: of waiting sequences, and of running ones (whose prompts
+        are being chunked) with `include_running`. Call from the thread that steps the engine."""
+        seqs = [*self.scheduler.waiting, *self.scheduler.running] if include_running else self.scheduler.waiting
+        return sum(s.num_remaining for s in seqs)
+
+    def load(self) -> EngineLoad:
+        """Sizes read live (safe from any thread)."""
+        bm = self.block_manager
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used_blocks,
+                          bm.num_free_blocks)
 
     # ------------------------------------------------------------------ stepping
     def step(self, hook_factory: LayerHookFactory | None = None) -> list[Sequence]:

@@ -15,6 +15,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_model
 from engine.models.llama import LlamaModel
 from engine.native import native_lib
+from engine.request_checks import resolve_max_model_len
 from engine.sequence import Sequence
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
@@ -33,17 +34,6 @@ class ScheduledSeq:
     def completes(self) -> bool:
         """True when this chunk reaches the sequence's last token, so a token is sampled after it."""
         return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
-
-
-def resolve_max_model_len(model_cfg: ModelConfig, requested: int | None) -> int:
-    limit = model_cfg.max_position_embeddings
-    if model_cfg.sliding_window:  # windowed attention is not implemented: stay inside one window
-        limit = min(limit, model_cfg.sliding_window)
-    if requested is None:
-        return min(limit, 4096)
-    if requested > limit:
-        raise ValueError(f"max_model_len {requested} exceeds the model's limit {limit}")
-    return requested
 
 
 class ModelRunner:

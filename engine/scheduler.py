@@ -27,7 +27,7 @@ from collections import deque
 
 from engine.block_manager import BlockManager
 from engine.model_runner import ScheduledSeq
-from engine.sequence import Sequence, SeqStatus, TokenLogprobs
+from engine.sequence import SeqStatus, Sequence, TokenLogprobs
 
 
 class Scheduler:

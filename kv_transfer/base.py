@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from engine.sequence import TokenLogprobs
+from proto import worker_pb2 as wk
 
 
 def block_runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -61,6 +62,20 @@ class TransferTicket:
     auth_token: str
     num_tokens: int
     backend: str = "inproc"
+
+    def to_proto(self) -> wk.TransferTicket:
+        return wk.TransferTicket(
+            transfer_id=self.transfer_id, kv_endpoint=self.kv_endpoint, block_ids=self.block_ids,
+            compat_hash=self.compat_hash, auth_token=self.auth_token, num_tokens=self.num_tokens,
+            backend=self.backend,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: wk.TransferTicket) -> TransferTicket:
+        return cls(
+            transfer_id=msg.transfer_id, kv_endpoint=msg.kv_endpoint, block_ids=list(msg.block_ids),
+            compat_hash=msg.compat_hash, auth_token=msg.auth_token, num_tokens=msg.num_tokens, backend=msg.backend,
+        )
 
 
 class KVSink(Protocol):

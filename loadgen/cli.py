@@ -37,7 +37,7 @@ from loadgen.report import RunReport, failure_lines, run_notes, text_table, writ
 from loadgen.runner import run
 from loadgen.server_counters import counted
 from loadgen.workload import NAMED, Workload, WorkloadConfig, load_workload
-from pdcluster.heap import freeze_startup_heap
+from common.heap import freeze_startup_heap
 
 
 def build_parser() -> argparse.ArgumentParser:

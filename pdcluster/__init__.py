@@ -2,9 +2,9 @@
 
 Offline use: `from pdcluster import LLM, SamplingParams`.
 
-The offline API is loaded on first use, so that importing a submodule (`pdcluster.cli` for
-`pdcluster status` or `bench serve`, `pdcluster.heap` in the load generator) does not import
-torch (1.1 s here, and 100k+ objects on the heap of a process that does not need them).
+The offline API is loaded on first use, so that importing a submodule (`pdcluster.client` for
+`pdcluster status`, `pdcluster.cluster_config` in the planner) does not import torch (1.1 s here,
+and 100k+ objects on the heap of a process that does not need them).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from pdcluster.heap import freeze_startup_heap
+from common.heap import freeze_startup_heap
 
 NAMESPACE = "pdcluster"
 CONTROLLER_NAME = "controller"
@@ -22,7 +22,7 @@ ROUTER_NAME = "router"
 
 
 def _setup_logging(level: str, fmt: str) -> None:
-    from pdcluster.logs import setup_logging
+    from common.logs import setup_logging
 
     setup_logging(level, fmt)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from common.net import free_port
 from engine.builtin_model import cache_root
 from pdcluster.cluster_config import ClusterConfig
 
@@ -35,12 +35,6 @@ class LaunchError(RuntimeError):
 
 def _state_path() -> Path:
     return cache_root() / STATE_FILE
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -162,7 +156,7 @@ def _connect(cfg: ClusterConfig, detach: bool, num_cpus: float) -> tuple[str | N
     cpus = max(os.cpu_count() or 1, int(num_cpus + 0.999))
     started = None
     if address is None and detach:
-        port = _free_port()
+        port = free_port()
         address, started = f"127.0.0.1:{port}", f"head:{_start_head(port, cpus)}"
     try:
         if address is not None:

@@ -97,8 +97,8 @@ class LLM:
             self.max_model_len = self.engine.max_model_len
         else:
             prefill = Engine(cfg, "prefill", model_cfg, seed=seed)
-            decode = Engine(cfg, "decode", model_cfg, model=prefill.runner.model, seed=seed)
-            self.prefill = PrefillEngine(prefill, create_sender("inproc", prefill.runner.compat_hash,
+            decode = Engine(cfg, "decode", model_cfg, model=prefill.model, seed=seed)
+            self.prefill = PrefillEngine(prefill, create_sender("inproc", prefill.compat_hash,
                                                                     compression=kv_compression))
             self.decode = DecodeEngine(decode, backend="inproc")
             self.max_model_len = prefill.max_model_len

@@ -98,7 +98,6 @@ def probe_serving(model: str, prefill_fit: list[float], decode_fit: list[float],
     take from a host's cores per token; on a machine whose cores also run the workers, the
     simulator makes the workers share the cores with it (ClusterSpec.host_cores).
     """
-    from decode_worker.server import DecodeWorkerServer
     from engine.builtin_model import resolve_model_path
     from engine.config import EngineConfig
     from engine.sampling_params import SamplingParams
@@ -107,18 +106,13 @@ def probe_serving(model: str, prefill_fit: list[float], decode_fit: list[float],
     from loadgen.runner import run
     from loadgen.workload import WorkloadConfig, load_workload
     from pdcluster.client import Client
-    from prefill_worker.server import PrefillWorkerServer
-    from router.http_api import HttpApi, router_readiness
-    from router.server import RouterServer
+    from pdcluster.local_cluster import LocalCluster
 
     path = str(resolve_model_path(model))
     cfg = EngineConfig(model=path, num_threads=1, enable_prefix_caching=False)
-    decode = DecodeWorkerServer(cfg, "probe-decode", kv_backend="shm")
-    prefill = PrefillWorkerServer(cfg, "probe-prefill", kv_backend="shm")
-    router = RouterServer(path, request_timeout_s=120, model_name="probe")
-    router.set_workers([("probe-prefill", "prefill", prefill.address), ("probe-decode", "decode", decode.address)])
-    api = HttpApi(router.address, "probe", path, readiness=router_readiness(router))
-    api.start()
+    cluster = LocalCluster(cfg, prefill={"kv_backend": "shm"}, decode={"kv_backend": "shm"},
+                           router={"request_timeout_s": 120, "model_name": "probe"}, http={})
+    api, router = cluster.http, cluster.router
     rows = []
     try:
         tok = load_tokenizer(model)
@@ -141,9 +135,7 @@ def probe_serving(model: str, prefill_fit: list[float], decode_fit: list[float],
                                          "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "ttft_ms",
                                          "mean_tpot_ms")}})
     finally:
-        api.stop()
-        for srv in (router, prefill, decode):
-            srv.stop()
+        cluster.stop()
     if not rows:
         raise RuntimeError("the serving probe got no answers")
     lat, per_token = _nnls(np.asarray([[1.0, x["prompt"]] for x in rows]),

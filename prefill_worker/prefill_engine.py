@@ -59,7 +59,7 @@ class PrefillEngine:
 
     @property
     def num_queued_tokens(self) -> int:
-        return sum(s.num_remaining for s in (*self.engine.scheduler.waiting, *self.engine.scheduler.running))
+        return self.engine.queued_prompt_tokens(include_running=True)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         seq = self.engine.abort(request_id)
@@ -78,7 +78,7 @@ class PrefillEngine:
         done = [item.seq for item in batch if item.completes]
         if not done:
             return None
-        caches = self.engine.runner.kv_caches
+        caches = self.engine.kv_caches
 
         def hook(layer: int) -> None:
             for seq in done:

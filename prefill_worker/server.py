@@ -19,19 +19,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.logs import request_context
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.step_stats import StepTotals
 from kv_transfer import KVFaults, KVTransferError, TransferTicket, create_sender
-from pdcluster.logs import request_context
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import CarrySecret, server_interceptors
+from proto.convert import logprob_to_proto, sampling_from_proto, step_stats_to_proto
 from proto.serving import add_health_and_reflection, bind_server
-from proto.convert import logprob_to_proto, sampling_from_proto, step_stats_to_proto, ticket_from_proto
 
 log = logging.getLogger("pdcluster.prefill")
 SERVICE_NAME = wk.DESCRIPTOR.services_by_name["PrefillWorker"].full_name  # "pdcluster.v1.PrefillWorker"
@@ -71,7 +71,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self.request_timeout_s = request_timeout_s
         self.engine = Engine(engine_cfg, "prefill")
         extra = {**(kv_options or {}), **({"compression": kv_compression} if kv_compression != "none" else {})}
-        sender = create_sender(kv_backend, self.engine.runner.compat_hash, timeout_s=kv_timeout_s,
+        sender = create_sender(kv_backend, self.engine.compat_hash, timeout_s=kv_timeout_s,
                                faults=KVFaults.parse(kv_faults), **extra)
         if cluster_secret:
             sender.add_channel_interceptor(CarrySecret(cluster_secret))
@@ -168,7 +168,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         except ValueError as e:
             log.warning("refused: %s", e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        pending = _Pending(rid, ids, params, ticket_from_proto(request.ticket), request.resume_offset)
+        pending = _Pending(rid, ids, params, TransferTicket.from_proto(request.ticket), request.resume_offset)
         context.add_callback(lambda: None if pending.done.is_set() else self._inbox.put(rid))
         self._inbox.put(pending)
         log.debug("queued: %d prompt tokens, KV to %s", len(ids), pending.ticket.kv_endpoint)
@@ -205,7 +205,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         ok = self._thread.is_alive()
         return wk.HealthResponse(
             ok=ok, reason="" if ok else "engine thread died", worker_id=self.worker_id,
-            role=wk.WORKER_ROLE_PREFILL, model=self.engine.cfg.model, compat_hash=self.engine.runner.compat_hash,
+            role=wk.WORKER_ROLE_PREFILL, model=self.engine.cfg.model, compat_hash=self.engine.compat_hash,
         )
 
     def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
@@ -214,12 +214,11 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
     def stats(self) -> wk.WorkerStats:
         """Lengths and block counts are read live; the queued-token sum, which iterates the engine's
         queues, is taken by the engine thread after each step (iterating here would race it)."""
-        bm = self.engine.block_manager
-        sched = self.engine.scheduler
+        load = self.engine.load()
         return wk.WorkerStats(
-            worker_id=self.worker_id, role=wk.WORKER_ROLE_PREFILL, running=len(sched.running),
-            queued=len(sched.waiting) + self._inbox.qsize(), kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_free=bm.num_free_blocks, queued_prefill_tokens=self._queued_tokens,
+            worker_id=self.worker_id, role=wk.WORKER_ROLE_PREFILL, running=load.running,
+            queued=load.waiting + self._inbox.qsize(), kv_blocks_used=load.blocks_used,
+            kv_blocks_free=load.blocks_free, queued_prefill_tokens=self._queued_tokens,
             kv_bytes_sent=dict(self.prefill.sender.bytes_sent), prefix_cache_hit_tokens=self._cached_tokens,
             prompt_tokens=self._prompt_tokens, **step_stats_to_proto(self.step_totals),
         )

@@ -8,7 +8,6 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.step_stats import PhaseTotals, StepTotals
-from kv_transfer.base import TransferTicket
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 
@@ -59,19 +58,6 @@ def unknown_fields(msg: Message, path: str = "") -> list[str]:
                 found += unknown_fields(item, f"{path}{field.name}{f'[{i}]' if len(items) > 1 else ''}.")
     return found
 
-
-def ticket_to_proto(t: TransferTicket) -> wk.TransferTicket:
-    return wk.TransferTicket(
-        transfer_id=t.transfer_id, kv_endpoint=t.kv_endpoint, block_ids=t.block_ids, compat_hash=t.compat_hash,
-        auth_token=t.auth_token, num_tokens=t.num_tokens, backend=t.backend,
-    )
-
-
-def ticket_from_proto(msg: wk.TransferTicket) -> TransferTicket:
-    return TransferTicket(
-        transfer_id=msg.transfer_id, kv_endpoint=msg.kv_endpoint, block_ids=list(msg.block_ids),
-        compat_hash=msg.compat_hash, auth_token=msg.auth_token, num_tokens=msg.num_tokens, backend=msg.backend,
-    )
 
 
 def _phase_stats(phase: str, t: PhaseTotals, batch_min: int = 0) -> wk.StepPhaseStats:

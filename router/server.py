@@ -25,7 +25,7 @@ last failure. A retry's id on the workers is "<request id>#retry<n>" ("#" is ref
 
 Observability: each request's latencies and outcome go to `self.metrics` (router/metrics.py; the
 per-request recorder rides on `_Active`), log lines about a request carry its id
-(pdcluster/logs.py), and the server answers `grpc.health.v1.Health` and reflection.
+(common/logs.py), and the server answers `grpc.health.v1.Health` and reflection.
 """
 
 from __future__ import annotations
@@ -40,19 +40,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.logs import request_context
 from engine.builtin_model import resolve_model_path
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine import validate_request
-from engine.model_runner import resolve_max_model_len
+from engine.request_checks import resolve_max_model_len, validate_request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from pdcluster.logs import request_context
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
 from proto import worker_pb2 as wk
-from proto.serving import Malformed, add_health_and_reflection, add_servicer, bind_server, read_tls
 from proto.convert import sampling_from_proto, sampling_to_proto, unknown_fields
+from proto.serving import Malformed, add_health_and_reflection, add_servicer, bind_server, read_tls
 from router import metrics as router_metrics
 from router.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits, Admitted, Refused
 from router.local_prefill import LocalPrefillPolicy

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.builtin_model import resolve_model_path
     from engine.config import ModelConfig
-    from engine.model_runner import resolve_max_model_len
+    from engine.request_checks import resolve_max_model_len
 
     path = resolve_model_path(args.model)
     model_cfg = ModelConfig.from_pretrained(path)

@@ -86,7 +86,7 @@ def start(name: str, config: Path, out: Path, timeout_s: float = 300.0) -> tuple
     # the CPU between sessions first, so a cluster in a session of its own took an equal share with
     # the load generator whatever the niceness (Ray runs its workers at nice 15), and on 2 busy
     # cores the client fell 0.3-1 s behind its arrival schedule and saw the same gaps in its streams
-    proc = subprocess.Popen([sys.executable, "-m", "pdcluster.cli", "up", "-c", str(config), "--log-level", "warning"],
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "up", "-c", str(config), "--log-level", "warning"],
                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, process_group=0)
     deadline = time.monotonic() + timeout_s
     url = None

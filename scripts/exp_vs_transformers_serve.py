@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.net import free_port
 from loadgen.cli import main as bench_serve  # noqa: E402
 from scripts.exp_disagg_vs_colocated import _interrupt, start, stop, warm_up  # noqa: E402
 
@@ -71,12 +71,6 @@ def make_checkpoint(path: Path) -> Path:
     n = sum(p.numel() for p in model.parameters())
     print(f"checkpoint {path}: Qwen2, {n / 1e6:.2f}M parameters")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_transformers(ckpt: Path, out: Path, timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:

@@ -36,7 +36,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from exp_disagg_vs_colocated import ATTAINMENT, run_bench_serve, start, stop, summarise, warm_up  # noqa: E402
 
+from common.net import free_port  # noqa: E402
 from pdcluster.cluster_config import PoolConfig, load_cluster_config  # noqa: E402
 
 SYSTEMS = ("vllm", "colocated", "disaggregated", "elastic")
@@ -93,16 +93,10 @@ def cluster_files(out: Path, model: str, max_model_len: int, cpus: tuple[int, in
     return files
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_vllm(python: str, path: Path, dtype: str, max_model_len: int, cpus: tuple[int, int], out: Path,
                timeout_s: float) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server on the checkpoint; returns (process, base URL) once /health answers."""
-    port = _free_port()
+    port = free_port()
     bind = f"{cpus[0]}-{cpus[1]}" if cpus[1] == cpus[0] + 1 else f"{cpus[0]},{cpus[1]}"
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind)
     # its KV cache as large as our two workers' together (cluster.yaml kv_cache.memory_mb: 512 each),

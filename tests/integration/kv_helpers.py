@@ -46,7 +46,7 @@ def layer(decode, ticket, seed=0, extra_blocks=0) -> torch.Tensor:
 
 
 def cache_is_zero(decode) -> bool:
-    return all(torch.all(c == 0) for c in decode.engine.runner.kv_caches)
+    return all(torch.all(c == 0) for c in decode.engine.kv_caches)
 
 
 # ------------------------------------------------------------------------------------ cleanliness
@@ -212,7 +212,7 @@ def run_disaggregated(checkpoint, decode, backend: str, params) -> list:
 
     path = str(checkpoint("llama-gqa"))
     prefill_engine = Engine(EngineConfig(model=path, num_blocks=64, max_model_len=256), "prefill")
-    sender = create_sender(backend, prefill_engine.runner.compat_hash, timeout_s=10.0)
+    sender = create_sender(backend, prefill_engine.compat_hash, timeout_s=10.0)
     prefill = PrefillEngine(prefill_engine, sender)
     try:
         rids = [f"q{i}" for i in range(len(PROMPTS))]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kv_transfer import bench
+from benchmarks import kv_transfer as bench
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def test_overlap_takes_the_backend():
     (["--overlap-repeats", "0"], "--overlap-tokens 0 skips"),
 ])
 def test_bad_counts_are_refused_before_any_work(args, message, capsys):
-    from kv_transfer.bench import main
+    from benchmarks.kv_transfer import main
 
     with pytest.raises(SystemExit) as e:
         main(args)

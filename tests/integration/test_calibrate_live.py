@@ -9,14 +9,11 @@ import time
 import httpx
 import pytest
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
+from pdcluster.local_cluster import LocalCluster
 from planner.calibrate_serving import probe_live, scrape_steps
 from planner.cli import main as plan_main
 from planner.cost_model import fitted_from
-from prefill_worker.server import PrefillWorkerServer
-from router.http_api import HttpApi, router_metrics, router_readiness
-from router.server import RouterServer
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +24,8 @@ ENGINE_PREFILL = {"a": 0.005, "b": 2e-4, "c": 1e-7}
 @pytest.fixture(scope="module")
 def url(builtin_path):
     cfg = EngineConfig(model=str(builtin_path), num_blocks=256, max_model_len=256, num_threads=1)
-    decode, prefill = DecodeWorkerServer(cfg, "decode-0"), PrefillWorkerServer(cfg, "prefill-0")
-    router = RouterServer(MODEL, max_model_len=256, request_timeout_s=30)
-    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
-    api = HttpApi(router.address, MODEL, router.tokenizer, readiness=router_readiness(router),
-                  metrics=router_metrics(router))
-    api.start()
-    yield f"http://{api.address}"
-    api.stop()
-    for server in (router, prefill, decode):
-        server.stop()
+    with LocalCluster(cfg, router={"model": MODEL, "request_timeout_s": 30}, http={}) as c:
+        yield c.url
 
 
 def test_step_counters_move_with_requests(url):
@@ -93,7 +82,7 @@ def test_cli_adds_live_to_the_coefficients_file(url, tmp_path, capsys):
 def test_bench_serve_records_what_the_workers_counted_per_run(url, tmp_path):
     """bench serve reads the endpoint's worker counters around each run (loadgen.server_counters):
     steps per phase and the prefix cache's hits, as the planner's accuracy check compares them."""
-    from pdcluster.cli import main
+    from cli.main import main
 
     out = tmp_path / "out"
     assert main(["bench", "serve", "--endpoint", url, "--workload", "azure-conv", "--num-requests", "6",

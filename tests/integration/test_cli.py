@@ -10,26 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.ports import fixed_port
+from common.net import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pdcluster(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdcluster.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=os.environ.copy())
 
 
-def _free_port() -> int:
-    return fixed_port()  # not an ephemeral port: nothing binding port 0 meanwhile can take it
-
-
 def test_up_detach_status_generate_down_from_a_shell(tmp_path):
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "cluster.yaml"
     config.write_text((ROOT / "cluster.yaml").read_text().replace("grpc_port: 50051", f"grpc_port: {port}")
-                      .replace("http_port: 8000", f"http_port: {_free_port()}"))
+                      .replace("http_port: 8000", f"http_port: {free_port()}"))
     up = _pdcluster("up", "--detach", "-c", str(config))
     try:
         assert up.returncode == 0, up.stderr[-3000:]

@@ -23,13 +23,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.net import free_port
 from pdcluster.client import Client
 from pdcluster.cluster_config import load_cluster_config
 from pdcluster.launcher import up
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import with_secret
-from tests.integration.ports import fixed_port
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def cluster(builtin_path):
     cfg = load_cluster_config("cluster.yaml")
     pools = (dataclasses.replace(cfg.pools[0], replicas=2), dataclasses.replace(cfg.pools[1], replicas=2))
     cfg = dataclasses.replace(
-        cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=_free_port(), http_port=_free_port(),
+        cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=free_port(), http_port=free_port(),
                                                      max_retries=2),
         kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=64), model=dataclasses.replace(cfg.model, max_model_len=1024),
         engine=dataclasses.replace(cfg.engine, num_threads=1),
@@ -61,10 +61,6 @@ def reference(builtin_path):
         return out[0, len(ids):].tolist()
 
     return ref
-
-
-def _free_port() -> int:
-    return fixed_port()  # not an ephemeral port: nothing binding port 0 meanwhile can take it
 
 
 def _stub(w: dict, secret: str | None):

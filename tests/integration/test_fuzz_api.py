@@ -14,15 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
-from prefill_worker.server import PrefillWorkerServer
+from pdcluster.local_cluster import LocalCluster
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
-from router.http_api import MAX_BODY_BYTES, HttpApi
+from router.http_api import MAX_BODY_BYTES
 from router.openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS
-from router.server import RouterServer
 
 pytestmark = pytest.mark.slow
 
@@ -37,19 +35,14 @@ GRPC_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, gr
 @pytest.fixture(scope="module")
 def stack(builtin_path):
     cfg = EngineConfig(model=str(builtin_path), num_blocks=128, max_model_len=MAX_LEN, num_threads=1)
-    decode, prefill = DecodeWorkerServer(cfg, "decode-0"), PrefillWorkerServer(cfg, "prefill-0")
-    router = RouterServer(MODEL, max_model_len=MAX_LEN, request_timeout_s=30)
-    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
-    api = HttpApi(router.address, MODEL, router.tokenizer)
-    api.start()
+    c = LocalCluster(cfg, router={"model": MODEL, "request_timeout_s": 30}, http={})
+    router, api, (prefill, decode) = c.router, c.http, c.workers
     channel = grpc.insecure_channel(router.address)
     with Client(router.address) as client:
         expected = client.complete("Once upon a time", max_tokens=8, temperature=0.0, ignore_eos=True).token_ids
     yield router, api, gen_grpc.PDClusterStub(channel), channel, expected
     channel.close()
-    api.stop()
-    for s in (router, prefill, decode):
-        s.stop()
+    c.stop()
     assert decode.stats().kv_blocks_used == 0 and prefill.stats().kv_blocks_used == 0
 
 

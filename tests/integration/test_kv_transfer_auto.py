@@ -43,7 +43,7 @@ def _transfer(decode: DecodeEngine, sender) -> None:
     for layer in range(decode.num_layers):
         sender.send_layer(ticket, layer, torch.full(decode.layer_shape(len(ticket.block_ids)), layer + 1.0))
     sender.commit(ticket, 7, None)
-    cache = decode.engine.runner.kv_caches
+    cache = decode.engine.kv_caches
     assert all(torch.all(cache[l][:, ticket.block_ids] == l + 1.0) for l in range(decode.num_layers))
     assert decode.has_work()
 

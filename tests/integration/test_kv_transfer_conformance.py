@@ -139,7 +139,7 @@ def test_layers_land_in_the_reserved_blocks_and_commit_admits(kv):
     for layer, kv_ in enumerate(layers):
         sender.send_layer(ticket, layer, kv_.clone())  # handed over (KVSender.send_layer)
     sender.commit(ticket, 7, None)
-    cache = decode.engine.runner.kv_caches
+    cache = decode.engine.kv_caches
     for layer, kv_ in enumerate(layers):
         assert torch.equal(cache[layer][:, ticket.block_ids], kv_)  # bit-exact
         untouched = [b for b in range(32) if b not in ticket.block_ids]
@@ -155,7 +155,7 @@ def test_flush_waits_for_the_receivers_acknowledgement(kv):
     sender.send_layer(ticket, 0, kv_)
     sender.send_layer(ticket, 1, kv_)
     assert sender.flush(ticket) == 2 and decode.receiver.num_pending == 1
-    assert torch.equal(decode.engine.runner.kv_caches[1][:, ticket.block_ids], kv_)
+    assert torch.equal(decode.engine.kv_caches[1][:, ticket.block_ids], kv_)
 
 
 def test_many_transfers_in_flight_from_several_threads(kv):
@@ -179,7 +179,7 @@ def test_many_transfers_in_flight_from_several_threads(kv):
     assert sender.flush(tickets[0]) == decode.num_layers
     for t in reversed(tickets):  # commits in any order
         sender.commit(t, 5, None)
-    cache = decode.engine.runner.kv_caches
+    cache = decode.engine.kv_caches
     for t in tickets:
         for layer in range(decode.num_layers):
             assert torch.equal(cache[layer][:, t.block_ids], layers[t.transfer_id][layer])
@@ -225,7 +225,7 @@ def test_receiver_refuses_wrong_shape_and_layer_and_an_early_commit(kv):
     assert sender.flush(ticket) == 1
     with pytest.raises(KVTransferError, match=r"FAILED_PRECONDITION: commit of .* before layers \[1\]"):
         sender.commit(ticket, 7, None)
-    assert torch.all(decode.engine.runner.kv_caches[1] == 0) and decode.num_reserved == 1
+    assert torch.all(decode.engine.kv_caches[1] == 0) and decode.num_reserved == 1
     assert decode.engine.block_manager.num_used_blocks == 3
 
 
@@ -238,7 +238,7 @@ def test_bytes_corrupted_after_their_checksum_are_refused(kv):
     sender.send_layer(ticket, 1, kv_.clone())
     with pytest.raises(KVTransferError, match="DATA_LOSS: checksum mismatch for layer 1"):
         sender.flush(ticket)
-    cache = decode.engine.runner.kv_caches
+    cache = decode.engine.kv_caches
     assert torch.equal(cache[0][:, ticket.block_ids], kv_)
     if not (kv.backend == "shm" and decode.receiver.shared is not None):  # in place: in blocks not yet live
         assert torch.all(cache[1] == 0)

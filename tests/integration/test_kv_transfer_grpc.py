@@ -76,8 +76,8 @@ def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub):
     # a stream that fails part-way keeps what was accepted before the bad message, nothing after
     with pytest.raises(grpc.RpcError, match="checksum mismatch"):
         stub.SendLayers(iter([good, _message(ticket, 1, kv, checksum=good.checksum ^ 1)]), timeout=5)
-    assert torch.equal(decode.engine.runner.kv_caches[0][:, ticket.block_ids], kv)
-    assert torch.all(decode.engine.runner.kv_caches[1] == 0)
+    assert torch.equal(decode.engine.kv_caches[0][:, ticket.block_ids], kv)
+    assert torch.all(decode.engine.kv_caches[1] == 0)
     ack = stub.SendLayers(iter([_message(ticket, 1, kv)]), timeout=5)
     assert ack.ok and ack.layers_received == 1
     ack = stub.Commit(kv_transfer_pb2.KVCommit(transfer_id=ticket.transfer_id, auth_token=ticket.auth_token,
@@ -95,7 +95,7 @@ def test_int8_compression_moves_a_quarter_of_the_bytes_within_a_half_step(decode
         for layer, kv in enumerate(layers):
             sender.send_layer(ticket, layer, kv)
         sender.commit(ticket, 7, None)
-        cache = decode.engine.runner.kv_caches
+        cache = decode.engine.kv_caches
         for layer, kv in enumerate(layers):
             got = cache[layer][:, ticket.block_ids]
             _, scales = quantize_int8(kv)
@@ -119,7 +119,7 @@ def test_a_large_layer_travels_as_runs_of_blocks_and_lands_whole(decode, compres
         sender.commit(ticket, 7, None)
         assert [(m.layer, m.first_block, m.shape[1]) for m in sent] == [
             (layer, b, 1) for layer in range(decode.num_layers) for b in range(3)]
-        cache = decode.engine.runner.kv_caches
+        cache = decode.engine.kv_caches
         for layer, kv in enumerate(layers):
             got = cache[layer][:, ticket.block_ids]
             assert torch.equal(got, kv) if compression == "none" else torch.allclose(got, kv, atol=0.05)
@@ -158,7 +158,7 @@ def test_hostile_messages_never_touch_another_requests_blocks(decode, stub):
     replays = [_message(done, i, _layer(decode, done, seed=i)) for i in range(2)]
     assert stub.Commit(kv_transfer_pb2.KVCommit(transfer_id=done.transfer_id, auth_token=done.auth_token,
                                                 first_token=9, num_layers=2), timeout=5).ok
-    caches = decode.engine.runner.kv_caches
+    caches = decode.engine.kv_caches
     others = [b for b in range(caches[0].shape[1]) if b not in target.block_ids]
     before = [c[:, others].clone() for c in caches]
     good = _message(target, 0, _layer(decode, target))

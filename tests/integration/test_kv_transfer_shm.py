@@ -191,8 +191,8 @@ def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub, segment
     # a stream that fails part-way keeps what was accepted before the bad message, nothing after
     with pytest.raises(grpc.RpcError, match="checksum mismatch"):
         stub.SendLayers(iter([_message(ticket, 0, kv, name, 4096), _message(ticket, 1, kv, bad)]), timeout=5)
-    assert torch.equal(decode.engine.runner.kv_caches[0][:, ticket.block_ids], kv)
-    assert torch.all(decode.engine.runner.kv_caches[1] == 0)
+    assert torch.equal(decode.engine.kv_caches[0][:, ticket.block_ids], kv)
+    assert torch.all(decode.engine.kv_caches[1] == 0)
     # an inline payload (a grpc sender) is taken too
     inline = _message(ticket, 1, kv, "", shm_nbytes=0, payload=data)
     ack = stub.SendLayers(iter([inline]), timeout=5)

@@ -75,14 +75,14 @@ def test_layers_land_in_place_with_no_segment_and_only_metadata_sent(decode, sen
     shared = decode.receiver.shared
     assert shared is not None and sender.in_place_endpoints == [decode.receiver.endpoint]
     # the engine's cache is the shared segment's memory
-    assert decode.engine.runner.kv_caches[0].data_ptr() == shared.cache[0].data_ptr()
+    assert decode.engine.kv_caches[0].data_ptr() == shared.cache[0].data_ptr()
     sent = spy_on_messages(sender)
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     layers = [layer(decode, ticket, seed=i) for i in range(decode.num_layers)]
     for i, kv in enumerate(layers):
         sender.send_layer(ticket, i, kv)
         # the bytes are in the blocks before the message is even read
-        assert torch.equal(decode.engine.runner.kv_caches[i][:, ticket.block_ids], kv)
+        assert torch.equal(decode.engine.kv_caches[i][:, ticket.block_ids], kv)
     assert sender.segments == [sender._probe.name]  # no segment made for the transfer
     assert sender.flush(ticket) == decode.num_layers
     assert len(sent) == decode.num_layers and all(
@@ -116,21 +116,21 @@ def test_a_stale_sender_cannot_write_into_blocks_given_to_another_transfer(decod
         if set(new.block_ids) & set(old.block_ids):
             break
     assert set(new.block_ids) & set(old.block_ids)
-    before = [c.clone() for c in decode.engine.runner.kv_caches]
+    before = [c.clone() for c in decode.engine.kv_caches]
     sender.send_layer(old, 1, layer(decode, old, seed=2))  # late: written nowhere, refused
     with pytest.raises(KVTransferError, match="NOT_FOUND: unknown transfer id"):
         sender.flush(old)
-    assert all(torch.equal(a, b) for a, b in zip(before, decode.engine.runner.kv_caches))
+    assert all(torch.equal(a, b) for a, b in zip(before, decode.engine.kv_caches))
     # a forged token cannot write either (the fence tag is derived from it)
     forged = type(new)(**{**new.__dict__, "auth_token": "0" * 32})
     sender.send_layer(forged, 0, layer(decode, new, seed=3))
     with pytest.raises(KVTransferError, match="PERMISSION_DENIED|bad auth token"):
         sender.flush(forged)
-    assert all(torch.equal(a, b) for a, b in zip(before, decode.engine.runner.kv_caches))
+    assert all(torch.equal(a, b) for a, b in zip(before, decode.engine.kv_caches))
     for i in range(decode.num_layers):  # the rightful owner still can
         sender.send_layer(new, i, layer(decode, new, seed=10 + i))
     sender.commit(new, 7, None)
-    assert torch.equal(decode.engine.runner.kv_caches[1][:, new.block_ids], layer(decode, new, seed=11))
+    assert torch.equal(decode.engine.kv_caches[1][:, new.block_ids], layer(decode, new, seed=11))
 
 
 def test_clearing_the_fence_waits_for_a_write_in_progress(decode, sender):
@@ -168,7 +168,7 @@ def test_a_receiver_without_room_for_its_shared_cache_falls_back_to_segments(che
             for i in range(d.num_layers):
                 s.send_layer(ticket, i, kv)
             s.commit(ticket, 7, None)
-            assert torch.equal(d.engine.runner.kv_caches[0][:, ticket.block_ids], kv)
+            assert torch.equal(d.engine.kv_caches[0][:, ticket.block_ids], kv)
 
 
 def test_in_place_messages_to_a_private_cache_are_refused(checkpoint, decode):
@@ -209,7 +209,7 @@ def test_a_restarted_receiver_is_mapped_anew(checkpoint):
             s.commit(t2, 7, None)
             assert d.receiver.shared.name != old and s.in_place_endpoints == [endpoint]
             for i in range(d.num_layers):
-                assert torch.equal(d.engine.runner.kv_caches[i][:, t2.block_ids], layer(d, t2, seed=i))
+                assert torch.equal(d.engine.kv_caches[i][:, t2.block_ids], layer(d, t2, seed=i))
         finally:
             d.close()
     assert not mapped_segments() and not ours_in_shm()

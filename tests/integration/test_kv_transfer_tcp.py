@@ -77,7 +77,7 @@ def _send_all(decode, sender, ticket, seed=0):
     for i, kv in enumerate(layers):
         sender.send_layer(ticket, i, kv)
     sender.commit(ticket, 7, None)
-    cache = decode.engine.runner.kv_caches
+    cache = decode.engine.kv_caches
     assert all((cache[i][:, ticket.block_ids] == kv).all() for i, kv in enumerate(layers))
 
 

@@ -99,7 +99,7 @@ def test_unknown_transfer_and_bad_token_are_refused_before_any_recv(decode, send
         sender.send_layer(ticket, layer, kv)
     sender.commit(ticket, 7, None)
     assert sender.pairs[decode.receiver.endpoint] != old_pair and old_pair not in decode.receiver.pairs
-    assert torch.equal(decode.engine.runner.kv_caches[1][:, ticket.block_ids], kv)
+    assert torch.equal(decode.engine.kv_caches[1][:, ticket.block_ids], kv)
 
 
 def test_unreachable_store_or_a_receiver_without_the_backend_is_refused(decode, checkpoint, monkeypatch):
@@ -143,7 +143,7 @@ def test_a_grpc_sender_is_taken_too(decode):
         for layer in range(decode.num_layers):
             s.send_layer(ticket, layer, kv)
         s.commit(ticket, 7, None)
-        assert torch.equal(decode.engine.runner.kv_caches[0][:, ticket.block_ids], kv)
+        assert torch.equal(decode.engine.kv_caches[0][:, ticket.block_ids], kv)
         assert not decode.receiver.pairs
     finally:
         s.close()
@@ -189,7 +189,7 @@ def test_a_sender_in_another_process(decode):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "child-done True" in out.stdout
-    cache = decode.engine.runner.kv_caches
+    cache = decode.engine.kv_caches
     for layer in range(decode.num_layers):
         g = torch.Generator().manual_seed(layer)
         assert torch.equal(cache[layer][:, ticket.block_ids], torch.randn(shape, generator=g))

@@ -20,6 +20,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from common.net import free_port
 from loadgen.arrivals import ArrivalConfig, arrival_offsets
 from loadgen.client import EndpointConfig, fetch_model
 from loadgen.metrics import SLO, summarize
@@ -118,12 +119,6 @@ def server():
     s.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _synthetic(n: int, out: int):
     return load_workload(WorkloadConfig("synthetic", n, synthetic_input="fixed:16", synthetic_output=f"fixed:{out}"))
 
@@ -182,7 +177,7 @@ def test_a_run_stops_at_its_time_limit(server):
     ("hang", "timeout", "request-timeout"),
 ])
 def test_failures_are_counted_with_their_reason_and_never_hang(server, where, kind, message):
-    url = f"http://127.0.0.1:{_free_port()}" if where == "refused" else server.url(where)
+    url = f"http://127.0.0.1:{free_port()}" if where == "refused" else server.url(where)
     start = time.monotonic()
     result = _run(url, n=4, rate=50.0, time_limit_s=20.0, request_timeout_s=1.0)
     assert time.monotonic() - start < 8.0
@@ -195,7 +190,7 @@ def test_failures_are_counted_with_their_reason_and_never_hang(server, where, ki
 
 
 def test_cli_compares_two_systems_over_a_sweep_and_writes_json_markdown_and_plots(server, tmp_path, capsys):
-    from pdcluster.cli import main
+    from cli.main import main
 
     out = tmp_path / "out"
     first = len(server.bodies)
@@ -227,9 +222,9 @@ def test_cli_compares_two_systems_over_a_sweep_and_writes_json_markdown_and_plot
 
 
 def test_cli_reports_an_endpoint_that_is_down(tmp_path, capsys):
-    from pdcluster.cli import main
+    from cli.main import main
 
-    rc = main(["bench", "serve", "--endpoint", f"http://127.0.0.1:{_free_port()}", "--workload", "synthetic",
+    rc = main(["bench", "serve", "--endpoint", f"http://127.0.0.1:{free_port()}", "--workload", "synthetic",
                "--num-requests", "2", "--rate", "10", "--out", str(tmp_path), "--no-progress"])
     assert rc == 2 and "GET /v1/models failed" in capsys.readouterr().err
 

@@ -12,11 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
-from prefill_worker.server import PrefillWorkerServer
-from router.server import RouterServer
+from pdcluster.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -42,24 +40,13 @@ def _cluster(path: str, max_tokens: int):
     # a small token budget: a local prompt is chunked into the decode worker's mixed steps
     cfg = EngineConfig(model=path, num_blocks=256, max_model_len=256, num_threads=1, max_num_batched_tokens=32, max_num_seqs=16,
                        dtype="float32")
-    decode = DecodeWorkerServer(cfg, "decode-0")
-    prefill = PrefillWorkerServer(cfg, "prefill-0", kv_timeout_s=5.0)
-    router = RouterServer(path, max_model_len=256, request_timeout_s=60, local_prefill_max_tokens=max_tokens)
-    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
-    return router, prefill, decode
-
-
-def _blocks_free(decode, prefill, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if decode.engine.block_manager.num_used_blocks == 0 and prefill.engine.block_manager.num_used_blocks == 0:
-            return True
-        time.sleep(0.05)
-    return False
+    return LocalCluster(cfg, prefill={"kv_timeout_s": 5.0},
+                        router={"request_timeout_s": 60, "local_prefill_max_tokens": max_tokens})
 
 
 def test_busy_prefill_worker_sends_short_prompts_to_the_decode_worker_token_identical(path, reference, monkeypatch):
-    router, prefill, decode = _cluster(path, max_tokens=48)
+    c = _cluster(path, max_tokens=48)
+    router, (prefill, decode) = c.router, c.workers
     step = prefill.prefill.step
 
     def slow_step():  # the tiny model prefills in a millisecond: make the prefill worker's queue build up
@@ -79,15 +66,15 @@ def test_busy_prefill_worker_sends_short_prompts_to_the_decode_worker_token_iden
         assert decode.stats().prompt_tokens > 0  # prompts prefilled on the decode worker
         for p, out in zip(prompts, outs):
             assert out.token_ids == reference(p, 10), len(p)
-        assert _blocks_free(decode, prefill)
+        assert c.wait_blocks_free()
     finally:
-        for s in (router, prefill, decode):
-            s.stop()
+        c.stop()
 
 
 def test_idle_prefill_worker_takes_every_prompt_and_zero_turns_it_off(path):
     for max_tokens in (0, 48):
-        router, prefill, decode = _cluster(path, max_tokens)
+        c = _cluster(path, max_tokens)
+        router, (_prefill, decode) = c.router, c.workers
         try:
             with Client(router.address) as client:
                 for i in range(3):  # one at a time: the prefill worker is idle at each arrival
@@ -95,31 +82,28 @@ def test_idle_prefill_worker_takes_every_prompt_and_zero_turns_it_off(path):
             assert router.metrics.local_prefills._value.get() == 0
             assert decode.stats().prompt_tokens == 0
         finally:
-            for s in (router, prefill, decode):
-                s.stop()
+            c.stop()
 
 
 def test_a_decode_worker_refuses_a_local_prefill_its_free_blocks_cannot_hold(path):
-    router, prefill, decode = _cluster(path, max_tokens=64)
+    c = _cluster(path, max_tokens=64)
+    _router, (_prefill, decode) = c.router, c.workers
     try:
-        from decode_worker.decode_engine import fits
-
         from engine.sampling_params import SamplingParams
 
-        bm = decode.engine.block_manager
-        room = bm.num_free_blocks * bm.block_size  # no sequence runs: no headroom kept
-        assert fits(decode.engine, room) and not fits(decode.engine, room + 1)
+        room = decode.engine.load().blocks_free * decode.engine.cfg.block_size  # no sequence runs: no headroom kept
+        assert decode.engine.fits(room) and not decode.engine.fits(room + 1)
         assert not decode.decode.add_local("x", [5] * (room + 1), SamplingParams(max_tokens=1))
         assert decode.decode.add_local("y", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
         assert decode.decode.queued_prompt_tokens() in (0, 3)  # 0 once the engine thread took it
-        assert _blocks_free(decode, prefill)
+        assert c.wait_blocks_free()
     finally:
-        for s in (router, prefill, decode):
-            s.stop()
+        c.stop()
 
 
 def test_a_local_prefill_aborted_mid_stream_frees_its_blocks(path):
-    router, prefill, decode = _cluster(path, max_tokens=64)
+    c = _cluster(path, max_tokens=64)
+    router, (prefill, _decode) = c.router, c.workers
     try:
         prefill.stop()  # no prefill worker: a short prompt is prefilled locally rather than failing
         deadline = time.monotonic() + 10
@@ -130,8 +114,7 @@ def test_a_local_prefill_aborted_mid_stream_frees_its_blocks(path):
             next(stream)
             stream.close()  # the client goes away mid-stream
         assert router.metrics.local_prefills._value.get() == 1
-        assert _blocks_free(decode, prefill)
+        assert c.wait_blocks_free()
         assert router.pool.workers("decode")[0].local_tokens == 0  # released when the stream ended early
     finally:
-        for s in (router, decode):
-            s.stop()
+        c.stop()

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
-from prefill_worker.server import PrefillWorkerServer
+from pdcluster.local_cluster import LocalCluster
 from proto.serving import add_health_and_reflection, bind_server
 from router import metrics as router_metrics
 from router.server import RouterServer
@@ -29,13 +29,9 @@ MAX_TOKENS = 5
 def cluster(checkpoint):
     path = str(checkpoint("llama-gqa"))
     cfg = EngineConfig(model=path, num_blocks=64, max_model_len=256, num_threads=1)
-    decode = DecodeWorkerServer(cfg, "decode-0", kv_backend="auto")
-    prefill = PrefillWorkerServer(cfg, "prefill-0", kv_backend="auto", kv_timeout_s=10.0)
-    router = RouterServer(path, max_model_len=256, request_timeout_s=60)
-    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
-    yield router, prefill, decode
-    for s in (router, prefill, decode):
-        s.stop()
+    with LocalCluster(cfg, decode={"kv_backend": "auto"}, prefill={"kv_backend": "auto", "kv_timeout_s": 10.0},
+                      router={"request_timeout_s": 60}) as c:
+        yield (c.router, *c.workers)
 
 
 @pytest.fixture(scope="module")

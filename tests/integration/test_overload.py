@@ -12,13 +12,10 @@ import grpc
 import httpx
 import pytest
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
-from prefill_worker.server import PrefillWorkerServer
+from pdcluster.local_cluster import LocalCluster
 from router.admission import RETRY_AFTER_METADATA
-from router.http_api import HttpApi
-from router.server import RouterServer
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +27,11 @@ TOKENS = 24
 def router(checkpoint):
     path = str(checkpoint("llama-gqa"))
     cfg = EngineConfig(model=path, num_blocks=256, max_model_len=256, num_threads=1)
-    decode, prefill = DecodeWorkerServer(cfg, "decode-0"), PrefillWorkerServer(cfg, "prefill-0")
-    router = RouterServer(path, max_model_len=256, request_timeout_s=60, max_requests=LIMIT)
-    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
-    router.http = HttpApi(router.address, router.model_name, router.tokenizer)
-    router.http.start()
-    yield router
-    router.http.stop()
-    for s in (router, prefill, decode):
-        s.stop()
-    assert decode.stats().kv_blocks_used == 0
+    c = LocalCluster(cfg, router={"request_timeout_s": 60, "max_requests": LIMIT}, http={})
+    c.router.http = c.http
+    yield c.router
+    c.stop()
+    assert c.decode_workers[0].stats().kv_blocks_used == 0
 
 
 def _one(address: str, i: int) -> tuple[str, float, float | None]:

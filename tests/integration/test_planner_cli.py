@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pdcluster.cli import main
+from cli.main import main
 from pdcluster.client import Client
 from pdcluster.cluster_config import load_cluster_config
 from pdcluster.launcher import up

@@ -7,13 +7,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
-from prefill_worker.server import PrefillWorkerServer
+from pdcluster.local_cluster import LocalCluster
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
-from router.server import RouterServer
 
 pytestmark = pytest.mark.slow
 
@@ -22,13 +20,8 @@ pytestmark = pytest.mark.slow
 def router(checkpoint):
     path = str(checkpoint("llama-gqa"))
     cfg = EngineConfig(model=path, num_blocks=64, max_model_len=256, num_threads=1)
-    decode = DecodeWorkerServer(cfg, "decode-0")
-    prefill = PrefillWorkerServer(cfg, "prefill-0")
-    router = RouterServer(path, max_model_len=256, request_timeout_s=30, api_keys=["k1", "k2"])
-    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
-    yield router
-    for s in (router, prefill, decode):
-        s.stop()
+    with LocalCluster(cfg, router={"request_timeout_s": 30, "api_keys": ["k1", "k2"]}) as c:
+        yield c.router
 
 
 @pytest.mark.parametrize("metadata", [None, [("x-api-key", "nope")], [("authorization", "Bearer nope")]])

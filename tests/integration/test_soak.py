@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster import soak
+from benchmarks import soak
 
 pytestmark = pytest.mark.slow
 

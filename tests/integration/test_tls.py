@@ -13,7 +13,7 @@ from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
 from pdcluster.cluster_config import ClusterConfig, ConfigError
-from pdcluster.soak import self_signed
+from benchmarks.soak import self_signed
 from prefill_worker.server import PrefillWorkerServer
 from router.http_api import HttpApi
 from router.server import RouterServer

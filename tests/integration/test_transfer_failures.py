@@ -9,14 +9,13 @@ import time
 import grpc
 import pytest
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
+from pdcluster.local_cluster import LocalCluster
 from prefill_worker.server import PrefillWorkerServer
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
-from router.server import RouterServer
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +24,9 @@ pytestmark = pytest.mark.slow
 def servers(checkpoint):
     path = str(checkpoint("llama-gqa"))
     cfg = EngineConfig(model=path, num_blocks=64, max_model_len=256, num_threads=1)
-    decode = DecodeWorkerServer(cfg, "decode-0", reservation_ttl_s=1.0)
-    prefill = PrefillWorkerServer(cfg, "prefill-0", kv_timeout_s=5.0)
-    router = RouterServer(path, max_model_len=256, request_timeout_s=30)
-    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
-    yield decode, prefill, router
-    for s in (router, prefill, decode):
-        s.stop()
+    with LocalCluster(cfg, decode={"reservation_ttl_s": 1.0}, prefill={"kv_timeout_s": 5.0},
+                      router={"request_timeout_s": 30}) as c:
+        yield c.decode_workers[0], c.prefill_workers[0], c.router
 
 
 def _reserve(decode, rid):

@@ -10,10 +10,9 @@ import concurrent.futures as cf
 import grpc
 import pytest
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
-from router.server import RouterServer
+from pdcluster.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +20,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def colocated(checkpoint):
     path = str(checkpoint("llama-gqa"))
-    worker = DecodeWorkerServer(EngineConfig(model=path, num_blocks=256, max_model_len=256, num_threads=1),
-                                "workers-0", colocated=True)
-    router = RouterServer(path, max_model_len=256, mode="colocated", request_timeout_s=30)
-    router.set_workers([("workers-0", "colocated", worker.address)])
-    yield worker, router
-    router.stop()
-    worker.stop()
+    with LocalCluster(EngineConfig(model=path, num_blocks=256, max_model_len=256, num_threads=1), mode="colocated",
+                      router={"request_timeout_s": 30}) as c:
+        yield c.decode_workers[0], c.router
 
 
 def test_a_failing_loop_iteration_does_not_kill_the_engine_thread(colocated, monkeypatch):

@@ -1,8 +1,8 @@
-"""pdcluster.heap: a process's startup heap kept out of the cyclic collector's scans."""
+"""common.heap: a process's startup heap kept out of the cyclic collector's scans."""
 
 import gc
 
-from pdcluster.heap import freeze_startup_heap
+from common.heap import freeze_startup_heap
 
 
 def test_frozen_objects_are_left_out_of_collections_and_later_ones_are_not():

@@ -36,7 +36,7 @@ def test_layers_land_in_the_reserved_blocks_and_commit_admits(decode, sender):
     assert len(ticket.block_ids) == 3 and decode.engine.block_manager.num_used_blocks == 3
     for layer in range(decode.num_layers):
         sender.send_layer(ticket, layer, _layer(decode, ticket, layer + 1.0))
-    cache = decode.engine.runner.kv_caches
+    cache = decode.engine.kv_caches
     for layer in range(decode.num_layers):
         assert torch.all(cache[layer][:, ticket.block_ids] == layer + 1.0)
     untouched = [b for b in range(32) if b not in ticket.block_ids]
@@ -57,7 +57,7 @@ def test_receiver_refuses_unknown_transfer_and_bad_token(decode, sender, tamper,
     forged = dataclasses.replace(ticket, **tamper)
     with pytest.raises(KVTransferError, match=message):
         sender.send_layer(forged, 0, _layer(decode, ticket))
-    assert torch.all(decode.engine.runner.kv_caches[0] == 0)
+    assert torch.all(decode.engine.kv_caches[0] == 0)
 
 
 def test_receiver_refuses_wrong_shape_and_layer(decode, sender):
@@ -68,7 +68,7 @@ def test_receiver_refuses_wrong_shape_and_layer(decode, sender):
         sender.send_layer(ticket, decode.num_layers, _layer(decode, ticket))
     with pytest.raises(KVTransferError, match="before layers"):
         sender.commit(ticket, 7, None)
-    assert torch.all(decode.engine.runner.kv_caches[0] == 0)
+    assert torch.all(decode.engine.kv_caches[0] == 0)
 
 
 def test_incompatible_layout_is_refused_before_any_bytes_move(decode):

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdcluster.logs import request_context, setup_logging
+from common.logs import request_context, setup_logging
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from router import metrics as router_metrics

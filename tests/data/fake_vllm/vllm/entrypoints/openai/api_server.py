@@ -21,7 +21,7 @@ def main() -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     args = ap.parse_args()
     cfg = {"model": {"path": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len},
            "mode": "colocated", "router": {"host": args.host, "grpc_port": 0, "http_port": args.port},
@@ -29,7 +29,7 @@ def main() -> int:
     fd, path = tempfile.mkstemp(suffix=".yaml")
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(cfg, f)
-    os.execv(sys.executable, [sys.executable, "-m", "pdcluster.cli", "up", "-c", path, "--log-level", "warning"])
+    os.execv(sys.executable, [sys.executable, "-m", "cli", "up", "-c", path, "--log-level", "warning"])
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import json
 import os
 import random
 import signal
-import socket
 import ssl
 import tempfile
 import threading
@@ -37,6 +36,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from common.net import free_port
 
 FAULTS = ("kill-decode", "kill-prefill", "kill-router")
 CLEAR_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")
@@ -74,12 +75,6 @@ class Tally:
                 self.failed_clear[detail] += 1
             else:
                 self.lost.append(detail)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float | None:
@@ -121,7 +116,7 @@ class Soak:
         a = self.args
         cfg = load_cluster_config(a.config)
         pools = (dataclasses.replace(cfg.pools[0], replicas=a.prefill), dataclasses.replace(cfg.pools[1], replicas=a.decode))
-        router = dataclasses.replace(cfg.router, grpc_port=_free_port(), http_port=_free_port(), max_retries=3)
+        router = dataclasses.replace(cfg.router, grpc_port=free_port(), http_port=free_port(), max_retries=3)
         if a.secure:
             cert, key = self_signed(tempfile.mkdtemp(prefix="pdcluster-soak-"))
             router = dataclasses.replace(router, tls_cert=cert, tls_key=key, api_keys=(API_KEY,))

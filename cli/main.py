@@ -142,7 +142,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "transfer":
-        from kv_transfer.bench import main as bench_transfer
+        from benchmarks.kv_transfer import main as bench_transfer
 
         return bench_transfer(args.rest)
     if args.what == "serve":

@@ -1,0 +1,108 @@
+"""An in-process cluster without Ray: real worker and router gRPC servers on loopback ports, for
+tests, experiments and calibration.
+
+    with LocalCluster(EngineConfig(model=path, num_threads=1), router={"request_timeout_s": 60}) as c:
+        with c.client() as client:
+            client.complete([5, 6, 7], max_tokens=8)
+
+`mode="colocated"` starts `decode` colocated workers and no prefill worker. Options of each kind of
+server go in `prefill` / `decode` / `router` dicts (the servers' own keyword arguments); the router
+gets the engine's model and max_model_len unless given.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from decode_worker.server import DecodeWorkerServer
+from engine.config import EngineConfig
+from pdcluster.client import Client
+from prefill_worker.server import PrefillWorkerServer
+from router.http_api import HttpApi, router_metrics, router_readiness
+from router.server import RouterServer
+
+MODES = ("disaggregated", "colocated")
+
+
+class LocalCluster:
+    def __init__(self, engine: EngineConfig, num_prefill: int = 1, num_decode: int = 1,
+                 mode: str = "disaggregated", prefill: dict[str, Any] | None = None,
+                 decode: dict[str, Any] | None = None, router: dict[str, Any] | None = None,
+                 http: dict[str, Any] | None = None) -> None:
+        """`http`: also serve the OpenAI API (HttpApi's keyword arguments; {} for the defaults)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        colocated = mode == "colocated"
+        self.prefill_workers: list[PrefillWorkerServer] = []
+        self.decode_workers: list[DecodeWorkerServer] = []
+        self.router: RouterServer | None = None
+        self.http: HttpApi | None = None
+        try:
+            for i in range(num_decode):
+                self.decode_workers.append(DecodeWorkerServer(engine, f"decode-{i}", colocated=colocated,
+                                                              **(decode or {})))
+            for i in range(0 if colocated else num_prefill):
+                self.prefill_workers.append(PrefillWorkerServer(engine, f"prefill-{i}", **(prefill or {})))
+            options = {"max_model_len": engine.max_model_len, **(router or {})}
+            self.router = RouterServer(options.pop("model", engine.model), mode=mode, **options)
+            self.router.set_workers(self.members())
+            if http is not None:
+                self.http = HttpApi(self.router.local_address, self.router.model_name, self.router.tokenizer,
+                                    **{"readiness": router_readiness(self.router),
+                                       "metrics": router_metrics(self.router), **http})
+                self.http.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def address(self) -> str:
+        """The router's gRPC address."""
+        assert self.router is not None
+        return self.router.address
+
+    @property
+    def url(self) -> str:
+        """The OpenAI API's base URL (with `http=`)."""
+        if self.http is None:
+            raise RuntimeError("this LocalCluster serves no HTTP API (start it with http={})")
+        return f"http://{self.http.address}"
+
+    @property
+    def workers(self) -> list[PrefillWorkerServer | DecodeWorkerServer]:
+        return [*self.prefill_workers, *self.decode_workers]
+
+    def members(self) -> list[tuple[str, str, str]]:
+        """(worker id, role, address) of every worker, as the router's `set_workers` takes them."""
+        return [(w.worker_id, "prefill", w.address) for w in self.prefill_workers] + [
+            (w.worker_id, "colocated" if w.colocated else "decode", w.address) for w in self.decode_workers]
+
+    def client(self, **options: Any) -> Client:
+        return Client(self.address, **options)
+
+    def blocks_in_use(self) -> int:
+        return sum(w.engine.load().blocks_used for w in self.workers)
+
+    def wait_blocks_free(self, timeout_s: float = 10.0) -> bool:
+        """Whether every worker's KV blocks came back within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.blocks_in_use():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.http.stop()
+        if self.router is not None:
+            self.router.stop()
+        for w in self.workers:
+            w.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
