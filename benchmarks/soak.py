@@ -37,7 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.net import free_port
+from common.net import fixed_port
 
 FAULTS = ("kill-decode", "kill-prefill", "kill-router")
 CLEAR_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")
@@ -116,7 +116,7 @@ class Soak:
         a = self.args
         cfg = load_cluster_config(a.config)
         pools = (dataclasses.replace(cfg.pools[0], replicas=a.prefill), dataclasses.replace(cfg.pools[1], replicas=a.decode))
-        router = dataclasses.replace(cfg.router, grpc_port=free_port(), http_port=free_port(), max_retries=3)
+        router = dataclasses.replace(cfg.router, grpc_port=fixed_port(), http_port=fixed_port(), max_retries=3)
         if a.secure:
             cert, key = self_signed(tempfile.mkdtemp(prefix="pdcluster-soak-"))
             router = dataclasses.replace(router, tls_cert=cert, tls_key=key, api_keys=(API_KEY,))

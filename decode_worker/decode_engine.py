@@ -157,10 +157,7 @@ class DecodeEngine:
         """Prefill a prompt here (the router's local prefill): it joins the engine's queue and runs in
         its mixed steps; no KV arrives. False when the cache is too full right now."""
         with self._lock:
-            if not self.engine.fits(len(token_ids)):
-                return False
-            self.engine.add_request(request_id, token_ids, params, output_offset)
-            return True
+            return self.engine.try_add_request(request_id, token_ids, params, output_offset)
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens waiting to be prefilled here (local prefills, recomputed sequences)."""

@@ -238,10 +238,7 @@ class DecodeWorkerServer(wk_grpc.DecodeWorkerServicer):
 
     def _add_colocated(self, rid: str, ids: list[int], params: SamplingParams, output_offset: int) -> bool:
         with self._lock:
-            if not self.engine.fits(len(ids)):
-                return False
-            self.engine.add_request(rid, ids, params, output_offset)
-            return True
+            return self.engine.try_add_request(rid, ids, params, output_offset)
 
     def _committed(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

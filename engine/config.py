@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch is imported where a dtype or device is made: the router reads configs without it
+if TYPE_CHECKING:  # torch is imported where a dtype or device is made, not when this module is
     import torch
 
 SUPPORTED_ARCHITECTURES = (

@@ -87,6 +87,15 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def try_add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                        output_offset: int = 0) -> bool:
+        """`add_request` if the prompt `fits` now (the rule of every admission that holds blocks:
+        colocated requests, a decode worker's local prefills); False, and nothing added, otherwise."""
+        if not self.fits(len(token_ids)):
+            return False
+        self.add_request(request_id, token_ids, params, output_offset)
+        return True
+
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
 

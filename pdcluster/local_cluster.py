@@ -12,6 +12,7 @@ gets the engine's model and max_model_len unless given.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from router.http_api import HttpApi, router_metrics, router_readiness
 from router.server import RouterServer
 
 MODES = ("disaggregated", "colocated")
+log = logging.getLogger("pdcluster.local_cluster")
 
 
 class LocalCluster:
@@ -94,12 +96,15 @@ class LocalCluster:
         return True
 
     def stop(self) -> None:
-        if self.http is not None:
-            self.http.stop()
-        if self.router is not None:
-            self.router.stop()
-        for w in self.workers:
-            w.stop()
+        """Stop everything started, front to back; one server failing to stop does not keep the
+        others running."""
+        for server in (self.http, self.router, *self.workers):
+            if server is None:
+                continue
+            try:
+                server.stop()
+            except Exception:
+                log.exception("stopping %s failed", type(server).__name__)
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.net import free_port
+from common.net import fixed_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,10 +22,10 @@ def _pdcluster(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_up_detach_status_generate_down_from_a_shell(tmp_path):
-    port = free_port()
+    port = fixed_port()
     config = tmp_path / "cluster.yaml"
     config.write_text((ROOT / "cluster.yaml").read_text().replace("grpc_port: 50051", f"grpc_port: {port}")
-                      .replace("http_port: 8000", f"http_port: {free_port()}"))
+                      .replace("http_port: 8000", f"http_port: {fixed_port()}"))
     up = _pdcluster("up", "--detach", "-c", str(config))
     try:
         assert up.returncode == 0, up.stderr[-3000:]

@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.net import free_port
+from common.net import fixed_port
 from pdcluster.client import Client
 from pdcluster.cluster_config import load_cluster_config
 from pdcluster.launcher import up
@@ -41,7 +41,7 @@ def cluster(builtin_path):
     cfg = load_cluster_config("cluster.yaml")
     pools = (dataclasses.replace(cfg.pools[0], replicas=2), dataclasses.replace(cfg.pools[1], replicas=2))
     cfg = dataclasses.replace(
-        cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=free_port(), http_port=free_port(),
+        cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=fixed_port(), http_port=fixed_port(),
                                                      max_retries=2),
         kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=64), model=dataclasses.replace(cfg.model, max_model_len=1024),
         engine=dataclasses.replace(cfg.engine, num_threads=1),

@@ -67,10 +67,20 @@ def test_the_architecture_page_lists_the_same_floors():
     assert documented == FLOORS
 
 
-def test_the_router_and_the_client_do_not_import_torch():
+def test_the_router_and_the_client_import_no_torch_and_never_load_the_model_runner(builtin_path):
     import subprocess
     import sys
 
-    code = ("import sys, router.server, router.http_api, pdcluster.client, engine.request_checks, cli.main; "
-            "sys.exit('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+    imports = ("import sys, router.server, router.http_api, pdcluster.client, engine.request_checks, cli.main\n"
+               "assert 'torch' not in sys.modules, 'importing the router or the client imported torch'\n")
+    # what the router does with a model: its config, tokenizer and request checks (transformers'
+    # Llama config imports torch itself; the model runner must stay out all the same)
+    serve = ("from engine.config import ModelConfig\n"
+             "from engine.request_checks import resolve_max_model_len, validate_request\n"
+             "from engine.sampling_params import SamplingParams\n"
+             "from engine.tokenizer import load_tokenizer\n"
+             f"m = ModelConfig.from_pretrained({str(builtin_path)!r}); load_tokenizer({str(builtin_path)!r})\n"
+             "validate_request([5, 6], SamplingParams(), m.vocab_size, resolve_max_model_len(m, None))\n"
+             "assert 'engine.model_runner' not in sys.modules, 'the router loaded the model runner'\n")
+    run = subprocess.run([sys.executable, "-c", imports + serve], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
