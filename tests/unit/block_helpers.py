@@ -25,3 +25,17 @@ def assert_accounting(bm: BlockManager, tables: list[list[int]]) -> None:
     bm.check_invariants(tables)
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
     assert bm.num_used_blocks == len({b for t in tables for b in t})
+
+
+def allocated(bm: BlockManager, tokens: list[int], rid: str = "r") -> Sequence:
+    """A sequence of `tokens` with its blocks allocated (prefix hits included)."""
+    seq = make_seq(tokens, rid)
+    bm.allocate(seq)
+    return seq
+
+
+def computed(bm: BlockManager, tokens: list[int], rid: str = "r") -> Sequence:
+    """`allocated`, then every token computed and its full blocks registered in the prefix cache."""
+    seq = allocated(bm, tokens, rid)
+    compute_all(bm, seq)
+    return seq

@@ -110,3 +110,10 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000, **kw) -> int:
 def assert_all_free(sched: Scheduler) -> None:
     assert sched.bm.num_free_blocks == sched.bm.num_blocks
     sched.bm.check_invariants([])
+
+
+def added(sched: Scheduler, rid: str, prompt: list[int] | int, **kw) -> Sequence:
+    """A sequence made as `make_seq` makes it, added to the scheduler's waiting queue."""
+    seq = make_seq(rid, prompt, **kw)
+    sched.add(seq)
+    return seq

@@ -7,7 +7,7 @@ import pytest
 
 import engine.block_manager as block_manager_module
 from engine.block_manager import BlockManager
-from tests.unit.block_helpers import BS, assert_accounting, compute_all, make_seq
+from tests.unit.block_helpers import BS, allocated, assert_accounting, computed, make_seq
 
 # ---------------------------------------------------------------------------------------------
 # Example tests
@@ -23,8 +23,7 @@ def test_constructor_rejects_empty_pool():
 
 def test_allocate_gives_blocks_for_every_token_and_free_returns_blocks_to_pool():
     bm = BlockManager(8, BS)
-    seq = make_seq(list(range(10)))
-    bm.allocate(seq)
+    seq = allocated(bm, list(range(10)))
     assert len(seq.block_table) == 3 and seq.num_computed_tokens == 0
     assert bm.num_free_blocks == 5
     assert_accounting(bm, [seq.block_table])
@@ -35,11 +34,8 @@ def test_allocate_gives_blocks_for_every_token_and_free_returns_blocks_to_pool()
 
 def test_prefix_hit_reuses_computed_blocks_and_sets_num_computed_tokens():
     bm = BlockManager(16, BS)
-    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "a")
-    bm.allocate(a)
-    compute_all(bm, a)
-    b = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0], "b")
-    bm.allocate(b)
+    a = computed(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "a")
+    b = allocated(bm, [1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0], "b")
     assert b.block_table[:2] == a.block_table[:2]
     assert not set(b.block_table[2:]) & set(a.block_table)
     assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
@@ -50,15 +46,11 @@ def test_prefix_hit_reuses_computed_blocks_and_sets_num_computed_tokens():
 
 def test_partial_prefix_match_hits_only_matching_leading_blocks():
     bm = BlockManager(16, BS)
-    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
-    bm.allocate(a)
-    compute_all(bm, a)
-    b = make_seq([1, 2, 3, 4, 5, 6, 7, 0, 9], "b")  # second block differs in its last token
-    bm.allocate(b)
+    a = computed(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
+    b = allocated(bm, [1, 2, 3, 4, 5, 6, 7, 0, 9], "b")  # second block differs in its last token
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
     assert b.num_computed_tokens == 4
-    c = make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9], "c")  # first block differs: nothing after it can hit
-    bm.allocate(c)
+    c = allocated(bm, [0, 2, 3, 4, 5, 6, 7, 8, 9], "c")  # first block differs: nothing after it can hit
     assert c.num_computed_tokens == 0 and not set(c.block_table) & set(a.block_table)
     assert_accounting(bm, [a.block_table, b.block_table, c.block_table])
 
@@ -66,19 +58,16 @@ def test_partial_prefix_match_hits_only_matching_leading_blocks():
 def test_block_not_yet_computed_is_never_a_hit():
     bm = BlockManager(16, BS)
     prompt = list(range(13))
-    a = make_seq(prompt, "a")
-    bm.allocate(a)
+    a = allocated(bm, prompt, "a")
     bm.cache_full_blocks(a)  # nothing computed yet: nothing registered
     assert bm.hash_to_block == {}
-    b = make_seq(prompt, "b")
-    bm.allocate(b)
+    b = allocated(bm, prompt, "b")
     assert b.num_computed_tokens == 0 and not set(b.block_table) & set(a.block_table)
 
     a.num_computed_tokens = 6  # one full block and half of the next
     bm.cache_full_blocks(a)
     assert len(bm.hash_to_block) == 1
-    c = make_seq(prompt, "c")
-    bm.allocate(c)
+    c = allocated(bm, prompt, "c")
     assert c.num_computed_tokens == 4 and c.block_table[0] == a.block_table[0]
     assert c.block_table[1] != a.block_table[1]
     assert_accounting(bm, [a.block_table, b.block_table, c.block_table])
@@ -87,27 +76,21 @@ def test_block_not_yet_computed_is_never_a_hit():
 def test_hits_only_after_cache_full_blocks():
     bm = BlockManager(16, BS)
     prompt = list(range(9))
-    a = make_seq(prompt, "a")
-    bm.allocate(a)
+    a = allocated(bm, prompt, "a")
     a.num_computed_tokens = 9  # computed, but not yet registered
-    b = make_seq(prompt, "b")
-    bm.allocate(b)
+    b = allocated(bm, prompt, "b")
     assert b.num_computed_tokens == 0
     bm.cache_full_blocks(a)
-    c = make_seq(prompt, "c")
-    bm.allocate(c)
+    c = allocated(bm, prompt, "c")
     assert c.num_computed_tokens == 8 and c.block_table[:2] == a.block_table[:2]
 
 
 def test_no_hits_when_prefix_caching_disabled():
     bm = BlockManager(16, BS, enable_prefix_caching=False)
     prompt = list(range(9))
-    a = make_seq(prompt, "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed(bm, prompt, "a")
     assert bm.hash_to_block == {} and a.num_registered_blocks == 0
-    b = make_seq(prompt, "b")
-    bm.allocate(b)
+    b = allocated(bm, prompt, "b")
     assert b.num_computed_tokens == 0 and not set(b.block_table) & set(a.block_table)
     assert bm.prefix_hits == 0
 
@@ -115,12 +98,9 @@ def test_no_hits_when_prefix_caching_disabled():
 def test_hash_collision_with_different_tokens_is_not_a_hit(monkeypatch):
     monkeypatch.setattr(block_manager_module, "chain_hash", lambda prev, tokens: b"\x01" * 16)
     bm = BlockManager(16, BS)
-    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
     assert len(bm.hash_to_block) == 1  # every block hashes the same: one entry
-    b = make_seq([5, 6, 7, 8, 1, 2, 3, 4, 9], "b")  # same hash chain, other tokens
-    bm.allocate(b)
+    b = allocated(bm, [5, 6, 7, 8, 1, 2, 3, 4, 9], "b")  # same hash chain, other tokens
     assert b.num_computed_tokens == 0 and not set(b.block_table) & set(a.block_table)
     assert bm.prefix_hits == 0
     assert_accounting(bm, [a.block_table, b.block_table])
@@ -129,14 +109,11 @@ def test_hash_collision_with_different_tokens_is_not_a_hit(monkeypatch):
 def test_hash_collision_with_equal_block_tokens_at_another_position_is_not_a_hit(monkeypatch):
     monkeypatch.setattr(block_manager_module, "chain_hash", lambda prev, tokens: b"\x01" * 16)
     bm = BlockManager(16, BS)
-    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
     # Block 0 of b rightly hits a's block 0. Block 1 of b holds tokens 1 2 3 4 at positions 4..7
     # after the prefix 1 2 3 4; a's block 0 holds the same tokens at positions 0..3 with no prefix,
     # so its K/V (RoPE position, attention context) are not b's.
-    b = make_seq([1, 2, 3, 4, 1, 2, 3, 4, 9], "b")
-    bm.allocate(b)
+    b = allocated(bm, [1, 2, 3, 4, 1, 2, 3, 4, 9], "b")
     assert b.block_table[0] == a.block_table[0]
     assert b.block_table[1] != a.block_table[0], "block holding positions 0..3 served for positions 4..7"
     assert b.num_computed_tokens == 4
@@ -145,42 +122,32 @@ def test_hash_collision_with_equal_block_tokens_at_another_position_is_not_a_hit
 def test_block_with_last_token_is_never_shared():
     bm = BlockManager(16, BS)
     prompt = list(range(8))  # exact multiple of the block size
-    a = make_seq(prompt, "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed(bm, prompt, "a")
     assert len(bm.hash_to_block) == 2  # both full blocks are cached
-    b = make_seq(prompt, "b")
-    bm.allocate(b)
+    b = allocated(bm, prompt, "b")
     assert b.block_table[0] == a.block_table[0]
     assert b.block_table[1] != a.block_table[1]  # the last block is computed afresh
     assert b.num_computed_tokens == 4 and b.num_remaining == 4
-    c = make_seq(prompt + [99], "c")  # one more token: now both full blocks can be hits
-    bm.allocate(c)
+    c = allocated(bm, prompt + [99], "c")  # one more token: now both full blocks can be hits
     assert c.block_table[:2] == a.block_table[:2] and c.num_computed_tokens == 8
     assert_accounting(bm, [a.block_table, b.block_table, c.block_table])
 
 
 def test_single_block_prompt_never_hits():
     bm = BlockManager(4, BS)
-    a = make_seq([1, 2, 3, 4], "a")
-    bm.allocate(a)
-    compute_all(bm, a)
-    b = make_seq([1, 2, 3, 4], "b")
-    bm.allocate(b)
+    a = computed(bm, [1, 2, 3, 4], "a")
+    b = allocated(bm, [1, 2, 3, 4], "b")
     assert b.num_computed_tokens == 0 and b.block_table != a.block_table
 
 
 def test_freed_cached_blocks_are_reused_by_later_identical_prompt():
     bm = BlockManager(8, BS)
     prompt = list(range(11))
-    a = make_seq(prompt, "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed(bm, prompt, "a")
     old_table = list(a.block_table)
     bm.free(a)
     assert bm.num_free_blocks == 8
-    b = make_seq(prompt, "b")
-    bm.allocate(b)
+    b = allocated(bm, prompt, "b")
     assert b.block_table[:2] == old_table[:2]
     assert b.num_computed_tokens == 8
     assert bm.num_free_blocks == 8 - 3
@@ -189,9 +156,7 @@ def test_freed_cached_blocks_are_reused_by_later_identical_prompt():
 
 def test_free_releases_tail_first_so_head_blocks_are_evicted_last():
     bm = BlockManager(3, BS)
-    a = make_seq(list(range(12)), "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed(bm, list(range(12)), "a")
     table = list(a.block_table)
     bm.free(a)
     handed_out = []
@@ -205,9 +170,7 @@ def test_free_releases_tail_first_so_head_blocks_are_evicted_last():
 def test_eviction_removes_hash_entry():
     bm = BlockManager(3, BS)
     prompt = list(range(12))
-    a = make_seq(prompt, "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed(bm, prompt, "a")
     table = list(a.block_table)
     hashes = list(a.block_hashes)
     assert {bm.hash_to_block[h] for h in hashes} == set(table)
@@ -215,31 +178,25 @@ def test_eviction_removes_hash_entry():
     assert all(bm.hash_to_block[h] == b for h, b in zip(hashes, table))
 
     # The tail was released first, so it is handed out (evicted) first.
-    x = make_seq([50, 51, 52, 53], "x")
-    bm.allocate(x)
+    x = allocated(bm, [50, 51, 52, 53], "x")
     assert x.block_table == [table[2]]
     assert hashes[2] not in bm.hash_to_block
     assert bm.blocks[table[2]].hash is None and bm.blocks[table[2]].token_ids == ()
-    y = make_seq([60, 61, 62, 63], "y")
-    bm.allocate(y)
+    y = allocated(bm, [60, 61, 62, 63], "y")
     assert y.block_table == [table[1]]
     assert hashes[1] not in bm.hash_to_block and hashes[0] in bm.hash_to_block
     bm.free(x)
     bm.free(y)
 
-    b = make_seq(prompt, "b")  # only the head block survived eviction
-    bm.allocate(b)
+    b = allocated(bm, prompt, "b")  # only the head block survived eviction
     assert b.num_computed_tokens == 4 and b.block_table[0] == table[0]
     assert_accounting(bm, [b.block_table])
 
 
 def test_shared_block_stays_used_until_last_reference_is_freed():
     bm = BlockManager(8, BS)
-    a = make_seq(list(range(9)), "a")
-    bm.allocate(a)
-    compute_all(bm, a)
-    b = make_seq(list(range(9)), "b")
-    bm.allocate(b)
+    a = computed(bm, list(range(9)), "a")
+    b = allocated(bm, list(range(9)), "b")
     shared = a.block_table[:2]
     bm.free(a)
     assert all(bm.blocks[i].ref_count == 1 for i in shared)
@@ -256,8 +213,7 @@ def test_double_free_asserts():
     bm.free_blocks(ids)
     with pytest.raises(AssertionError, match="double free"):
         bm.free_blocks(ids)
-    seq = make_seq([1, 2, 3], "s")
-    bm.allocate(seq)
+    seq = allocated(bm, [1, 2, 3], "s")
     table = list(seq.block_table)
     bm.free(seq)
     with pytest.raises(AssertionError, match="double free"):
@@ -266,8 +222,7 @@ def test_double_free_asserts():
 
 def test_allocate_twice_asserts():
     bm = BlockManager(4, BS)
-    seq = make_seq([1, 2, 3], "s")
-    bm.allocate(seq)
+    seq = allocated(bm, [1, 2, 3], "s")
     with pytest.raises(AssertionError):
         bm.allocate(seq)
 
@@ -293,9 +248,7 @@ def test_allocation_beyond_capacity_raises_and_leaks_nothing():
 
 def test_can_allocate_is_conservative_about_prefix_hits():
     bm = BlockManager(3, BS)
-    a = make_seq(list(range(9)), "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    computed(bm, list(range(9)), "a")
     # b would need only one fresh block (two hits), but admission counts all three.
     assert not bm.can_allocate(9)
     with pytest.raises(RuntimeError):
@@ -304,8 +257,7 @@ def test_can_allocate_is_conservative_about_prefix_hits():
 
 def test_append_slot_adds_a_block_only_at_a_boundary():
     bm = BlockManager(4, BS)
-    seq = make_seq([1, 2, 3, 4], "s")
-    bm.allocate(seq)
+    seq = allocated(bm, [1, 2, 3, 4], "s")
     seq.num_computed_tokens = 4
     seq.token_ids.append(5)
     assert bm.can_append(seq)
@@ -319,8 +271,7 @@ def test_append_slot_adds_a_block_only_at_a_boundary():
 
 def test_can_append_false_when_a_block_is_needed_and_pool_is_empty():
     bm = BlockManager(2, BS)
-    seq = make_seq(list(range(8)), "s")
-    bm.allocate(seq)
+    seq = allocated(bm, list(range(8)), "s")
     assert bm.num_free_blocks == 0
     assert bm.can_append(seq)  # table covers every token
     seq.token_ids.append(8)

@@ -15,6 +15,7 @@ from engine.sequence import SeqStatus
 from tests.unit.scheduler_helpers import (
     BS,
     TOKEN,
+    added,
     assert_all_free,
     make_sched,
     make_seq,
@@ -29,14 +30,12 @@ from tests.unit.scheduler_helpers import (
 
 def test_prefill_first_new_prompts_run_before_decodes():
     sched = make_sched(mixed=False)
-    a = make_seq("a", 6, max_tokens=8)
-    sched.add(a)
+    a = added(sched, "a", 6, max_tokens=8)
     batch, sampled = step(sched)
     assert [(i.seq, i.num_tokens) for i in batch] == [(a, 6)] and sampled == [a]
     batch, _ = step(sched)
     assert [(i.seq, i.num_tokens) for i in batch] == [(a, 1)]  # decode
-    b = make_seq("b", 5, max_tokens=8)
-    sched.add(b)
+    b = added(sched, "b", 5, max_tokens=8)
     batch, _ = step(sched)
     assert [(i.seq, i.num_tokens) for i in batch] == [(b, 5)]  # a does not decode in a prefill step
     batch, _ = step(sched)
@@ -47,12 +46,10 @@ def test_prefill_first_new_prompts_run_before_decodes():
 
 def test_mixed_steps_put_decode_rows_first_then_prompt_chunks():
     sched = make_sched(budget=8)
-    a = make_seq("a", 6, max_tokens=8)
-    sched.add(a)
+    a = added(sched, "a", 6, max_tokens=8)
     batch, _ = step(sched)
     assert [(i.seq, i.num_tokens) for i in batch] == [(a, 6)]
-    b = make_seq("b", 12, max_tokens=8)
-    sched.add(b)
+    b = added(sched, "b", 12, max_tokens=8)
     batch, _ = step(sched)  # a decodes in the same pass as b's first chunk, inside the budget
     assert [(i.seq, i.num_tokens) for i in batch] == [(a, 1), (b, 7)]
     batch, _ = step(sched)
@@ -76,8 +73,7 @@ def test_decode_step_schedules_every_running_sequence_one_token():
 
 def test_long_prompt_is_chunked_under_token_budget():
     sched = make_sched(budget=8)
-    a = make_seq("a", 21, max_tokens=2)
-    sched.add(a)
+    a = added(sched, "a", 21, max_tokens=2)
     chunks = []
     while a.num_output_tokens == 0:
         batch, _ = step(sched)
@@ -92,8 +88,7 @@ def test_long_prompt_is_chunked_under_token_budget():
 
 def test_chunk_leaving_one_token_finishes_in_a_later_step():
     sched = make_sched(budget=8)
-    a = make_seq("a", 9, max_tokens=1)
-    sched.add(a)
+    a = added(sched, "a", 9, max_tokens=1)
     chunks = []
     while not a.is_finished:
         batch, _ = step(sched)
@@ -166,8 +161,7 @@ def test_max_num_seqs_caps_running_sequences():
 
 def test_admission_is_fcfs_and_head_of_line_waits_for_blocks():
     sched = make_sched(num_blocks=8)
-    a = make_seq("a", 20, max_tokens=4)  # 5 blocks
-    sched.add(a)
+    a = added(sched, "a", 20, max_tokens=4)  # 5 blocks
     step(sched)
     b = make_seq("b", 16, max_tokens=1)  # 4 blocks: does not fit in the 3 left
     c = make_seq("c", 4, max_tokens=1)  # 1 block: would fit, but must not overtake b

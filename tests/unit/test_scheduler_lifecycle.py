@@ -6,6 +6,7 @@ from __future__ import annotations
 from engine.sequence import Sequence
 from tests.unit.scheduler_helpers import (
     TOKEN,
+    added,
     assert_all_free,
     check_state,
     make_sched,
@@ -20,8 +21,7 @@ from tests.unit.scheduler_helpers import (
 
 def test_finish_on_max_tokens_frees_blocks():
     sched = make_sched()
-    a = make_seq("a", 6, max_tokens=3)
-    sched.add(a)
+    a = added(sched, "a", 6, max_tokens=3)
     for _ in range(2):
         step(sched)
         assert not a.is_finished and a.block_table
@@ -34,8 +34,7 @@ def test_finish_on_max_tokens_frees_blocks():
 
 def test_finish_on_eos_frees_blocks():
     sched = make_sched()
-    a = make_seq("a", 6, max_tokens=10, eos=frozenset({2}))
-    sched.add(a)
+    a = added(sched, "a", 6, max_tokens=10, eos=frozenset({2}))
     step(sched)
     step(sched, token=lambda s: 2)
     assert a.finish_reason == "stop" and a.output_token_ids == [TOKEN, 2]
@@ -45,8 +44,7 @@ def test_finish_on_eos_frees_blocks():
 
 def test_ignore_eos_keeps_generating():
     sched = make_sched()
-    a = make_seq("a", 6, max_tokens=3, eos=frozenset({2}), ignore_eos=True)
-    sched.add(a)
+    a = added(sched, "a", 6, max_tokens=3, eos=frozenset({2}), ignore_eos=True)
     run_to_completion(sched, token=lambda s: 2)
     assert a.finish_reason == "length" and a.output_token_ids == [2, 2, 2]
     assert_all_free(sched)
@@ -69,8 +67,7 @@ def test_finish_on_stop_token_ids_frees_blocks():
 
 def test_finish_on_max_model_len():
     sched = make_sched()
-    a = make_seq("a", 6, max_tokens=100, max_model_len=9)
-    sched.add(a)
+    a = added(sched, "a", 6, max_tokens=100, max_model_len=9)
     run_to_completion(sched)
     assert a.finish_reason == "length" and len(a) == 9
     assert_all_free(sched)
@@ -101,13 +98,11 @@ def test_abort_frees_blocks():
 def test_abort_mid_chunked_prefill_frees_blocks_and_caches_computed_prefix():
     sched = make_sched(budget=8)
     prompt = list(range(20, 40))
-    a = make_seq("a", prompt, max_tokens=2)
-    sched.add(a)
+    added(sched, "a", prompt, max_tokens=2)
     step(sched)  # 8 of 20 tokens computed
     sched.abort("a")
     assert_all_free(sched)
-    b = make_seq("b", prompt, max_tokens=1)
-    sched.add(b)
+    b = added(sched, "b", prompt, max_tokens=1)
     batch, _ = step(sched)
     assert b.num_cached_tokens == 8 and batch[0].num_tokens == 8  # 20 - 8 cached, under budget 8
     run_to_completion(sched)
@@ -117,8 +112,7 @@ def test_abort_mid_chunked_prefill_frees_blocks_and_caches_computed_prefix():
 def test_handoff_after_prefill_releases_sequence_after_first_token():
     sched = make_sched(budget=8, handoff=True)
     prompt = list(range(20, 32))
-    a = make_seq("a", prompt, max_tokens=10)
-    sched.add(a)
+    a = added(sched, "a", prompt, max_tokens=10)
     _, sampled = step(sched)
     assert sampled == [] and a in sched.running
     _, sampled = step(sched)
@@ -127,8 +121,7 @@ def test_handoff_after_prefill_releases_sequence_after_first_token():
     assert a.is_finished and a.block_table == [] and not sched.has_work()
     assert_all_free(sched)
     # its computed full blocks stay in the prefix cache for the next identical prompt
-    b = make_seq("b", prompt, max_tokens=10)
-    sched.add(b)
+    b = added(sched, "b", prompt, max_tokens=10)
     batch, _ = step(sched)
     assert b.num_cached_tokens == 8 and batch[0].num_tokens == 4 and b.output_token_ids == [TOKEN]
     assert_all_free(sched)
@@ -154,11 +147,9 @@ def test_remote_prefilled_sequence_joins_running_and_decodes():
 def test_prefix_hit_skips_computed_tokens():
     sched = make_sched(budget=8)
     prompt = list(range(100, 116))
-    a = make_seq("a", prompt, max_tokens=1)
-    sched.add(a)
+    a = added(sched, "a", prompt, max_tokens=1)
     step(sched)  # a[0:8] computed and cached
-    b = make_seq("b", prompt, max_tokens=1)
-    sched.add(b)
+    b = added(sched, "b", prompt, max_tokens=1)
     batch, _ = step(sched)  # a's last chunk uses the whole budget: b waits
     assert [i.seq for i in batch] == [a] and list(sched.waiting) == [b]
     batch, _ = step(sched)
