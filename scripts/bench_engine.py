@@ -61,85 +61,25 @@ Example (the defaults):
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import json
-import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+
+from benchmarks.machine import busy_cores, git_commit
+from benchmarks.offline_workload import DEFAULT_TRACE, load_trace, make_prompts, scale_lengths
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/workloads/AzureLLMInferenceTrace_conv.csv"
 
 
 # ---------------------------------------------------------------------------------------------- workload
-def load_trace(path: Path, num_requests: int, seed: int | None) -> list[tuple[int, int]]:
-    """(ContextTokens, GeneratedTokens) of the first `num_requests` rows, or a seeded sample in trace order."""
-    with open(path, newline="") as f:
-        rows = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
-    if num_requests > len(rows):
-        raise SystemExit(f"--num-requests {num_requests} exceeds the {len(rows)} rows of {path}")
-    if seed is None:
-        return rows[:num_requests]
-    g = torch.Generator().manual_seed(seed)
-    picked = sorted(torch.randperm(len(rows), generator=g)[:num_requests].tolist())
-    return [rows[i] for i in picked]
-
-
-def scale_lengths(rows: list[tuple[int, int]], max_context: int, max_output: int) -> tuple[float, list[int], list[int]]:
-    longest = max(c + g for c, g in rows)
-    factor = min(1.0, max_context / longest)
-    prompts = [max(1, math.floor(c * factor)) for c, _ in rows]
-    outputs = [min(max_output, max(1, math.floor(g * factor))) for _, g in rows]
-    over = [i for i, (p, o) in enumerate(zip(prompts, outputs)) if p + o > max_context]
-    if over:  # only possible when max_context is tiny and the max(1, .) floors kick in
-        raise SystemExit(f"--max-context {max_context} is too small for request(s) {over[:5]}")
-    return factor, prompts, outputs
-
-
-def make_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def busy_cores(sample_s: float = 1.0) -> float | None:
-    """Cores kept busy by other processes, sampled from /proc/stat while this one sleeps (Linux only)."""
-
-    def read() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
-        return sum(v[:8]) - idle, sum(v[:8])
-
-    try:
-        b0, t0 = read()
-        time.sleep(sample_s)
-        b1, t1 = read()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1)
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def summary(xs: list[int]) -> str:
     return f"min {min(xs)} / median {statistics.median(xs):g} / max {max(xs)} (sum {sum(xs)})"
 

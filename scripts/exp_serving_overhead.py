@@ -32,14 +32,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from exp_disagg_vs_colocated import start, stop, warm_up  # noqa: E402
-from exp_vs_vllm import cluster_files  # noqa: E402
-
-from pdcluster.client import Client  # noqa: E402
+from benchmarks.local_clusters import REPO, start, stop, warm_up
+from benchmarks.serving_vs_vllm import cluster_files
+from pdcluster.client import Client
 
 MODES = ("disaggregated", "colocated")
 

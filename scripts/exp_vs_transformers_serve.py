@@ -37,12 +37,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+from benchmarks.local_clusters import REPO, interrupt, start, stop, warm_up
 from common.net import free_port
-from loadgen.cli import main as bench_serve  # noqa: E402
-from scripts.exp_disagg_vs_colocated import _interrupt, start, stop, warm_up  # noqa: E402
+from loadgen.cli import main as bench_serve
 
 
 def make_checkpoint(path: Path) -> Path:
@@ -141,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit-s", type=float, default=240.0)
     p.add_argument("--out", default="bench_results/exp_vs_transformers_serve")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the clusters on a kill too (see the finally below)
+    signal.signal(signal.SIGTERM, interrupt)  # stop the clusters on a kill too (see the finally below)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     ckpt = make_checkpoint(out / "qwen2-3m")

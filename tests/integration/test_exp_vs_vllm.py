@@ -1,6 +1,7 @@
-"""scripts/exp_vs_vllm.py end to end against a stand-in vLLM server (tests/data/fake_vllm, which
-serves with a real colocated pdcluster): real servers, one interleaved bench serve run, the
-analysis and its report. With the real vLLM venv the same script runs the real peer."""
+"""benchmarks/serving_vs_vllm.py (scripts/exp_vs_vllm.py) end to end against a stand-in vLLM
+server (tests/data/fake_vllm, which serves with a real colocated pdcluster): real servers, one
+interleaved bench serve run, the analysis and its report. With the real vLLM venv the same script
+runs the real peer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts import load_script
+from benchmarks import serving_vs_vllm as exp
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serving_side_by_side_reports_every_system(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests/data/fake_vllm"), str(ROOT)]))
     monkeypatch.setenv("PDCLUSTER_WORKLOADS", str(ROOT / "tests/data/workloads"))
-    exp = load_script("exp_vs_vllm")
     rc = exp.main(["--systems", "vllm,colocated", "--rates", "4", "--num-requests", "6", "--max-context", "256",
                    "--max-output", "8", "--time-limit-s", "60",
                    "--slo-ttft-ms", "20000", "--slo-tpot-ms", "2000", "--vllm-python", sys.executable,

@@ -1,18 +1,19 @@
-"""scripts/exp_ttft_phases.py: phase means from two scrapes of the router's own metrics text."""
+"""benchmarks/ttft_phases.py (scripts/exp_ttft_phases.py): phase means from two scrapes of the
+router's own metrics text."""
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks import ttft_phases
 from proto import generate_pb2 as gen
 from router import metrics as router_metrics
 from router.metrics import RouterMetrics
-from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def exp():
-    return load_script("exp_ttft_phases")
+    return ttft_phases
 
 
 def _finish(m: RouterMetrics, ms: tuple[float, ...], ttft_ms: float) -> None:

@@ -1,15 +1,15 @@
-"""scripts/exp_vs_vllm.py without servers: its flags' errors, the analysis of a bench serve result
-and the report (the end-to-end run is tests/integration/test_exp_vs_vllm.py)."""
+"""benchmarks/serving_vs_vllm.py (scripts/exp_vs_vllm.py) without servers: its flags' errors, the
+analysis of a bench serve result and the report (the end-to-end run is
+tests/integration/test_exp_vs_vllm.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.scripts import load_script
+from benchmarks import serving_vs_vllm as exp
 
 
 def test_unknown_system_and_missing_vllm_are_clear_errors(tmp_path, capsys):
-    exp = load_script("exp_vs_vllm")
     with pytest.raises(SystemExit):
         exp.main(["--systems", "sglang", "--out", str(tmp_path)])
     assert "--systems takes" in capsys.readouterr().err
@@ -19,8 +19,6 @@ def test_unknown_system_and_missing_vllm_are_clear_errors(tmp_path, capsys):
 
 
 def test_analysis_finds_each_systems_highest_rate_and_the_ratios():
-    exp = load_script("exp_vs_vllm")
-
     def run(label, rate, attainment, tpot_p99):
         return {"label": label, "rate": rate, "summary": {
             "slo_attainment": attainment, "goodput": rate * attainment, "failed": 0, "unfinished": 0,
@@ -41,8 +39,6 @@ def test_analysis_finds_each_systems_highest_rate_and_the_ratios():
 
 def test_repeats_combine_into_medians_and_the_median_ratio(tmp_path):
     import json
-
-    exp = load_script("exp_vs_vllm")
 
     def run(label, rate, attainment):
         return {"label": label, "rate": rate, "summary": {
