@@ -3,22 +3,29 @@
 Load is tracked by the router itself (requests and prompt tokens it has in flight per worker) and
 refreshed from each worker's `Stats` (free KV blocks) by a background poll, so a pick costs no RPC.
 The last `WorkerStats` of each worker is kept on its handle (`stats`), for the router's metrics.
+Each handle carries the stub the router calls that worker through (`Connect` makes it: gRPC by
+default; the router's unit tests hand in fakes).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from proto import worker_pb2 as wk
-from proto.cluster_auth import with_secret
 from proto import worker_pb2_grpc as wk_grpc
+from proto.cluster_auth import with_secret
 
 log = logging.getLogger("pdcluster.router")
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
+# (role, address) -> (channel, stub): the channel is closed when the pool closes; the stub answers
+# the worker RPCs of router/orchestrator.py (`DecodeStub`, `PrefillStub`) and Stats
+Connect = Callable[[str, str], "tuple[Any, Any]"]
 
 
 @dataclass
@@ -26,8 +33,8 @@ class WorkerHandle:
     worker_id: str
     role: str  # prefill | decode | colocated
     address: str
-    channel: grpc.Channel = field(repr=False)
-    stub: object = field(repr=False)
+    channel: Any = field(repr=False)  # grpc.Channel
+    stub: Any = field(repr=False)  # the worker's RPCs (a gRPC stub, or a test's fake)
     inflight: int = 0  # requests the router has on it
     inflight_tokens: int = 0  # prompt tokens the router has queued on it (prefill)
     local_tokens: int = 0  # prompt tokens it prefills locally with no first token yet (decode)
@@ -37,8 +44,10 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, stats_interval_s: float = 0.5, cluster_secret: str | None = None) -> None:
+    def __init__(self, stats_interval_s: float = 0.5, cluster_secret: str | None = None,
+                 connect: Connect | None = None) -> None:
         self._secret = cluster_secret  # sent with every RPC to a worker (proto/cluster_auth.py)
+        self._connect = connect or self._grpc_connect
         self._workers: dict[str, WorkerHandle] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -59,9 +68,12 @@ class WorkerPool:
             for wid, role, address in workers:
                 if wid in self._workers and self._workers[wid].address == address:
                     continue
-                channel = with_secret(grpc.insecure_channel(address, options=GRPC_OPTIONS), self._secret)
-                stub = wk_grpc.PrefillWorkerStub(channel) if role == "prefill" else wk_grpc.DecodeWorkerStub(channel)
+                channel, stub = self._connect(role, address)
                 self._workers[wid] = WorkerHandle(wid, role, address, channel, stub)
+
+    def _grpc_connect(self, role: str, address: str) -> tuple[grpc.Channel, Any]:
+        channel = with_secret(grpc.insecure_channel(address, options=GRPC_OPTIONS), self._secret)
+        return channel, wk_grpc.PrefillWorkerStub(channel) if role == "prefill" else wk_grpc.DecodeWorkerStub(channel)
 
     def update_worker(self, worker_id: str, role: str, address: str) -> None:
         """Add or replace one worker (a restarted one comes back at a new address), keep the rest."""
