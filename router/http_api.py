@@ -2,7 +2,8 @@
 
 Every generation is forwarded to `PDCluster.Generate` over a loopback grpc.aio channel, so the
 router (router/server.py) stays the one place for validation, API keys, cancellation and
-orchestration; this module only translates (router/openai_protocol.py holds the wire format).
+orchestration; this module serves the routes and translates: router/openai_protocol.py reads
+requests, router/openai_responses.py shapes answers, router/http_stream.py relays a generation.
 
     POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events)
     GET  /v1/models, /v1/models/{model}          the served model
@@ -23,9 +24,10 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -34,29 +36,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
-from router.admission import RETRY_AFTER_METADATA
-from router.openai_protocol import (
-    ApiError,
-    LogprobFormatter,
-    OpenAIRequest,
-    Output,
-    StreamShaper,
-    bad,
-    grpc_error,
-    parse_chat,
-    parse_completion,
-    response,
-)
+from router.http_stream import ClientGone, collect, events, relay, unless_disconnected
+from router.openai_protocol import ApiError, bad, parse_chat, parse_completion
+from router.openai_responses import LogprobFormatter, response
 
 log = logging.getLogger("pdcluster.http")
 MAX_BODY_BYTES = 8 << 20  # the router's gRPC API takes at most 8 MiB per request too
 Readiness = Callable[[], "str | None"]  # None: ready; else why not
-
-
-class _ClientGone(Exception):
-    """The HTTP client disconnected; its gRPC call has been cancelled."""
 
 
 def router_readiness(server: Any) -> Readiness:
@@ -252,51 +239,22 @@ class HttpApi:
         metadata = (("authorization", f"Bearer {key}"),) if key else None
         call = self._stub.Generate(req.grpc, timeout=self.request_timeout_s, metadata=metadata)
         gone = asyncio.Event()
-        messages = _relay(call, req, gone)
+        messages = relay(call, req, gone)
         fmt = LogprobFormatter(self._token_text)
         try:
             if not req.stream:
-                out = await _unless_disconnected(request, _collect(messages))
+                out = await unless_disconnected(request, collect(messages))
                 return JSONResponse(response(req, out, fmt))
-            first = await _unless_disconnected(request, anext(messages))
-        except _ClientGone:
+            first = await unless_disconnected(request, anext(messages))
+        except ClientGone:
             call.cancel()
             return Response(status_code=499)
         except BaseException:
             call.cancel()
             raise
-        return StreamingResponse(self._sse(request, call, gone, req, fmt, first, messages),
+        return StreamingResponse(events(request, call, gone, req, fmt, first, messages),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _sse(self, request: Request, call: Any, gone: asyncio.Event, req: OpenAIRequest,
-                   fmt: LogprobFormatter, first: gen.GenerateResponse,
-                   messages: AsyncIterator[gen.GenerateResponse]) -> AsyncIterator[str]:
-        """The event stream. A watcher cancels the gRPC call as soon as the client disconnects, even
-        while no token is due (Starlette only notices a disconnect on its own schedule)."""
-        def on_disconnect(task: asyncio.Task) -> None:
-            if not task.cancelled():
-                gone.set()
-                call.cancel()
-
-        watch = asyncio.ensure_future(_disconnected(request))
-        watch.add_done_callback(on_disconnect)
-        shaper = StreamShaper(req, fmt)
-        try:
-            for c in shaper.chunks(first):
-                yield _event(c)
-            async for msg in messages:
-                for c in shaper.chunks(msg):
-                    yield _event(c)
-            yield "data: [DONE]\n\n"
-        except ApiError as e:
-            yield _event(e.body())
-            yield "data: [DONE]\n\n"
-        except _ClientGone:
-            return
-        finally:
-            watch.cancel()
-            call.cancel()
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         tok = self.tokenizer
@@ -324,22 +282,6 @@ def _template_bos(tokenizer: Any) -> str | None:
     if tokenizer is None or not bos or bos_id is None:
         return None
     return bos if tokenizer.encode("a")[:1] == [bos_id] else None
-
-
-async def _relay(call: Any, req: OpenAIRequest, gone: asyncio.Event) -> AsyncIterator[gen.GenerateResponse]:
-    """The router's messages; a gRPC error becomes the ApiError to answer with."""
-    try:
-        async for msg in call:
-            yield msg
-            if msg.finish_reason:
-                return
-    except grpc.aio.AioRpcError as e:
-        raise grpc_error(e.code().name, e.details() or "", req, _retry_after(e)) from None
-    except asyncio.CancelledError:
-        if gone.is_set():
-            raise _ClientGone from None
-        raise
-    raise ApiError(502, "the router ended the stream without a final message", type="server_error")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -374,51 +316,6 @@ def _lone_surrogate(value: Any, path: str = "") -> str | None:
         if found is not None:
             return found
     return None
-
-
-def _retry_after(e: grpc.aio.AioRpcError) -> float | None:
-    """The router's retry hint of a refusal (trailing metadata retry-after-ms), in seconds."""
-    for key, value in e.trailing_metadata() or ():
-        if key == RETRY_AFTER_METADATA:
-            try:
-                return int(value) / 1e3
-            except ValueError:
-                return None
-    return None
-
-
-async def _collect(messages: AsyncIterator[gen.GenerateResponse]) -> Output:
-    out = Output()
-    async for msg in messages:
-        out.add(msg)
-    return out
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has disconnected (the request body must already be read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        await asyncio.sleep(0.01)
-
-
-async def _unless_disconnected(request: Request, aw: Awaitable[Any]) -> Any:
-    """`aw`'s result, unless the client disconnects first: then `aw` is cancelled and _ClientGone raised."""
-    task = asyncio.ensure_future(aw)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
-        raise _ClientGone
-    return task.result()
-
-
-def _event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _api_error(request: Request, e: ApiError) -> JSONResponse:

@@ -12,16 +12,8 @@ from starlette.testclient import TestClient
 
 from proto import generate_pb2 as gen
 from router.http_api import HttpApi
-from router.openai_protocol import (
-    ApiError,
-    LogprobFormatter,
-    Output,
-    StreamShaper,
-    grpc_error,
-    parse_chat,
-    parse_completion,
-    response,
-)
+from router.openai_protocol import ApiError, grpc_error, parse_chat, parse_completion
+from router.openai_responses import LogprobFormatter, Output, StreamShaper, response
 
 MODEL = "builtin:tiny-llama"
 
