@@ -30,51 +30,19 @@ import os
 import random
 import signal
 import ssl
+import sys
 import tempfile
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.soak_mix import Spec, Tally, make_specs
+from benchmarks.tls_cert import self_signed
 from common.net import fixed_port
 
 FAULTS = ("kill-decode", "kill-prefill", "kill-router")
 CLEAR_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")
 API_KEY = "soak-key"
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One prompt of the mix and how it is sampled."""
-
-    prompt: tuple[int, ...]
-    max_tokens: int
-    seed: int | None  # None: greedy; else temperature 0.8 with this seed
-
-    def sampling(self) -> dict[str, Any]:
-        s: dict[str, Any] = {"max_tokens": self.max_tokens, "ignore_eos": True}
-        s.update({"temperature": 0.0} if self.seed is None else {"temperature": 0.8, "seed": self.seed})
-        return s
-
-
-@dataclass
-class Tally:
-    sent: int = 0
-    completed: int = 0
-    failed_clear: Counter = field(default_factory=Counter)  # reason -> count
-    lost: list[str] = field(default_factory=list)  # what went wrong, per lost request
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, outcome: str, detail: str = "") -> None:
-        with self.lock:
-            self.sent += 1
-            if outcome == "ok":
-                self.completed += 1
-            elif outcome == "clear":
-                self.failed_clear[detail] += 1
-            else:
-                self.lost.append(detail)
 
 
 def rss_mib(pid: int) -> float | None:
@@ -86,15 +54,6 @@ def rss_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
-
-
-def _specs(n: int, rng: random.Random) -> list[Spec]:
-    out = []
-    for i in range(n):
-        length = rng.choice([4, 16, 60, 200, 500])
-        prompt = tuple(rng.randrange(4, 4000) for _ in range(length))
-        out.append(Spec(prompt, rng.choice([4, 16, 48, 96]), None if i % 3 else rng.randrange(1, 10**6)))
-    return out
 
 
 class Soak:
@@ -302,7 +261,7 @@ class Soak:
         a = self.args
         pids_start = self.pids()
         rss_start = {name: rss_mib(pid) for name, pid in pids_start.items()}
-        specs = _specs(a.prompts, self.rng)
+        specs = make_specs(a.prompts, self.rng)
         expected = {s: self.run_grpc(s) for s in specs}  # before any fault (KV faults are retried)
         print(f"baseline of {len(specs)} prompts taken; load for {a.duration_s:.0f} s", flush=True)
         self.t0 = time.monotonic()
@@ -349,36 +308,6 @@ class _HttpError(Exception):
         self.status, self.text = status, text
 
 
-def self_signed(directory: str) -> tuple[str, str]:
-    """(certificate, key) PEM files for 127.0.0.1 and localhost, valid for a day (needs `cryptography`)."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdcluster soak")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
-    with open(cert_path, "wb") as f:
-        f.write(cert.public_bytes(serialization.Encoding.PEM))
-    with open(key_path, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
-    os.chmod(key_path, 0o600)
-    return cert_path, key_path
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="soak.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=600.0, help="how long the load runs (default 600)")
@@ -412,3 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     return 0 if report["lost"] == 0 and not report["kv_blocks_leaked"] and report["completed"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
