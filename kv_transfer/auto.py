@@ -1,15 +1,15 @@
 """`auto` backend: per decode worker, NCCL between two GPU caches, shared memory on this node, else a
 TCP data connection, else gRPC.
 
-The receiver is a tcp receiver that is also a shm receiver (and, as both are, takes inline gRPC
-payloads), so any prefill worker can reach it; when its cache is on CUDA it is a torch_distributed
-receiver too (it hosts a TCPStore and builds an NCCL group per sender), else it hosts no process
-groups. The sender decides once per KV endpoint: on a machine with a GPU it first tries the
-torch_distributed handshake and group over NCCL (both caches on CUDA: no host copy); then the shm
-handshake (same node, same /dev/shm, same layout); when that is refused for placement the tcp
-handshake and data connection (the receiver advertises a data port, it can be reached from here and
-takes the token); when that fails too, gRPC. Any other refusal (incompatible layout, bad endpoint)
-is raised as it is. The choice itself is `choose_backend`, a pure function.
+Both sides compose data planes. The receiver offers the torch_distributed, tcp and shm planes (and,
+as every receiver, inline layers), so any prefill worker can reach it; its torch_distributed plane
+hosts a store and builds groups only when its cache is on CUDA. The sender holds one sender per
+plane and decides once per KV endpoint: on a machine with a GPU it first tries the torch_distributed
+handshake and group over NCCL (both caches on CUDA: no host copy); then the shm handshake (same
+node, same /dev/shm, same layout); when that is refused for placement the tcp handshake and data
+connection (the receiver advertises a data port, it can be reached from here and takes the token);
+when that fails too, gRPC. Any other refusal (incompatible layout, bad endpoint) is raised as it
+is. The choice itself is `choose_backend`, a pure function.
 
 `AutoSender(dist_backend=...)` / `AutoReceiver(dist_backend=...)` name the process group backend
 explicitly ("gloo" joins CPU caches over torch.distributed instead: the same path, testable without
@@ -26,12 +26,17 @@ import grpc
 import torch
 
 from engine.sequence import TokenLogprobs
-from kv_transfer import shm_backend, tcp_backend, torch_dist_backend
+from kv_transfer import shm_sender, tcp_sender, torch_dist_sender
 from kv_transfer.base import KVSender, KVSink, KVTransferError, TransferTicket
-from kv_transfer.grpc_backend import GrpcSender
-from kv_transfer.shm_backend import ShmReceiver, ShmSender
-from kv_transfer.tcp_backend import TcpReceiver, TcpSender
-from kv_transfer.torch_dist_backend import OFF, TorchDistReceiver, TorchDistSender
+from kv_transfer.control_receiver import ControlReceiver, sink_device
+from kv_transfer.control_sender import ControlSender, GrpcSender
+from kv_transfer.shm_receiver import ShmReceivePlane
+from kv_transfer.shm_sender import ShmSender
+from kv_transfer.tcp_receiver import TcpReceivePlane
+from kv_transfer.tcp_sender import TcpSender
+from kv_transfer.torch_dist_group import OFF
+from kv_transfer.torch_dist_receiver import TorchDistReceivePlane
+from kv_transfer.torch_dist_sender import TorchDistSender
 
 
 @dataclass(frozen=True)
@@ -54,21 +59,18 @@ def choose_backend(p: Placement) -> str:
     return "grpc"
 
 
-class AutoReceiver(TorchDistReceiver, TcpReceiver, ShmReceiver):
+class AutoReceiver(ControlReceiver):
     """Process groups for torch_distributed senders (a CUDA cache only, unless `dist_backend` says),
-    a data port for tcp senders, shared memory for shm senders, inline payloads for grpc ones."""
+    a data port for tcp senders, shared memory for shm senders, inline layers for grpc ones. Other
+    keyword arguments go to the planes that name them (`timeout_s`, `in_place`, ...)."""
+
+    PLANES = (TorchDistReceivePlane, TcpReceivePlane, ShmReceivePlane)
 
     def __init__(self, sink: KVSink, server: grpc.Server | None = None, endpoint: str | None = None, *,
-                 dist_backend: str | None = None, timeout_s: float = 30.0, **kwargs: Any) -> None:
-        """`kwargs` go down the chain to the tcp and shm receivers (e.g. in_place)."""
+                 dist_backend: str | None = None, **kwargs: Any) -> None:
         if dist_backend is None:
-            dist_backend = "nccl" if self._sink_device(sink).type == "cuda" else OFF
-        super().__init__(sink, server, endpoint, dist_backend=dist_backend, timeout_s=timeout_s, **kwargs)
-        self.timeout_s = timeout_s  # the tcp and torch_distributed parts share it
-
-
-def _default_dist_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else OFF
+            dist_backend = "nccl" if sink_device(sink).type == "cuda" else OFF
+        super().__init__(sink, server, endpoint, dist_backend=dist_backend, **kwargs)
 
 
 class AutoSender(KVSender):
@@ -76,14 +78,15 @@ class AutoSender(KVSender):
                  dist_backend: str | None = None, in_place: bool = True, verify_in_place: bool = False) -> None:
         super().__init__(compat_hash)
         self.timeout_s = timeout_s
-        dist_backend = _default_dist_backend() if dist_backend is None else dist_backend
+        if dist_backend is None:
+            dist_backend = "nccl" if torch.cuda.is_available() else OFF
         self.dist = (None if dist_backend == OFF else
                      TorchDistSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id, dist_backend=dist_backend))
         self.shm = ShmSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id, in_place=in_place,
                              verify_in_place=verify_in_place)
         self.tcp = TcpSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
         self.grpc = GrpcSender(compat_hash, timeout_s=timeout_s, sender_id=sender_id)
-        self._senders: dict[str, GrpcSender] = {"shm": self.shm, "tcp": self.tcp, "grpc": self.grpc}
+        self._senders: dict[str, ControlSender] = {"shm": self.shm, "tcp": self.tcp, "grpc": self.grpc}
         if self.dist is not None:
             self._senders["torch_distributed"] = self.dist
         for s in self._senders.values():
@@ -96,7 +99,7 @@ class AutoSender(KVSender):
             s.add_channel_interceptor(interceptor)
 
     @staticmethod
-    def _works(sender: GrpcSender, endpoint: str, placement: tuple[str, ...]) -> bool:
+    def _works(sender: ControlSender, endpoint: str, placement: tuple[str, ...]) -> bool:
         """Whether `sender` can reach `endpoint`; False on a placement refusal, raises on any other."""
         try:
             sender.connect(endpoint)
@@ -111,14 +114,14 @@ class AutoSender(KVSender):
         (decided on first use)."""
         with self._lock:
             if endpoint not in self._choice:
-                dist = self.dist is not None and self._works(self.dist, endpoint, torch_dist_backend.PLACEMENT)
-                same_node = not dist and self._works(self.shm, endpoint, shm_backend.PLACEMENT)
-                tcp = not (dist or same_node) and self._works(self.tcp, endpoint, tcp_backend.PLACEMENT)
+                dist = self.dist is not None and self._works(self.dist, endpoint, torch_dist_sender.PLACEMENT)
+                same_node = not dist and self._works(self.shm, endpoint, shm_sender.PLACEMENT)
+                tcp = not (dist or same_node) and self._works(self.tcp, endpoint, tcp_sender.PLACEMENT)
                 self._choice[endpoint] = choose_backend(Placement(same_node, tcp, both_cuda=dist))
             return self._choice[endpoint]
 
     def connect(self, endpoint: str, timeout: float | None = None) -> None:
-        """Choose the backend for `endpoint` and handshake with it now (see GrpcSender.connect)."""
+        """Choose the backend for `endpoint` and handshake with it now (see ControlSender.connect)."""
         if self.backend_for(endpoint) == "grpc":
             self.grpc.connect(endpoint, timeout)
 

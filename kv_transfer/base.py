@@ -141,6 +141,15 @@ class KVReceiver(ABC):
             raise KVTransferError(f"bad auth token for transfer {transfer_id!r}")
         return pending
 
+    def authorize(self, transfer_id: str, auth_token: str) -> TransferTicket:
+        """The transfer's ticket, if `auth_token` is its own (asked before any bytes are touched)."""
+        with self._lock:
+            return self._get(transfer_id, auth_token).ticket
+
+    def check_layer_index(self, layer: int) -> None:
+        if not 0 <= layer < self.sink.num_layers:
+            raise KVTransferError(f"layer {layer} out of range [0, {self.sink.num_layers})")
+
     def check_compat(self, compat_hash: str) -> None:
         if compat_hash != self.sink.compat_hash:
             raise KVTransferError(
@@ -166,8 +175,7 @@ class KVReceiver(ABC):
         after they passed (it copies the bytes into the blocks, or verifies bytes written in place)."""
         with self._lock:
             pending = self._get(transfer_id, auth_token)
-            if not 0 <= layer < self.sink.num_layers:
-                raise KVTransferError(f"layer {layer} out of range [0, {self.sink.num_layers})")
+            self.check_layer_index(layer)
             total = len(pending.ticket.block_ids)
             expected = self.sink.layer_shape(total)
             blockwise = len(shape) == len(expected) and shape[:1] + shape[2:] == expected[:1] + expected[2:]

@@ -25,8 +25,8 @@ import torch
 from decode_worker import DecodeEngine
 from engine import Engine, EngineConfig, SamplingParams
 from kv_transfer import create_sender
-from kv_transfer.grpc_backend import MESSAGE_OPTIONS
-from kv_transfer.shm_backend import SHM_DIR
+from kv_transfer.shm_cache import SHM_DIR
+from kv_transfer.wire import MESSAGE_OPTIONS
 
 BACKENDS = ["grpc", "shm", "torch_distributed", "tcp"]
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)

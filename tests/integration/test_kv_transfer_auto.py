@@ -98,16 +98,16 @@ def test_auto_between_two_accelerated_caches_takes_a_process_group(receivers):
 def test_a_group_whose_first_exchange_fails_is_refused_at_the_handshake_and_auto_takes_shm(receivers, monkeypatch):
     """A pair of ranks that cannot talk (NCCL refuses two ranks on one GPU) fails while it is being
     built, not at a request's first layer: auto then moves the KV through shared memory."""
-    from kv_transfer import torch_dist_backend
+    from kv_transfer import torch_dist_group
 
-    first_exchange = torch_dist_backend._first_exchange
+    first_exchange = torch_dist_group._first_exchange
 
     def refused(pg, rank, device, timeout_s):
         if rank == 1:  # the sender's side, as NCCL's "duplicate GPU" error would
             raise RuntimeError("ncclInvalidUsage: Duplicate GPU detected")
         first_exchange(pg, rank, device, 1.0)  # the receiver's side waits for it in vain
 
-    monkeypatch.setattr(torch_dist_backend, "_first_exchange", refused)
+    monkeypatch.setattr(torch_dist_group, "_first_exchange", refused)
     grouped = receivers("auto", dist_backend="gloo")
     sender = create_sender("auto", grouped.compat_hash, timeout_s=10, dist_backend="gloo")
     try:
@@ -120,7 +120,7 @@ def test_a_group_whose_first_exchange_fails_is_refused_at_the_handshake_and_auto
 def test_auto_across_nodes_takes_the_data_connection(receivers):
     """An auto receiver that says it is on another node: shm is refused, the data connection is used."""
     decode = receivers("auto")
-    decode.receiver.node_id = "elsewhere/another-boot"
+    decode.receiver.planes["shm"].node_id = "elsewhere/another-boot"
     sender = create_sender("auto", decode.compat_hash, timeout_s=10)
     try:
         _transfer(decode, sender)
@@ -132,8 +132,8 @@ def test_auto_across_nodes_takes_the_data_connection(receivers):
 
 def test_auto_falls_back_to_grpc_when_the_data_port_cannot_be_reached(receivers):
     decode = receivers("auto")
-    decode.receiver.node_id = "elsewhere/another-boot"
-    decode.receiver.data_port = 1  # advertised, but nothing listens there
+    decode.receiver.planes["shm"].node_id = "elsewhere/another-boot"
+    decode.receiver.planes["tcp"].data_port = 1  # advertised, but nothing listens there
     sender = create_sender("auto", decode.compat_hash, timeout_s=10)
     try:
         _transfer(decode, sender)

@@ -24,7 +24,7 @@ import torch
 from decode_worker import DecodeEngine
 from engine import SamplingParams
 from kv_transfer import KVTransferError, TransferTicket, create_receiver, create_sender
-from kv_transfer.grpc_backend import MESSAGE_OPTIONS
+from kv_transfer.wire import MESSAGE_OPTIONS
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.kv_helpers import (
     BACKENDS, OTHER_HASH, PARAMS, PROMPTS, BigSink, cache_is_zero, clean, decode_engine, grpc_server,
@@ -53,7 +53,7 @@ def _corrupt_grpc(sender, target: int) -> None:
 
 def _corrupt_shm(sender, target: int) -> None:
     original = sender._layer_message
-    sender.verify_in_place = True  # written in place, a layer is checked only when it carries a checksum
+    sender.plane.verify_in_place = True  # written in place, a layer is checked only when it carries a checksum
 
     def corrupting(ticket, layer, *rest):
         msg = original(ticket, layer, *rest)
@@ -69,7 +69,7 @@ def _corrupt_shm(sender, target: int) -> None:
 
 
 def _corrupt_torch_distributed(sender, target: int) -> None:
-    original = sender._post_send
+    original = sender.plane._post_send
     posted = []
 
     def corrupting(pair, tensor, tag):
@@ -78,11 +78,11 @@ def _corrupt_torch_distributed(sender, target: int) -> None:
             tensor.view(-1).view(torch.int32)[25] ^= 1
         return original(pair, tensor, tag)
 
-    sender._post_send = corrupting
+    sender.plane._post_send = corrupting
 
 
 def _corrupt_tcp(sender, target: int) -> None:
-    original = sender._queue_frame
+    original = sender.plane._queue_frame
     queued = []
 
     def corrupting(link, tag, staged):
@@ -91,7 +91,7 @@ def _corrupt_tcp(sender, target: int) -> None:
             staged.views[0][100] ^= 1
         return original(link, tag, staged)
 
-    sender._queue_frame = corrupting
+    sender.plane._queue_frame = corrupting
 
 
 CORRUPT = {"grpc": _corrupt_grpc, "shm": _corrupt_shm, "torch_distributed": _corrupt_torch_distributed,

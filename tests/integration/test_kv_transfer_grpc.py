@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kv_transfer.checksum import checksum
-from kv_transfer.grpc_backend import MESSAGE_OPTIONS, GrpcSender, wire_dtype
+from kv_transfer.control_sender import GrpcSender
+from kv_transfer.wire import MESSAGE_OPTIONS, wire_dtype
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.kv_helpers import PARAMS, cache_is_zero, clean, grpc_server, layer as _layer, live_decode
 

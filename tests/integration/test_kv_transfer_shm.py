@@ -23,8 +23,11 @@ import torch
 from decode_worker import DecodeEngine
 from kv_transfer.checksum import checksum
 from kv_transfer import KVTransferError
-from kv_transfer.grpc_backend import MESSAGE_OPTIONS, GrpcReceiver, wire_dtype
-from kv_transfer.shm_backend import SHM_DIR, ShmReceiver, ShmSender
+from kv_transfer.control_receiver import GrpcReceiver
+from kv_transfer.shm_cache import SHM_DIR
+from kv_transfer.shm_receiver import ShmReceiver
+from kv_transfer.shm_sender import ShmSender
+from kv_transfer.wire import MESSAGE_OPTIONS, wire_dtype
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.kv_helpers import (
     OURS, PARAMS, cache_is_zero as _cache_is_zero, clean, decode_engine as _decode_engine, grpc_server,
@@ -215,7 +218,7 @@ def test_a_receiver_on_another_node_is_refused(decode, sender, monkeypatch):
     ticket = decode.reserve("r1", list(range(3, 20)), PARAMS)
     sender.connect(decode.receiver.endpoint)  # same node: fine
 
-    monkeypatch.setattr(decode.receiver, "node_id", "elsewhere/0000")
+    monkeypatch.setattr(decode.receiver.planes["shm"], "node_id", "elsewhere/0000")
     far = ShmSender(decode.compat_hash, timeout_s=5.0)
     try:
         with pytest.raises(KVTransferError, match="shm needs both workers on one node: .* on elsewhere/0000"):
@@ -229,7 +232,7 @@ def test_a_receiver_on_another_node_is_refused(decode, sender, monkeypatch):
     monkeypatch.undo()
 
     # this host, but the receiver cannot see the sender's /dev/shm (another container)
-    monkeypatch.setattr(decode.receiver, "shm_dir", "/nonexistent")
+    monkeypatch.setattr(decode.receiver.planes["shm"], "shm_dir", "/nonexistent")
     walled = ShmSender(decode.compat_hash, timeout_s=5.0)
     try:
         walled_off = "shm needs both workers on one node sharing /dev/shm.*cannot see"

@@ -22,7 +22,7 @@ import torch
 
 from decode_worker import DecodeEngine
 from kv_transfer import KVFaults, KVTransferError, create_sender
-from kv_transfer.shm_backend import ShmSender
+from kv_transfer.shm_sender import ShmSender
 from kv_transfer.shm_cache import _lock, _unlock, fcntl
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.kv_helpers import (
@@ -94,7 +94,7 @@ def test_layers_land_in_place_with_no_segment_and_only_metadata_sent(decode, sen
 
 
 def test_verified_layers_carry_the_checksum_of_their_blocks(decode, sender):
-    sender.verify_in_place = True
+    sender.plane.verify_in_place = True
     sent = spy_on_messages(sender)
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     for i in range(decode.num_layers):
@@ -238,7 +238,7 @@ def test_close_unmaps_the_cache_and_the_receiver_unlinks_it(decode):
 def test_layer_messages_ride_in_the_commit_and_are_checked_there(decode, sender):
     """Written in place, a layer's message is held back: no SendLayers stream, one Commit carrying
     them, whose layers the receiver checks as if they had come on a stream."""
-    sender.verify_in_place = True
+    sender.plane.verify_in_place = True
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     for i in range(decode.num_layers):
         sender.send_layer(ticket, i, layer(decode, ticket, seed=i))

@@ -21,8 +21,8 @@ import pytest
 
 from decode_worker import DecodeEngine
 from kv_transfer import KVFaults, KVTransferError, create_sender
-from kv_transfer.grpc_backend import MESSAGE_OPTIONS
-from kv_transfer.tcp_backend import ACCEPTED, FRAME, HELLO, MAGIC
+from kv_transfer.tcp_receiver import ACCEPTED, FRAME, HELLO, MAGIC
+from kv_transfer.wire import MESSAGE_OPTIONS
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from proto.cluster_auth import CarrySecret, generate_secret, server_interceptors
 from tests.integration.kv_helpers import (
@@ -145,7 +145,7 @@ def test_a_connection_dropped_inside_a_frame_fails_the_transfer_in_time_and_abor
         link.sock.sendall(FRAME.pack(tag, staged.nbytes) + b"".join(map(bytes, staged.views))[: staged.nbytes // 2])
         link.sock.shutdown(socket.SHUT_RDWR)
 
-    sender._queue_frame = half_then_drop
+    sender.plane._queue_frame = half_then_drop
     start = time.monotonic()
     sender.send_layer(ticket, 1, layer(decode, ticket))
     with pytest.raises(KVTransferError, match="UNAVAILABLE: layer 1 .*data connection .* closed inside frame"):
@@ -153,7 +153,7 @@ def test_a_connection_dropped_inside_a_frame_fails_the_transfer_in_time_and_abor
     assert time.monotonic() - start < TIMEOUT_S + 1.0
     sender.abort(ticket, "data connection lost")
     assert bm.num_used_blocks == 0 and decode.num_reserved == 0 and decode.receiver.buffered_bytes == 0
-    del sender._queue_frame
+    del sender.plane._queue_frame
     ticket2 = decode.reserve("r2", list(range(3, 40)), PARAMS)  # the next transfer connects anew
     _send_all(decode, sender, ticket2)
     assert len(decode.receiver.connections) == 1
@@ -161,11 +161,11 @@ def test_a_connection_dropped_inside_a_frame_fails_the_transfer_in_time_and_abor
 
 def test_a_frame_that_never_comes_or_nobody_claims_is_dropped_in_time(decode, sender):
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
-    sender._queue_frame = lambda link, tag, staged: None  # the metadata goes, the bytes never do
+    sender.plane._queue_frame = lambda link, tag, staged: None  # the metadata goes, the bytes never do
     sender.send_layer(ticket, 0, layer(decode, ticket))
     with pytest.raises(KVTransferError, match="DEADLINE_EXCEEDED: layer 0 .* did not arrive within"):
         sender.flush(ticket)
-    del sender._queue_frame
+    del sender.plane._queue_frame
     (link,) = sender._links.values()
     staged = sender._payload(ticket, 0, layer(decode, ticket))
     link.frames.put((10_000, staged))  # bytes that no KVLayer names

@@ -26,8 +26,9 @@ import torch
 from decode_worker import DecodeEngine
 from kv_transfer.checksum import checksum
 from kv_transfer import KVTransferError, create_sender
-from kv_transfer.grpc_backend import GrpcReceiver
-from kv_transfer.torch_dist_backend import TorchDistReceiver, TorchDistSender
+from kv_transfer.control_receiver import GrpcReceiver
+from kv_transfer.torch_dist_receiver import TorchDistReceiver
+from kv_transfer.torch_dist_sender import TorchDistSender
 from tests.integration.kv_helpers import (
     PARAMS, cache_is_zero as _cache_is_zero, clean, decode_engine as _decode_engine, grpc_server,
     layer as _layer, live_decode, live_sender, spy_on_messages, spy_on_pairs as _spy_on_pairs,
@@ -109,7 +110,7 @@ def test_unreachable_store_or_a_receiver_without_the_backend_is_refused(decode, 
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{hole.getsockname()[1]}"  # bound, never listening: connection refused
-        monkeypatch.setattr(decode.receiver, "store_address", dead)
+        monkeypatch.setattr(decode.receiver.planes["torch_distributed"], "store_address", dead)
         far = TorchDistSender(decode.compat_hash, timeout_s=1.0)
         try:
             start = time.monotonic()

@@ -1,0 +1,209 @@
+"""The torch_distributed data plane, receiver side: it hosts the TCPStore, builds its side of each
+sender's pair (kv_transfer/torch_dist_group.py) and receives a layer's bytes by a point-to-point recv.
+
+For a KVLayer naming a pair and tag, the receiver checks transfer id, auth token, layer range,
+dtype and shape against the ticket before posting the matching `recv` into a fresh buffer (a
+refused message never posts one), waits for it (bounded by `timeout_s`), checks its checksum
+(DATA_LOSS when it differs) and hands it to the shared checks, which copy it into the reserved
+blocks. A failed recv drops the pair (gloo closes it on a timeout). `close()` shuts every group
+down and stops the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kv_transfer.base import KVTransferError
+from kv_transfer.checksum import NAME as CHECKSUM
+from kv_transfer.checksum import tensor_checksum
+from kv_transfer.control_receiver import ControlReceiver, sink_device
+from kv_transfer.planes import ReceivePlane
+from kv_transfer.torch_dist_group import OFF, build_pair, check_dist_backend, device_for, shutdown
+from kv_transfer.wire import Corrupt, split_host_port
+from proto import kv_transfer_pb2
+
+
+@dataclass(eq=False)
+class _RecvPair:
+    key: str
+    sender_id: str
+    device: torch.device
+    ready: threading.Event = field(default_factory=threading.Event)
+    pg: Any = None
+    error: str | None = None
+    thread: threading.Thread | None = None
+
+
+class TorchDistReceivePlane(ReceivePlane):
+    """The TCPStore it hosts (`store_host`: the endpoint's host unless given; `store_port` 0: any
+    free port; `store_address` says which), the group backend (None: "nccl" when the sink's cache is
+    on CUDA, else "gloo"; "off": no store and no groups, senders are refused) and `timeout_s`, which
+    bounds building a pair's group and each receive."""
+
+    name = "torch_distributed"
+
+    def __init__(self, control: ControlReceiver, *, store_host: str | None = None, store_port: int = 0,
+                 dist_backend: str | None = None, timeout_s: float = 30.0) -> None:
+        super().__init__(control)
+        if dist_backend is None:
+            dist_backend = "nccl" if sink_device(control.sink).type == "cuda" else "gloo"
+        self.timeout_s = timeout_s
+        self._pairs_lock = threading.Lock()
+        self._pairs: dict[str, _RecvPair] = {}
+        self._store: Any = None
+        self.dist_backend, self.device = OFF, torch.device("cpu")
+        self.store_host = self.store_address = ""
+        if dist_backend == OFF:
+            return
+        self.dist_backend = check_dist_backend(dist_backend)
+        self.device = device_for(self.dist_backend)
+        self.store_host = split_host_port(control.endpoint)[0] if store_host is None else store_host
+        try:
+            self._store = torch.distributed.TCPStore(
+                self.store_host, store_port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+            )
+        except Exception as e:
+            raise KVTransferError(
+                f"could not start a TCPStore for KV transfers on {self.store_host}:{store_port}: {e}"
+            ) from None
+        self.store_address = f"{self.store_host}:{self._store.port}"
+
+    # ------------------------------------------------------------------ pairs
+    def handshake_fields(self, request: kv_transfer_pb2.HandshakeRequest) -> dict[str, Any]:
+        if not request.dist_backend or self.dist_backend == OFF:
+            return {}  # another plane's sender, or process groups off here
+        refused = {"dist_backend": self.dist_backend}  # no store: the sender refuses, naming both
+        if request.dist_backend != self.dist_backend or self.control.closed:
+            return refused
+        sender = request.sender_id or "anonymous"
+        key = f"{sender}/{secrets.token_hex(6)}"
+        pair = _RecvPair(key, sender, self.device)
+        with self._pairs_lock:
+            if self._store is None:
+                return refused
+            # a new handshake from a sender means it dropped its earlier pairs with us
+            old = [p for p in self._pairs.values() if p.sender_id == sender]
+            for p in old:
+                del self._pairs[p.key]
+            self._pairs[key] = pair
+            pair.thread = threading.Thread(
+                target=self._build, args=(pair, self._store), name=f"kv-dist-pair-{key}", daemon=True
+            )
+            pair.thread.start()
+        for p in old:
+            self._drop(p)
+        return {"dist_store": self.store_address, "dist_pair": key, "dist_backend": self.dist_backend}
+
+    def _build(self, pair: _RecvPair, store: Any) -> None:
+        try:
+            pg = build_pair(self.dist_backend, store, pair.key, 0, self.store_host, pair.device, self.timeout_s)
+        except Exception as e:
+            pair.error = f"torch_distributed group {pair.key} was not built: {e}"
+        else:
+            with self._pairs_lock:
+                dropped = self._pairs.get(pair.key) is not pair
+                pair.pg = pg
+            if dropped:
+                shutdown(pg)
+                pair.error = f"torch_distributed group {pair.key} was dropped"
+        finally:
+            pair.ready.set()
+
+    def _drop(self, pair: _RecvPair) -> None:
+        with self._pairs_lock:
+            if self._pairs.get(pair.key) is pair:
+                del self._pairs[pair.key]
+            pg, pair.pg = pair.pg, None
+            if pair.error is None:
+                pair.error = f"torch_distributed group {pair.key} was dropped"
+        if pg is not None:
+            shutdown(pg)
+
+    @property
+    def pairs(self) -> list[str]:
+        with self._pairs_lock:
+            return sorted(self._pairs)
+
+    # ------------------------------------------------------------------ layers
+    def claims(self, msg: kv_transfer_pb2.KVLayer) -> bool:
+        return bool(msg.dist_pair)
+
+    def receive(self, msg: kv_transfer_pb2.KVLayer) -> None:
+        # who is asking and what they claim, before a single recv is posted
+        ticket = self.control.authorize(msg.transfer_id, msg.auth_token)
+        dtype, shape = self._check(msg, len(ticket.block_ids))
+        with self._pairs_lock:
+            pair = self._pairs.get(msg.dist_pair)
+        if pair is None:
+            raise KVTransferError(f"layer {msg.layer}: unknown torch_distributed pair {msg.dist_pair!r}")
+        if not pair.ready.wait(self.timeout_s):
+            raise KVTransferError(f"layer {msg.layer}: torch_distributed group {pair.key} not built in time")
+        pg = pair.pg
+        if pair.error is not None or pg is None:
+            raise KVTransferError(f"layer {msg.layer}: {pair.error or 'group gone'}")
+        buf = torch.empty(shape, dtype=dtype, device=pair.device)
+        try:
+            pg.recv([buf], 1, msg.dist_tag).wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            self._drop(pair)  # gloo closes the pair on a timeout; no later message may use it
+            raise KVTransferError(
+                f"layer {msg.layer} of {msg.transfer_id!r}: torch_distributed recv (tag {msg.dist_tag}) "
+                f"over {pair.key} failed: {e}"
+            ) from None
+        digest = tensor_checksum(buf)
+        if digest != msg.checksum:
+            raise Corrupt(
+                f"checksum mismatch for layer {msg.layer} of {msg.transfer_id!r}: "
+                f"received {CHECKSUM} {digest:#018x}, message says {msg.checksum:#018x}"
+            )
+        self.control._on_layer(msg.transfer_id, msg.auth_token, msg.layer, buf)
+
+    def _check(self, msg: kv_transfer_pb2.KVLayer, num_blocks: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The framing checks that can be made before the bytes arrive (their checksum comes after)."""
+        if msg.payload:
+            raise KVTransferError(f"layer {msg.layer}: both an inline payload and a torch_distributed send")
+        if msg.HasField("compression"):
+            raise KVTransferError(f"layer {msg.layer}: compression {msg.compression!r} is not supported")
+        if msg.first_block != 0:
+            raise KVTransferError(f"layer {msg.layer}: split layers (first_block={msg.first_block}) are not supported")
+        self.control.check_layer_index(msg.layer)
+        dtype = self.control.check_dtype(msg)
+        shape = tuple(msg.shape)
+        expected = tuple(self.control.sink.layer_shape(num_blocks))
+        if shape != expected:
+            raise KVTransferError(f"layer {msg.layer}: shape {shape}, expected {expected}")
+        return dtype, shape
+
+    def close(self) -> None:
+        """Shut every pair's group down and stop the store."""
+        with self._pairs_lock:
+            pairs = list(self._pairs.values())
+            self._pairs.clear()
+            store, self._store = self._store, None
+        for pair in pairs:
+            self._drop(pair)
+        # a group still being built (its sender never came) holds the store until its rendezvous
+        # times out (timeout_s): wait for it, so that nothing of ours is left listening
+        deadline = time.monotonic() + self.timeout_s + 1.0
+        for pair in pairs:
+            if pair.thread is not None:
+                pair.thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+                if pair.pg is not None:
+                    shutdown(pair.pg)
+                    pair.pg = None
+        del store
+
+
+class TorchDistReceiver(ControlReceiver):
+    """The torch_distributed backend's receiver (also takes inline layers): `TorchDistReceiver(sink,
+    server=None, endpoint=None, *, host, port, max_workers, store_host=None, store_port=0,
+    dist_backend=None, timeout_s=30.0)`."""
+
+    PLANES = (TorchDistReceivePlane,)
