@@ -9,19 +9,20 @@ A request moves through
 
 `reserve` allocates fresh blocks for the prompt (no prefix sharing: KV from elsewhere is hashed
 into the prefix cache only after it has arrived and been committed). Commits may come from
-transfer threads; they are queued and join the running batch at the next `step()`.
+transfer threads; they are queued and join the running batch at the next `step()`. Prompts
+prefilled here (the router's local prefill) take `LockedEngine`'s way, under the same lock.
 """
 
 from __future__ import annotations
 
 import secrets
-import threading
 import uuid
 from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from decode_worker.locked_engine import LockedEngine
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprobs
@@ -29,17 +30,16 @@ from kv_transfer import KVReceiver, KVTransferError, TransferTicket, create_rece
 from kv_transfer.base import block_runs, copy_runs
 
 
-class DecodeEngine:
+class DecodeEngine(LockedEngine):
     """Implements `kv_transfer.KVSink` for its receiver."""
 
     def __init__(self, engine: Engine, backend: str = "inproc", **receiver_kwargs: object) -> None:
         if engine.role != "decode":
             raise ValueError("DecodeEngine needs an Engine with role='decode'")
-        self.engine = engine
+        super().__init__(engine)
         self.backend = backend
         self.compat_hash = engine.compat_hash
         self.num_layers = engine.model_cfg.num_layers
-        self._lock = threading.RLock()
         self._reserved: dict[str, Sequence] = {}  # transfer id -> sequence waiting for its KV
         self._by_request: dict[str, str] = {}  # request id -> transfer id, while reserved
         self._committed: deque[Sequence] = deque()
@@ -150,26 +150,14 @@ class DecodeEngine:
                     self._committed.remove(seq)
                     self.engine.free(seq)
                     return True
-            return self.engine.abort(request_id) is not None
-
-    def add_local(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                  output_offset: int = 0) -> bool:
-        """Prefill a prompt here (the router's local prefill): it joins the engine's queue and runs in
-        its mixed steps; no KV arrives. False when the cache is too full right now."""
-        with self._lock:
-            return self.engine.try_add_request(request_id, token_ids, params, output_offset)
-
-    def queued_prompt_tokens(self) -> int:
-        """Prompt tokens waiting to be prefilled here (local prefills, recomputed sequences)."""
-        with self._lock:
-            return self.engine.queued_prompt_tokens()
+            return super().abort_request(request_id)
 
     @property
     def num_reserved(self) -> int:
         return len(self._reserved)
 
     def has_work(self) -> bool:
-        return bool(self._committed) or self.engine.has_work()
+        return bool(self._committed) or super().has_work()
 
     def step(self) -> list[Sequence]:
         """Admit committed sequences while the batch has room (engine max_num_seqs; preempted
@@ -182,7 +170,7 @@ class DecodeEngine:
                     self.engine.free(seq)
                     continue
                 self.engine.add_running(seq)
-            return self.engine.step()
+            return super().step()
 
     def close(self) -> None:
         self.receiver.close()

@@ -61,10 +61,16 @@ class WorkerActor:
             from prefill_worker.server import PrefillWorkerServer
 
             self.server = PrefillWorkerServer(cfg, worker_id, **options)
-        else:
+        elif role == "decode":
             from decode_worker.server import DecodeWorkerServer
 
-            self.server = DecodeWorkerServer(cfg, worker_id, colocated=role == "colocated", **options)
+            self.server = DecodeWorkerServer(cfg, worker_id, **options)
+        else:
+            from decode_worker.colocated import ColocatedWorkerServer
+
+            # no KV arrives at a colocated worker: the KV backend and the reservation lease do not apply
+            options = {k: v for k, v in options.items() if k not in ("kv_backend", "reservation_ttl_s")}
+            self.server = ColocatedWorkerServer(cfg, worker_id, **options)
         self.gc_frozen = freeze_startup_heap()
         self._rejoin()
 

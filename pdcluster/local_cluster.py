@@ -5,9 +5,11 @@ tests, experiments and calibration.
         with c.client() as client:
             client.complete([5, 6, 7], max_tokens=8)
 
-`mode="colocated"` starts `decode` colocated workers and no prefill worker. Options of each kind of
-server go in `prefill` / `decode` / `router` dicts (the servers' own keyword arguments); the router
-gets the engine's model and max_model_len unless given.
+`mode="colocated"` starts `num_decode` colocated workers (`colocated-0`, ...) and no prefill
+worker. Options of each kind of server go in `prefill` / `decode` / `router` dicts (the servers' own
+keyword arguments; `decode` is the colocated workers' in that mode); the router gets the engine's
+model and max_model_len unless given. `cluster_secret` goes to every server, `tls` to the router
+and the HTTP API.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+from decode_worker.colocated import ColocatedWorkerServer
 from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
@@ -31,28 +34,36 @@ class LocalCluster:
     def __init__(self, engine: EngineConfig, num_prefill: int = 1, num_decode: int = 1,
                  mode: str = "disaggregated", prefill: dict[str, Any] | None = None,
                  decode: dict[str, Any] | None = None, router: dict[str, Any] | None = None,
-                 http: dict[str, Any] | None = None) -> None:
-        """`http`: also serve the OpenAI API (HttpApi's keyword arguments; {} for the defaults)."""
+                 http: dict[str, Any] | None = None, cluster_secret: str | None = None,
+                 tls: tuple[str, str] | None = None) -> None:
+        """`http`: also serve the OpenAI API (HttpApi's keyword arguments; {} for the defaults).
+        `cluster_secret`: required of every worker RPC (the router sends it). `tls`: (certificate,
+        private key) PEM files; the router's public port and the HTTP API serve TLS only."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        colocated = mode == "colocated"
+        self.engine_cfg = engine  # every worker's
+        self.decode_role = "colocated" if mode == "colocated" else "decode"
+        secret = {} if cluster_secret is None else {"cluster_secret": cluster_secret}
+        certs = {} if tls is None else {"tls_cert": tls[0], "tls_key": tls[1]}
         self.prefill_workers: list[PrefillWorkerServer] = []
-        self.decode_workers: list[DecodeWorkerServer] = []
+        self.decode_workers: list[DecodeWorkerServer | ColocatedWorkerServer] = []
         self.router: RouterServer | None = None
         self.http: HttpApi | None = None
         try:
+            decode_server = ColocatedWorkerServer if mode == "colocated" else DecodeWorkerServer
             for i in range(num_decode):
-                self.decode_workers.append(DecodeWorkerServer(engine, f"decode-{i}", colocated=colocated,
-                                                              **(decode or {})))
-            for i in range(0 if colocated else num_prefill):
-                self.prefill_workers.append(PrefillWorkerServer(engine, f"prefill-{i}", **(prefill or {})))
-            options = {"max_model_len": engine.max_model_len, **(router or {})}
+                self.decode_workers.append(
+                    decode_server(engine, f"{self.decode_role}-{i}", **{**secret, **(decode or {})}))
+            for i in range(0 if mode == "colocated" else num_prefill):
+                self.prefill_workers.append(
+                    PrefillWorkerServer(engine, f"prefill-{i}", **{**secret, **(prefill or {})}))
+            options = {"max_model_len": engine.max_model_len, **secret, **certs, **(router or {})}
             self.router = RouterServer(options.pop("model", engine.model), mode=mode, **options)
             self.router.set_workers(self.members())
             if http is not None:
                 self.http = HttpApi(self.router.local_address, self.router.model_name, self.router.tokenizer,
                                     **{"readiness": router_readiness(self.router),
-                                       "metrics": router_metrics(self.router), **http})
+                                       "metrics": router_metrics(self.router), **certs, **http})
                 self.http.start()
         except BaseException:
             self.stop()
@@ -69,16 +80,16 @@ class LocalCluster:
         """The OpenAI API's base URL (with `http=`)."""
         if self.http is None:
             raise RuntimeError("this LocalCluster serves no HTTP API (start it with http={})")
-        return f"http://{self.http.address}"
+        return f"{'https' if self.http.tls_cert else 'http'}://{self.http.address}"
 
     @property
-    def workers(self) -> list[PrefillWorkerServer | DecodeWorkerServer]:
+    def workers(self) -> list[PrefillWorkerServer | DecodeWorkerServer | ColocatedWorkerServer]:
         return [*self.prefill_workers, *self.decode_workers]
 
     def members(self) -> list[tuple[str, str, str]]:
         """(worker id, role, address) of every worker, as the router's `set_workers` takes them."""
         return [(w.worker_id, "prefill", w.address) for w in self.prefill_workers] + [
-            (w.worker_id, "colocated" if w.colocated else "decode", w.address) for w in self.decode_workers]
+            (w.worker_id, self.decode_role, w.address) for w in self.decode_workers]
 
     def client(self, **options: Any) -> Client:
         return Client(self.address, **options)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.logs import request_context
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -31,7 +30,7 @@ from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import CarrySecret, server_interceptors
 from proto.convert import logprob_to_proto, sampling_from_proto, step_stats_to_proto
-from proto.serving import add_health_and_reflection, bind_server
+from proto.serving import add_health_and_reflection, bind_server, in_request_context
 
 log = logging.getLogger("pdcluster.prefill")
 SERVICE_NAME = wk.DESCRIPTOR.services_by_name["PrefillWorker"].full_name  # "pdcluster.v1.PrefillWorker"
@@ -49,20 +48,12 @@ class _Pending:
 
 
 class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
-    def __init__(
-        self,
-        engine_cfg: EngineConfig,
-        worker_id: str | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        kv_backend: str = "grpc",
-        kv_timeout_s: float = 30.0,
-        request_timeout_s: float = 600.0,
-        kv_compression: str = "none",
-        kv_faults: str | None = None,
-        cluster_secret: str | None = None,
-        kv_options: dict | None = None,
-    ) -> None:
+    """A prefill worker: prefills prompts and sends their KV to the decode worker each ticket names."""
+
+    def __init__(self, engine_cfg: EngineConfig, worker_id: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0, kv_backend: str = "grpc", kv_timeout_s: float = 30.0,
+                 request_timeout_s: float = 600.0, kv_compression: str = "none", kv_faults: str | None = None,
+                 cluster_secret: str | None = None, kv_options: dict | None = None) -> None:
         """`kv_faults`: a fault-injection spec for this worker's KV sender (kv_transfer/faults.py;
         None: off, unless $PDCLUSTER_KV_FAULTS is set). `kv_options`: more keyword arguments of the
         backend's sender (shm/auto: in_place, verify_in_place). `cluster_secret`: required of every RPC to
@@ -155,11 +146,8 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         p.done.set()
 
     # ------------------------------------------------------------------ RPCs
+    @in_request_context
     def Prefill(self, request: wk.PrefillRequest, context: grpc.ServicerContext) -> wk.PrefillResponse:
-        with request_context(request.request_id):
-            return self._prefill(request, context)
-
-    def _prefill(self, request: wk.PrefillRequest, context: grpc.ServicerContext) -> wk.PrefillResponse:
         rid = request.request_id
         try:
             params = sampling_from_proto(request.sampling)

@@ -1,18 +1,24 @@
 """Starting a gRPC server on host:port, shared by the router and the workers, with the standard
 `grpc.health.v1.Health` and server reflection services on it; registering a servicer so that a request
 whose bytes do not parse reaches its handler as `Malformed` (answered INVALID_ARGUMENT) instead of
-failing inside gRPC with INTERNAL."""
+failing inside gRPC with INTERNAL; handlers whose log lines carry their request's id."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from common.logs import request_context
+
+Handler = TypeVar("Handler", bound=Callable[..., Any])
 
 MESSAGE_LIMIT_OPTIONS = [
     ("grpc.max_send_message_length", 512 * 2**20),
@@ -58,6 +64,17 @@ def read_tls(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
             raise ValueError(f"{what}: {path} is not a PEM file")
         out.append(data)
     return out[0], out[1]
+
+
+def in_request_context(handler: Handler) -> Handler:
+    """A unary handler (servicer method) whose log lines carry its request's `request_id`."""
+
+    @functools.wraps(handler)
+    def wrapped(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        with request_context(request.request_id):
+            return handler(self, request, context)
+
+    return wrapped  # type: ignore[return-value]
 
 
 @dataclass

@@ -8,9 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
+from pdcluster.local_cluster import LocalCluster
 from prefill_worker.server import PrefillWorkerServer
 from proto import generate_pb2 as gen
 from proto import kv_transfer_pb2 as kv
@@ -26,13 +26,15 @@ SECRET = generate_secret()
 
 
 @pytest.fixture(scope="module")
-def workers(checkpoint):
+def cluster(checkpoint):
     cfg = EngineConfig(model=str(checkpoint("llama-gqa")), num_blocks=64, max_model_len=256, num_threads=1)
-    decode = DecodeWorkerServer(cfg, "decode-0", cluster_secret=SECRET)
-    prefill = PrefillWorkerServer(cfg, "prefill-0", cluster_secret=SECRET, kv_timeout_s=5.0)
-    yield checkpoint("llama-gqa"), cfg, decode, prefill
-    prefill.stop()
-    decode.stop()
+    with LocalCluster(cfg, cluster_secret=SECRET, prefill={"kv_timeout_s": 5.0}, router={"request_timeout_s": 30}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def workers(cluster):
+    return cluster.decode_workers[0], cluster.prefill_workers[0]
 
 
 def _calls(decode, prefill):
@@ -61,7 +63,7 @@ def _calls(decode, prefill):
 
 @pytest.mark.parametrize("secret", [None, "wrong", SECRET[:-1]])
 def test_every_worker_rpc_without_the_secret_is_unauthenticated(workers, secret):
-    _, _, decode, prefill = workers
+    decode, prefill = workers
     for name, server, call in _calls(decode, prefill):
         with with_secret(grpc.insecure_channel(server.address), secret) as ch, pytest.raises(grpc.RpcError) as err:
             call(ch)
@@ -71,7 +73,7 @@ def test_every_worker_rpc_without_the_secret_is_unauthenticated(workers, secret)
 
 
 def test_with_the_secret_the_rpcs_are_answered_and_health_checks_stay_open(workers):
-    _, _, decode, prefill = workers
+    decode, prefill = workers
     with with_secret(grpc.insecure_channel(decode.address), SECRET) as ch:
         assert wk_grpc.DecodeWorkerStub(ch).Stats(wk.StatsRequest(), timeout=5).worker_id == "decode-0"
     for server in (decode, prefill):
@@ -80,26 +82,23 @@ def test_with_the_secret_the_rpcs_are_answered_and_health_checks_stay_open(worke
             assert status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_a_router_with_the_secret_serves_and_one_without_fails_clearly(workers):
-    path, cfg, decode, prefill = workers
-    good = RouterServer(str(path), max_model_len=256, request_timeout_s=30, cluster_secret=SECRET)
-    bad = RouterServer(str(path), max_model_len=256, request_timeout_s=30, max_retries=1)
+def test_a_router_with_the_secret_serves_and_one_without_fails_clearly(cluster):
+    good = cluster.router  # the cluster's router has the secret
+    bad = RouterServer(cluster.engine_cfg.model, max_model_len=256, request_timeout_s=30, max_retries=1)
     try:
-        for r in (good, bad):
-            r.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
+        bad.set_workers(cluster.members())
         with Client(good.address) as client:
             assert len(client.complete([5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True).token_ids) == 4
         with Client(bad.address) as client, pytest.raises(grpc.RpcError) as err:
             client.complete([5, 6, 7], max_tokens=4, temperature=0.0)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "UNAUTHENTICATED" in err.value.details()
     finally:
-        good.stop()
         bad.stop()
 
 
-def test_a_prefill_worker_without_the_secret_cannot_send_kv(workers):
-    _, cfg, decode, _ = workers
-    outsider = PrefillWorkerServer(cfg, "prefill-outsider", kv_timeout_s=5.0)
+def test_a_prefill_worker_without_the_secret_cannot_send_kv(cluster, workers):
+    decode, _ = workers
+    outsider = PrefillWorkerServer(cluster.engine_cfg, "prefill-outsider", kv_timeout_s=5.0)
     try:
         errors = outsider.connect_kv([decode.address], 5.0)
         assert "UNAUTHENTICATED" in errors[decode.address]

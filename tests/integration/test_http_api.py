@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster import LLM, SamplingParams
+from pdcluster.local_cluster import LocalCluster
 from prefill_worker.server import PrefillWorkerServer
 from proto import generate_pb2 as gen
 from proto import generate_pb2_grpc as gen_grpc
@@ -64,16 +65,8 @@ def _front(router: RouterServer, **kwargs) -> HttpApi:
 @pytest.fixture(scope="module")
 def stack(builtin_path):
     cfg = EngineConfig(model=str(builtin_path), num_blocks=128, max_model_len=512, num_threads=1)
-    decode = DecodeWorkerServer(cfg, "decode-0")
-    prefill = PrefillWorkerServer(cfg, "prefill-0")
-    router = RouterServer(MODEL, max_model_len=512, request_timeout_s=30)
-    s = Stack(prefill, decode, router, None)  # type: ignore[arg-type]
-    router.set_workers(s.workers)
-    s.api = _front(router)
-    yield s
-    s.api.stop()
-    for server in (router, prefill, decode):
-        server.stop()
+    with LocalCluster(cfg, router={"model": MODEL, "request_timeout_s": 30}, http={}) as c:
+        yield Stack(c.prefill_workers[0], c.decode_workers[0], c.router, c.http)
 
 
 @pytest.fixture(scope="module")

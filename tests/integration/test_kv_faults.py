@@ -10,14 +10,13 @@ import time
 import grpc
 import pytest
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
+from pdcluster.local_cluster import LocalCluster
 from prefill_worker.server import PrefillWorkerServer
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
-from router.server import RouterServer
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +30,11 @@ def _cfg(checkpoint) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
-    cfg = _cfg(checkpoint)
-    decodes = [DecodeWorkerServer(cfg, f"decode-{i}", reservation_ttl_s=2.0) for i in range(2)]
-    good = PrefillWorkerServer(cfg, "prefill-ok", kv_timeout_s=2.0)
-    router = RouterServer(str(checkpoint("llama-gqa")), max_model_len=256, request_timeout_s=60, max_retries=2)
-    router.set_workers([("prefill-ok", "prefill", good.address)] + [(d.worker_id, "decode", d.address) for d in decodes])
-    with Client(router.address) as client:
-        expected = [client.complete(p, max_tokens=N, temperature=0.0, ignore_eos=True).token_ids for p in PROMPTS]
-    yield router, good, decodes, expected
-    for s in (router, good, *decodes):
-        s.stop()
+    with LocalCluster(_cfg(checkpoint), num_decode=2, decode={"reservation_ttl_s": 2.0}, prefill={"kv_timeout_s": 2.0},
+                      router={"request_timeout_s": 60, "max_retries": 2}) as c:
+        with Client(c.address) as client:
+            expected = [client.complete(p, max_tokens=N, temperature=0.0, ignore_eos=True).token_ids for p in PROMPTS]
+        yield c.router, c.prefill_workers[0], c.decode_workers, expected
 
 
 def _used(*servers) -> list[int]:
@@ -63,8 +57,8 @@ def _wait_free(*servers, timeout_s: float = 10.0) -> list[int]:
 def test_a_failing_transfer_is_retried_on_another_pair(cluster, checkpoint, spec):
     router, good, decodes, expected = cluster
     bad = PrefillWorkerServer(_cfg(checkpoint), "prefill-bad", kv_timeout_s=2.0, kv_faults=spec)
-    # the faulty worker is picked first (fewest queued tokens, then its name sorts first)
-    router.set_workers([("prefill-bad", "prefill", bad.address), ("prefill-ok", "prefill", good.address)]
+    # the faulty worker is picked first (fewest queued tokens, then the first listed)
+    router.set_workers([("prefill-bad", "prefill", bad.address), (good.worker_id, "prefill", good.address)]
                        + [(d.worker_id, "decode", d.address) for d in decodes])
     before = router.metrics.retries._value.get()
     try:
@@ -75,7 +69,7 @@ def test_a_failing_transfer_is_retried_on_another_pair(cluster, checkpoint, spec
         assert router.metrics.retries._value.get() - before >= 1
         assert _wait_free(bad, good, *decodes) == [0, 0, 0, 0]
     finally:
-        router.set_workers([("prefill-ok", "prefill", good.address)] + [(d.worker_id, "decode", d.address) for d in decodes])
+        router.set_workers([(good.worker_id, "prefill", good.address)] + [(d.worker_id, "decode", d.address) for d in decodes])
         bad.stop()
 
 
@@ -96,7 +90,7 @@ def test_random_faults_on_every_transfer_lose_nothing(cluster, checkpoint):
         assert _wait_free(*faulty, *decodes) == [0, 0, 0, 0]
     finally:
         router.max_retries = 2
-        router.set_workers([("prefill-ok", "prefill", good.address)] + [(d.worker_id, "decode", d.address) for d in decodes])
+        router.set_workers([(good.worker_id, "prefill", good.address)] + [(d.worker_id, "decode", d.address) for d in decodes])
         for p in faulty:
             p.stop()
 

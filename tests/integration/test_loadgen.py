@@ -230,26 +230,16 @@ def test_cli_reports_an_endpoint_that_is_down(tmp_path, capsys):
 
 
 def test_the_real_cluster_serves_a_loadgen_run(builtin_path, tmp_path):
-    from decode_worker.server import DecodeWorkerServer
     from engine.config import EngineConfig
     from loadgen.cli import load_tokenizer
-    from prefill_worker.server import PrefillWorkerServer
-    from router.http_api import HttpApi, router_readiness
-    from router.server import RouterServer
+    from pdcluster.local_cluster import LocalCluster
 
-    path = str(builtin_path)
-    cfg = EngineConfig(model=path, num_blocks=128, max_model_len=256, num_threads=1)
-    decode = DecodeWorkerServer(cfg, "decode-0")
-    prefill = PrefillWorkerServer(cfg, "prefill-0")
-    router = RouterServer(path, max_model_len=256, request_timeout_s=60, model_name="tiny")
-    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
-    api = HttpApi(router.address, "tiny", path, readiness=router_readiness(router))
-    api.start()
-    try:
+    cfg = EngineConfig(model=str(builtin_path), num_blocks=128, max_model_len=256, num_threads=1)
+    with LocalCluster(cfg, router={"request_timeout_s": 60, "model_name": "tiny"}, http={}) as c:
         w = load_workload(WorkloadConfig("azure-conv", 8, max_context=128, max_output=8),
                           load_tokenizer("builtin:tiny-llama"), "builtin:tiny-llama")
         offsets = arrival_offsets(ArrivalConfig("poisson", 8.0, seed=0), 8).offsets
-        e = EndpointConfig(f"http://{api.address}", label="pdcluster", ignore_eos=True, request_timeout_s=60)
+        e = EndpointConfig(c.url, label="pdcluster", ignore_eos=True, request_timeout_s=60)
         model = asyncio.run(fetch_model(e))
         assert model == "tiny"
         result = run(w.requests, offsets, e, model, time_limit_s=120)
@@ -259,10 +249,6 @@ def test_the_real_cluster_serves_a_loadgen_run(builtin_path, tmp_path):
             assert rec.output_tokens == req.output_len  # ignore_eos: exactly max_tokens
             assert rec.prompt_tokens == req.prompt_tokens_measured == req.prompt_len  # exact lengths
             assert rec.ttft is not None and rec.ttft > 0
-    finally:
-        api.stop()
-        for srv in (router, prefill, decode):
-            srv.stop()
 
 
 if __name__ == "__main__":  # a fixture server for trying `pdcluster bench serve` by hand

@@ -10,13 +10,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
 from pdcluster.local_cluster import LocalCluster
 from proto.serving import add_health_and_reflection, bind_server
 from router import metrics as router_metrics
-from router.server import RouterServer
 
 pytestmark = pytest.mark.slow
 
@@ -162,11 +160,9 @@ def test_health_turns_not_serving_when_stopping():
 
 def test_colocated_mode_metrics(checkpoint):
     path = str(checkpoint("llama-gqa"))
-    worker = DecodeWorkerServer(EngineConfig(model=path, num_blocks=64, max_model_len=256, num_threads=1),
-                                "colocated-0", colocated=True)
-    router = RouterServer(path, max_model_len=256, mode="colocated", request_timeout_s=60)
-    router.set_workers([("colocated-0", "colocated", worker.address)])
-    try:
+    with LocalCluster(EngineConfig(model=path, num_blocks=64, max_model_len=256, num_threads=1), mode="colocated",
+                      router={"request_timeout_s": 60}) as c:
+        router, worker = c.router, c.decode_workers[0]
         with Client(router.address, timeout_s=60) as client:
             for _ in range(2):
                 client.complete(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -183,6 +179,3 @@ def test_colocated_mode_metrics(checkpoint):
         assert not _samples(f, "pdcluster_worker_kv_transfer_bytes", "pdcluster_worker_kv_transfer_bytes_total")
         assert _check(worker.address, "pdcluster.v1.DecodeWorker") == health_pb2.HealthCheckResponse.SERVING
         assert "pdcluster.v1.KVReceiver" not in _list_services(worker.address)
-    finally:
-        router.stop()
-        worker.stop()

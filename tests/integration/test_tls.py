@@ -9,13 +9,11 @@ import grpc
 import httpx
 import pytest
 
-from decode_worker.server import DecodeWorkerServer
+from benchmarks.soak import self_signed
 from engine.config import EngineConfig
 from pdcluster.client import Client
 from pdcluster.cluster_config import ClusterConfig, ConfigError
-from benchmarks.soak import self_signed
-from prefill_worker.server import PrefillWorkerServer
-from router.http_api import HttpApi
+from pdcluster.local_cluster import LocalCluster
 from router.server import RouterServer
 
 pytestmark = pytest.mark.slow
@@ -25,17 +23,9 @@ pytestmark = pytest.mark.slow
 def tls_stack(builtin_path, tmp_path_factory):
     cert, key = self_signed(str(tmp_path_factory.mktemp("tls")))
     cfg = EngineConfig(model=str(builtin_path), num_blocks=64, max_model_len=256, num_threads=1)
-    decode, prefill = DecodeWorkerServer(cfg, "decode-0"), PrefillWorkerServer(cfg, "prefill-0")
-    router = RouterServer("builtin:tiny-llama", max_model_len=256, request_timeout_s=30, tls_cert=cert, tls_key=key,
-                          api_keys=["k"])
-    router.set_workers([("prefill-0", "prefill", prefill.address), ("decode-0", "decode", decode.address)])
-    api = HttpApi(router.local_address, "builtin:tiny-llama", router.tokenizer, api_keys=["k"], tls_cert=cert,
-                  tls_key=key)
-    api.start()
-    yield router, api, cert
-    api.stop()
-    for s in (router, prefill, decode):
-        s.stop()
+    with LocalCluster(cfg, tls=(cert, key), router={"model": "builtin:tiny-llama", "request_timeout_s": 30,
+                                                    "api_keys": ["k"]}, http={"api_keys": ["k"]}) as c:
+        yield c.router, c.http, cert
 
 
 def test_grpc_over_tls_serves_a_client_that_trusts_the_certificate_only(tls_stack):
