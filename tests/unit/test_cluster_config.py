@@ -216,6 +216,43 @@ def test_errors_name_key_and_allowed(raw, key, fragments):
     assert isinstance(info.value, ValueError)
 
 
+MORE_ERRORS = [
+    # bounds on both sides, and the hints that follow the allowed range
+    (_with("ray.max_restarts", 1001), "ray.max_restarts", ["1001 is out of range; allowed: 0..1000"]),
+    (_with("router.max_retries", 11), "router.max_retries", ["11 is out of range; allowed: 0..10"]),
+    (_with("router.grpc_port", 65536), "router.grpc_port", ["allowed: 0..65535 (0: pick a free port)"]),
+    (_with("router.max_requests", 0), "router.max_requests", ["0 is out of range; allowed: >= 1"]),
+    (_with("router.local_prefill_max_tokens", -1), "router.local_prefill_max_tokens", ["allowed: >= 0"]),
+    (_with("kv_cache.memory_mb", 0), "kv_cache.memory_mb", ["allowed: >= 1"]),
+    (_with("kv_cache.memory_mb", "1G"), "kv_cache.memory_mb", ["expected an integer or null, got '1G'"]),
+    (_with("pools.0.resources", {"memory": -1}), "pools[0].resources.memory", ["-1 is out of range; allowed: >= 0 (bytes)"]),
+    (_with("kv_transfer.lease_s", float("inf")), "kv_transfer.lease_s", ["inf is not allowed; allowed: a finite number"]),
+    (_with("kv_transfer.timeout_s", -2), "kv_transfer.timeout_s", ["-2 is out of range; allowed: > 0"]),
+    (_with("router.tls_cert", 5), "router.tls_cert", ["expected a string or null, got 5"]),
+    (_with("router.host", " "), "router.host", ["must not be empty"]),
+    (_with("pools.0.role", True), "pools[0].role", ["true is not allowed", "quote the value"]),
+    (_with("router", {1: 2}), "router.1", ["unknown key"]),
+    # an accelerator pool that leaves its resources at the default still needs a GPU
+    (_pools({"name": "g", "role": "prefill", "hardware": "gpu"}, {"name": "d", "role": "decode"}),
+     "pools[0].resources.num_gpus", ["num_gpus > 0"]),
+    # of several mistakes the first in the file's order, unknown keys of a section first
+    ({"router": {"grpc_port": -1, "bogus": 1}, "kv_cache": {"block_size": 3}}, "router.bogus", ["unknown key"]),
+    ({"router": {"grpc_port": -1}, "kv_cache": {"block_size": 3}}, "router.grpc_port", ["out of range"]),
+    (_pools({"name": "Bad"}), "pools[0].role", ["required"]),
+]
+
+
+@pytest.mark.parametrize("raw,key,fragments", MORE_ERRORS, ids=[f"{i}-{e[1]}" for i, e in enumerate(MORE_ERRORS)])
+def test_bounds_and_first_mistake(raw, key, fragments):
+    test_errors_name_key_and_allowed(raw, key, fragments)
+
+
+def test_code_built_configs_are_not_checked_until_validate():
+    cfg = replace(ClusterConfig(), router=replace(ClusterConfig().router, grpc_port=-1))  # no error here
+    with pytest.raises(ConfigError, match=r"^router\.grpc_port: -1 is out of range"):
+        cfg.validate()
+
+
 def test_file_errors_name_the_file(tmp_path):
     p = _write(tmp_path, "router:\n  grpc_prot: 1\n")
     with pytest.raises(ConfigError, match=r"cluster\.yaml: router\.grpc_prot: unknown key") as info:
