@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from engine.admission_rule import prompt_fits
 from engine.block_manager import BlockManager
 from engine.builtin_model import resolve_model_path
 from engine.config import EngineConfig, ModelConfig
@@ -130,9 +131,9 @@ class Engine:
     def fits(self, num_tokens: int) -> bool:
         """A new prompt of `num_tokens` fits in the free blocks, keeping one block of headroom per
         running sequence so that new prompts do not starve decode (reservations, local prefills,
-        colocated admissions: one rule)."""
+        colocated admissions: one rule, engine/admission_rule.py)."""
         bm = self.block_manager
-        return bm.blocks_needed(num_tokens) + len(self.scheduler.running) <= bm.num_free_blocks
+        return prompt_fits(num_tokens, bm.block_size, len(self.scheduler.running), bm.num_free_blocks)
 
     def allocate_blocks(self, num_tokens: int) -> list[int]:
         """Fresh, unshared blocks for `num_tokens` (KV that arrives from elsewhere goes there)."""
