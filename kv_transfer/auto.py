@@ -1,15 +1,12 @@
 """`auto` backend: per decode worker, NCCL between two GPU caches, shared memory on this node, else a
 TCP data connection, else gRPC.
 
-Both sides compose data planes. The receiver offers the torch_distributed, tcp and shm planes (and,
-as every receiver, inline layers), so any prefill worker can reach it; its torch_distributed plane
-hosts a store and builds groups only when its cache is on CUDA. The sender holds one sender per
-plane and decides once per KV endpoint: on a machine with a GPU it first tries the torch_distributed
-handshake and group over NCCL (both caches on CUDA: no host copy); then the shm handshake (same
-node, same /dev/shm, same layout); when that is refused for placement the tcp handshake and data
-connection (the receiver advertises a data port, it can be reached from here and takes the token);
-when that fails too, gRPC. Any other refusal (incompatible layout, bad endpoint) is raised as it
-is. The choice itself is `choose_backend`, a pure function.
+Both sides compose data planes. The receiver offers the torch_distributed (groups only for a CUDA
+cache), tcp and shm planes, and inline layers. The sender holds a sender per plane and decides once
+per endpoint: with a GPU, a torch_distributed group over NCCL; then shm (same node and /dev/shm);
+when that is refused for placement, tcp (a data port that can be reached and takes the token);
+else gRPC. Any other refusal (incompatible layout, bad endpoint) is raised as it is. The choice
+itself is `choose_backend`, a pure function.
 
 `AutoSender(dist_backend=...)` / `AutoReceiver(dist_backend=...)` name the process group backend
 explicitly ("gloo" joins CPU caches over torch.distributed instead: the same path, testable without

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -80,41 +81,42 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
             ok=True, compat_hash=self.r.sink.compat_hash, **self.r.handshake_fields(request)
         )
 
+    @staticmethod
+    def _run(context: grpc.ServicerContext, what: str, step: Callable[[], None]) -> None:
+        """Run `step`; a refusal aborts the RPC with its status, a sink failure with INTERNAL (never
+        leaving a stream hanging)."""
+        try:
+            step()
+        except KVTransferError as e:
+            context.abort(status_for(e), str(e))
+        except Exception as e:
+            context.abort(grpc.StatusCode.INTERNAL, f"{what}: {e!r}")
+
     def SendLayers(self, request_iterator, context):
         self._check_open(context)
         received: set[tuple[str, int]] = set()
         for msg in request_iterator:
             self._check_open(context)
-            try:
-                self.r.receive_layer(msg)
-            except KVTransferError as e:
-                context.abort(status_for(e), str(e))
-            except Exception as e:  # the sink failed: report it, never leave the stream hanging
-                context.abort(grpc.StatusCode.INTERNAL, f"layer {msg.layer} of {msg.transfer_id!r}: {e!r}")
+            self._run(context, f"layer {msg.layer} of {msg.transfer_id!r}", lambda m=msg: self.r.receive_layer(m))
             received.add((msg.transfer_id, msg.layer))
         return kv_transfer_pb2.KVAck(ok=True, layers_received=len(received))
 
     def Commit(self, request, context):
         self._check_open(context)
         lp = logprob_from_proto(request.first_token_logprob) if request.HasField("first_token_logprob") else None
-        try:
+
+        def commit() -> None:
             for msg in request.layers:  # layers whose messages rode in the commit: checked first
                 self.r.receive_layer(msg)
             self.r._on_commit(request.transfer_id, request.auth_token, request.first_token, lp)
-        except KVTransferError as e:
-            context.abort(status_for(e), str(e))
-        except Exception as e:
-            context.abort(grpc.StatusCode.INTERNAL, f"commit of {request.transfer_id!r}: {e!r}")
+
+        self._run(context, f"commit of {request.transfer_id!r}", commit)
         return kv_transfer_pb2.KVAck(ok=True, layers_received=self.r.sink.num_layers)
 
     def Abort(self, request, context):
         self._check_open(context)
-        try:
-            self.r._on_abort(request.transfer_id, request.auth_token, request.reason)
-        except KVTransferError as e:
-            context.abort(status_for(e), str(e))
-        except Exception as e:
-            context.abort(grpc.StatusCode.INTERNAL, f"abort of {request.transfer_id!r}: {e!r}")
+        self._run(context, f"abort of {request.transfer_id!r}",
+                  lambda: self.r._on_abort(request.transfer_id, request.auth_token, request.reason))
         return kv_transfer_pb2.KVAck(ok=True)
 
 

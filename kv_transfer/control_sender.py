@@ -1,18 +1,15 @@
-"""The sending half of the control plane: a prefill worker's side of the `KVReceiver` service.
+"""The sending half of the control plane (proto/kv_transfer.proto), per transfer:
 
-Wire protocol (proto/kv_transfer.proto), per transfer:
+    Handshake   once per (sender, endpoint): the compatibility hashes must match, else refused;
+                the data plane adds its fields (kv_transfer/planes.py)
+    SendLayers  one client stream per transfer of `KVLayer`s (the bytes inline, or the fields naming
+                them on the data plane; XXH3-64 checksums; never pickled), fed from a queue in the
+                background: `send_layer` returns at once, the forward pass never waits on the network
+    Commit      after the stream is acknowledged: the first token (and its logprob)
+    Abort       cancels the stream, then tells the receiver to free the blocks
 
-    Handshake      once per (sender, endpoint): the compatibility hashes must match, else refused;
-                   the data plane adds its fields (kv_transfer/planes.py)
-    SendLayers     one client stream per transfer carrying its `KVLayer`s (the bytes inline, or the
-                   fields naming them on the data plane; XXH3-64 checksums; never pickled); the stream
-                   is fed from a queue in the background, so `send_layer` returns at once and the
-                   forward pass never waits on the network
-    Commit         after the stream is acknowledged: the first token (and its logprob)
-    Abort          cancels the stream, then tells the receiver to free the blocks
-
-Every failure becomes a `KVTransferError` naming the RPC, the endpoint, the status and the
-receiver's reason. Every RPC has a deadline.
+Every RPC has a deadline; every failure is a `KVTransferError` naming the RPC, the endpoint, the
+status and the receiver's reason.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -33,34 +29,10 @@ from engine.config import KV_LAYOUT_VERSION
 from engine.sequence import TokenLogprobs
 from kv_transfer.base import KVSender, KVTransferError, TransferTicket
 from kv_transfer.planes import InlineSendPlane, Int8, SendPlane, inline_fields, plane_attribute
+from kv_transfer.streams import END, Handshake, Stream, Transfer, split_layer
 from kv_transfer.wire import CHANNEL_OPTIONS, WIRE_DTYPES, rpc_error, target, wire_dtype
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from proto.convert import logprob_to_proto
-
-_END = object()  # closes a stream's request queue
-
-
-@dataclass
-class _Handshake:
-    future: grpc.Future
-    error: str | None = None  # set once refused (cached): the endpoint's layout differs from ours
-
-
-@dataclass(eq=False)
-class _Stream:
-    requests: queue.SimpleQueue[Any]
-    future: grpc.Future | None = None
-    error: str | None = None  # set by the request iterator when the handshake failed
-
-
-@dataclass
-class _Transfer:
-    endpoint: str
-    streams: list[_Stream] = field(default_factory=list)
-    open: _Stream | None = None  # the stream new layers go to; None: the next layer opens one
-    layers_sent: set[int] = field(default_factory=set)
-    # layer messages held back (SendPlane.deferred): sent by the next flush, or in the commit
-    deferred: list[tuple] = field(default_factory=list)
 
 
 class ControlSender(KVSender):
@@ -82,8 +54,8 @@ class ControlSender(KVSender):
         self.sender_id = sender_id or f"prefill-{os.getpid()}-{next(self._ids)}"
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVReceiverStub]] = {}
-        self._handshakes: dict[str, _Handshake] = {}
-        self._transfers: dict[str, _Transfer] = {}
+        self._handshakes: dict[str, Handshake] = {}
+        self._transfers: dict[str, Transfer] = {}
         self._interceptors: list[Any] = []
         self._closed = False
         self.plane = self.PLANE(self, **options)
@@ -122,29 +94,31 @@ class ControlSender(KVSender):
             hs = self._handshake(endpoint)
         self._await_handshake(endpoint, hs, self.timeout_s if timeout is None else timeout)
 
-    def _handshake(self, endpoint: str) -> _Handshake:
+    def _handshake(self, endpoint: str) -> Handshake:
         """Under self._lock: the endpoint's handshake, started (not awaited) on first use."""
         hs = self._handshakes.get(endpoint)
         if hs is not None and hs.error is None and hs.future.done():
             if hs.future.cancelled() or hs.future.exception() is not None:
                 hs = None  # failed on the network, not refused: try again
         if hs is None:
-            request = kv_transfer_pb2.HandshakeRequest(
-                compat_hash=self.compat_hash, layout_version=KV_LAYOUT_VERSION, sender_id=self.sender_id
-            )
+            request = kv_transfer_pb2.HandshakeRequest(compat_hash=self.compat_hash, layout_version=KV_LAYOUT_VERSION,
+                                                       sender_id=self.sender_id)
             self.plane.handshake_request(request)
-            hs = _Handshake(self._stub(endpoint).Handshake.future(request, timeout=self.timeout_s))
+            hs = Handshake(self._stub(endpoint).Handshake.future(request, timeout=self.timeout_s))
             self._handshakes[endpoint] = hs
         return hs
 
-    def accepted(self, endpoint: str) -> kv_transfer_pb2.HandshakeResponse | None:
-        """The response of the endpoint's current handshake once it completed (never waits)."""
-        with self._lock:
-            hs = self._handshakes.get(endpoint)
+    @staticmethod
+    def _response(hs: Handshake | None) -> kv_transfer_pb2.HandshakeResponse | None:
         f = hs.future if hs is not None else None
         if f is None or not f.done() or f.cancelled() or f.exception() is not None:
             return None
         return f.result()
+
+    def accepted(self, endpoint: str) -> kv_transfer_pb2.HandshakeResponse | None:
+        """The response of the endpoint's current handshake once it completed (never waits)."""
+        with self._lock:
+            return self._response(self._handshakes.get(endpoint))
 
     def _forget_handshake(self, endpoint: str,
                           made: Callable[[kv_transfer_pb2.HandshakeResponse], bool] | None = None) -> None:
@@ -154,11 +128,8 @@ class ControlSender(KVSender):
             hs = self._handshakes.get(endpoint)
             if hs is None or hs.error is not None:
                 return  # none, or a refusal (kept: the layout still differs)
-            if made is not None:
-                f = hs.future
-                if not f.done() or f.cancelled() or f.exception() is not None or not made(f.result()):
-                    return
-            del self._handshakes[endpoint]
+            if made is None or ((response := self._response(hs)) is not None and made(response)):
+                del self._handshakes[endpoint]
 
     def _raise_if_refused(self, endpoint: str) -> None:
         """Raise the endpoint's cached refusal, or that this sender is closed (before a data plane
@@ -170,7 +141,7 @@ class ControlSender(KVSender):
             if self._closed:
                 raise KVTransferError("KV sender is closed")
 
-    def _await_handshake(self, endpoint: str, hs: _Handshake, timeout: float) -> None:
+    def _await_handshake(self, endpoint: str, hs: Handshake, timeout: float) -> None:
         """Raise KVTransferError unless the endpoint accepted our layout (and suits the plane)."""
         if hs.error is not None:
             raise KVTransferError(hs.error)
@@ -192,9 +163,8 @@ class ControlSender(KVSender):
             raise KVTransferError(hs.error)
 
     # ------------------------------------------------------------------ streaming
-    def _requests(
-        self, endpoint: str, hs: _Handshake, stream: _Stream, ticket: TransferTicket
-    ) -> Iterator[kv_transfer_pb2.KVLayer]:
+    def _requests(self, endpoint: str, hs: Handshake, stream: Stream,
+                  ticket: TransferTicket) -> Iterator[kv_transfer_pb2.KVLayer]:
         """Runs on gRPC's request thread: wait for the handshake, then send what the queue yields."""
         try:
             self._await_handshake(endpoint, hs, self.timeout_s)
@@ -203,7 +173,7 @@ class ControlSender(KVSender):
             return  # an empty stream: nothing reaches the receiver
         while True:
             item = stream.requests.get()
-            if item is _END:
+            if item is END:
                 return
             yield self._layer_message(ticket, *item)
 
@@ -224,19 +194,6 @@ class ControlSender(KVSender):
         return kv_transfer_pb2.KVLayer(transfer_id=ticket.transfer_id, auth_token=ticket.auth_token, layer=layer,
                                        dtype=dtype, shape=shape, first_block=first_block, **fields)
 
-    @staticmethod
-    def _failure(endpoint: str, stream: _Stream) -> KVTransferError | None:
-        """A finished stream's error, without waiting."""
-        if stream.error is not None:
-            return KVTransferError(stream.error)
-        f = stream.future
-        if f is None or not f.done():
-            return None
-        if f.cancelled():
-            return KVTransferError(f"SendLayers to {endpoint} was cancelled")
-        e = f.exception()
-        return rpc_error("SendLayers", endpoint, e) if e is not None else None
-
     def send_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None:
         """Queue one layer for the background stream; returns without waiting for the network.
 
@@ -249,16 +206,16 @@ class ControlSender(KVSender):
         dtype = wire_dtype(kv.dtype)
         if dtype not in WIRE_DTYPES:
             raise KVTransferError(f"layer {layer}: cannot send KV of dtype {kv.dtype}")
-        parts = [(first, list(part.shape), self._payload(ticket, layer, part)) for first, part in self._split(kv)]
+        parts = [(first, list(part.shape), self._payload(ticket, layer, part)) for first, part in split_layer(kv, self.max_message_bytes)]
         with self._lock:
             hs = self._handshake(endpoint)
             if hs.error is not None:
                 raise KVTransferError(hs.error)
             transfer = self._transfers.get(ticket.transfer_id)
             if transfer is None:
-                transfer = self._transfers[ticket.transfer_id] = _Transfer(endpoint)
+                transfer = self._transfers[ticket.transfer_id] = Transfer(endpoint)
             for stream in transfer.streams:
-                failure = self._failure(endpoint, stream)
+                failure = stream.failure(endpoint)
                 if failure is not None:
                     raise failure
             items = [(layer, dtype, shape, payload, first) for first, shape, payload in parts]
@@ -268,32 +225,21 @@ class ControlSender(KVSender):
             nbytes = sum(len(p.q) + len(p.scales) if isinstance(p, Int8) else 0 for _, _, p in parts) or kv.nbytes
             self._count_sent(self.plane.name, nbytes)
 
-    def _stream_out(self, ticket: TransferTicket, hs: _Handshake, transfer: _Transfer, items: list[tuple]) -> None:
+    def _stream_out(self, ticket: TransferTicket, hs: Handshake, transfer: Transfer, items: list[tuple]) -> None:
         """Under self._lock: queue layer items on the transfer's open stream (opened if need be)."""
         if not items:
             return
         stream = transfer.open
         if stream is None:
-            stream = transfer.open = _Stream(queue.SimpleQueue())
+            stream = transfer.open = Stream(queue.SimpleQueue())
             transfer.streams.append(stream)
             stream.future = self._stub(transfer.endpoint).SendLayers.future(
                 self._requests(transfer.endpoint, hs, stream, ticket), timeout=self.timeout_s
             )
             # once the call is over (failed early, cancelled), the request iterator must not block
-            stream.future.add_done_callback(lambda _f, q=stream.requests: q.put(_END))
+            stream.future.add_done_callback(lambda _f, q=stream.requests: q.put(END))
         for item in items:
             stream.requests.put(item)
-
-    def _split(self, kv: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """A layer as (first block, run of blocks) messages of at most `max_message_bytes` each (at
-        least one block each): HTTP/2 moves one huge message far slower than several, and a layer
-        may be larger than a gRPC message can be."""
-        limit = self.max_message_bytes
-        if limit is None or kv.dim() < 2 or kv.nbytes <= limit or kv.shape[1] < 2:
-            return [(0, kv)]
-        per_block = max(1, kv.nbytes // kv.shape[1])
-        step = max(1, limit // per_block)
-        return [(first, kv[:, first : first + step]) for first in range(0, kv.shape[1], step)]
 
     def _close_streams(self, endpoint: str) -> None:
         """Under self._lock: end the open streams to `endpoint` (their layers are all queued).
@@ -304,7 +250,7 @@ class ControlSender(KVSender):
         """
         for transfer in self._transfers.values():
             if transfer.endpoint == endpoint and transfer.open is not None:
-                transfer.open.requests.put(_END)
+                transfer.open.requests.put(END)
                 transfer.open = None
 
     def flush(self, ticket: TransferTicket, timeout: float | None = None) -> int:
@@ -342,7 +288,7 @@ class ControlSender(KVSender):
                 error = error or rpc_error("SendLayers", endpoint, e)
                 continue
             except BaseException as e:
-                error = error or self._failure(endpoint, stream) or rpc_error("SendLayers", endpoint, e)
+                error = error or stream.failure(endpoint) or rpc_error("SendLayers", endpoint, e)
                 continue
             if stream.error is not None:
                 error = error or KVTransferError(stream.error)
@@ -383,11 +329,9 @@ class ControlSender(KVSender):
             with self._lock:
                 transfer = self._transfers.pop(ticket.transfer_id, None)
             if transfer is not None:
-                self._cancel(transfer)  # after a failure: no stream of it may linger
-        request = kv_transfer_pb2.KVCommit(
-            transfer_id=ticket.transfer_id, auth_token=ticket.auth_token, first_token=first_token,
-            num_layers=num_layers,
-        )
+                transfer.cancel()  # after a failure: no stream of it may linger
+        request = kv_transfer_pb2.KVCommit(transfer_id=ticket.transfer_id, auth_token=ticket.auth_token,
+                                           first_token=first_token, num_layers=num_layers)
         if logprob is not None:
             request.first_token_logprob.CopyFrom(logprob_to_proto(logprob))
         request.layers.extend(self._layer_message(ticket, *item) for item in held)
@@ -401,10 +345,9 @@ class ControlSender(KVSender):
                 transfer = self._transfers.pop(ticket.transfer_id, None)
                 stub = self._stub(ticket.kv_endpoint)
             if transfer is not None:
-                self._cancel(transfer)
-            request = kv_transfer_pb2.KVAbort(
-                transfer_id=ticket.transfer_id, auth_token=ticket.auth_token, reason=reason
-            )
+                transfer.cancel()
+            request = kv_transfer_pb2.KVAbort(transfer_id=ticket.transfer_id, auth_token=ticket.auth_token,
+                                              reason=reason)
             self._call(stub.Abort, "Abort", ticket.kv_endpoint, request)
         finally:
             self.plane.finished(ticket, 0)
@@ -416,13 +359,6 @@ class ControlSender(KVSender):
             raise rpc_error(what, endpoint, e) from None
         if not ack.ok:
             raise KVTransferError(f"{what} to {endpoint} refused: {ack.error}")
-
-    @staticmethod
-    def _cancel(transfer: _Transfer) -> None:
-        for stream in transfer.streams:
-            stream.requests.put(_END)
-            if stream.future is not None:
-                stream.future.cancel()  # a no-op once the stream finished
 
     @property
     def num_in_flight(self) -> int:
@@ -436,7 +372,7 @@ class ControlSender(KVSender):
             channels, self._channels = self._channels, {}
             self._handshakes.clear()
         for transfer in transfers.values():
-            self._cancel(transfer)
+            transfer.cancel()
         for channel, _ in channels.values():
             channel.close()
         self.plane.close()

@@ -56,7 +56,7 @@ class KVFaults:
     seed: int | None = None
 
     @classmethod
-    def parse(cls, spec: str | None) -> "KVFaults | None":
+    def parse(cls, spec: str | None) -> KVFaults | None:
         """A spec string ("drop=0.1,delay_ms=200,seed=1") -> KVFaults; None for "", "off", "none" or None.
         Raises ValueError naming the key for anything else."""
         if spec is None or spec.strip().lower() in ("", "off", "none"):
@@ -77,7 +77,7 @@ class KVFaults:
         return faults
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "KVFaults | None":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> KVFaults | None:
         return cls.parse((os.environ if env is None else env).get(ENV))
 
 
@@ -137,7 +137,7 @@ class FaultInjector:
             log.warning("KV fault injected: %s of a %s message", fault, kind)
         return fault
 
-    def interceptor(self) -> "_Interceptor":
+    def interceptor(self) -> _Interceptor:
         return _Interceptor(self)
 
 

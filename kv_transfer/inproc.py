@@ -12,10 +12,10 @@ import threading
 import torch
 
 from engine.sequence import TokenLogprobs
-from kv_transfer.compression import roundtrip
 from kv_transfer.base import KVReceiver, KVSender, KVSink, KVTransferError, TransferTicket
+from kv_transfer.compression import roundtrip
 
-_receivers: dict[str, "InprocReceiver"] = {}
+_receivers: dict[str, InprocReceiver] = {}
 _lock = threading.Lock()
 _ids = itertools.count()
 

@@ -215,6 +215,6 @@ class InlineSendPlane(SendPlane):
 def inline_fields(payload: bytes | Int8) -> dict[str, Any]:
     """The KVLayer fields of bytes that ride in the message."""
     if isinstance(payload, Int8):
-        return dict(checksum=checksum(payload.q, payload.scales), payload=payload.q, compression="int8",
-                    scales=payload.scales)
-    return dict(checksum=checksum(payload), payload=payload)
+        return {"checksum": checksum(payload.q, payload.scales), "payload": payload.q, "compression": "int8",
+                    "scales": payload.scales}
+    return {"checksum": checksum(payload), "payload": payload}

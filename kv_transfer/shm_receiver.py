@@ -1,19 +1,13 @@
-"""The shm data plane, receiver side: a prefill and a decode worker on one node; the KV bytes never
-cross a socket.
+"""The shm data plane, receiver side: a prefill and a decode worker on one node (Linux).
 
-In place (the default, kv_transfer/shm_cache.py): the sink's CPU cache moves into one shared
-segment, named in the handshake, which senders on this node write straight into; a layer's
-message (metadata only) then gets the shared checks (and, when it carries one, its checksum is
-checked against the blocks) before the layer counts. Otherwise a `KVLayer` names a range
-(`shm_name`, `shm_offset`, `shm_nbytes`) of a segment its sender owns: the receiver checks the
-transfer id and auth token first, then maps the segment (read-only and shared; kept mapped while it
-exists, since senders reuse theirs), checks the range's checksum, dtype and size, views it as a
-tensor (`torch.frombuffer`, no intermediate bytes) and hands it to the shared checks, which copy it
-into the reserved blocks. The receiver never unlinks a sender's segment and opens only `pdkv-*`
-names directly under its shared memory directory.
-
-One node only: the handshake answers with this node's id (hostname and kernel boot id) and the
-first bytes of the sender's probe segment, read back, which proves one /dev/shm. Linux only.
+In place (the default, kv_transfer/shm_cache.py): the sink's CPU cache moves into a shared segment,
+named in the handshake, which senders write straight into; a layer's message (metadata only) gets
+the shared checks (and its checksum against the blocks, when it carries one). Otherwise a KVLayer
+names a range of a segment its sender owns: after the transfer id and token, the segment is mapped
+(read-only, kept while it exists), the range's checksum, dtype and size checked, and a tensor view
+of it (no copy) goes to the shared checks. Only `pdkv-*` names under `shm_dir` are opened, never
+unlinked. The handshake answers with this node's id and the first bytes of the sender's probe
+segment, read back: proof of one node and one /dev/shm.
 """
 
 from __future__ import annotations

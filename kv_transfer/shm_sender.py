@@ -1,27 +1,19 @@
 """The shm data plane, sender side: layers go through POSIX shared memory to a receiver on this node.
 
-In place (kv_transfer/shm_cache.py): once a receiver's handshake names its shared cache, each layer
-is copied straight into the ticket's blocks there (one copy, no segment, no checksum pass unless
-`verify_in_place`), and its message, metadata only, rides in the commit. Otherwise (a cache on an
-accelerator, no room in the receiver's /dev/shm, the layers sent before the handshake completed)
-the layer's raw C-contiguous bytes are copied into a segment this sender owns and the message
-names the range and its XXH3-64.
+In place (kv_transfer/shm_cache.py): once a receiver's handshake names its shared cache, a layer is
+copied straight into the ticket's blocks there, and its message (metadata only) rides in the commit.
+Otherwise (a cache on an accelerator, no room in the receiver's /dev/shm, layers sent before the
+handshake completed) its bytes are copied into a segment this sender owns, and the message names
+the range and its XXH3-64.
 
-Segments (the sender's arena): a transfer takes whole segments ("slabs") from a per-sender pool
-and packs its layers into them. A transfer's first slab is sized for all its layers (layer size x
-the layer count of this sender's last committed transfer, at least `slab_bytes`; until that count
-is known a transfer's next slab doubles its space), so a transfer normally fills one segment. After
-its commit or abort its slabs go back to the pool for the next transfer (their pages are already
-there, so the copy does not fault; the smallest free slab that fits is taken), and free slabs
-beyond `pool_bytes` are unlinked, oldest first. `close()` unlinks all. A slab's pages are reserved
-up front (posix_fallocate), so a full /dev/shm is a clear error here, never a SIGBUS later; slabs
-are registered with multiprocessing's resource tracker, which unlinks them if the prefill process
-dies without closing.
+Segments ("slabs") come from a per-sender pool: a transfer's first slab is sized for all its layers
+(as many as the last committed transfer had; until then its next slab doubles its space); after the
+commit or abort they go back to the pool (their pages are there: no faults), free slabs beyond
+`pool_bytes` are unlinked, and `close()` unlinks all. Pages are reserved up front (a full /dev/shm
+is an error here, never a SIGBUS later); the resource tracker unlinks them if the process dies.
 
-Refusals (KVTransferError, cached per endpoint like a refused layout): a receiver on another node
-("shm needs both workers on one node"), one on this node that cannot see this sender's /dev/shm
-(another container / IPC namespace: it cannot read back the probe segment), and a receiver without
-the shm plane. `connect(endpoint)` runs that check at once, e.g. when a cluster starts.
+Refused (cached per endpoint, like a refused layout): a receiver on another node, one that cannot
+see this sender's /dev/shm (it cannot read back the probe segment), one without the shm plane.
 """
 
 from __future__ import annotations
@@ -307,13 +299,13 @@ class ShmSendPlane(SendPlane):
 
     def fields(self, ticket: TransferTicket, staged: _InPlace | _Region) -> dict[str, Any]:
         if isinstance(staged, _InPlace):
-            return dict(shm_in_place=True, shm_name=staged.cache, shm_checksummed=staged.digest is not None,
-                        checksum=staged.digest or 0)
+            return {"shm_in_place": True, "shm_name": staged.cache, "shm_checksummed": staged.digest is not None,
+                        "checksum": staged.digest or 0}
         try:
             digest = staged.slab.checksum(staged.offset, staged.nbytes)
         except ValueError:  # unmapped by close(), which cancelled this stream: the receiver refuses it
             digest = 0
-        return dict(checksum=digest, shm_name=staged.slab.name, shm_offset=staged.offset, shm_nbytes=staged.nbytes)
+        return {"checksum": digest, "shm_name": staged.slab.name, "shm_offset": staged.offset, "shm_nbytes": staged.nbytes}
 
     def close(self) -> None:
         """Unlink every segment, unmap every shared cache."""

@@ -1,6 +1,5 @@
-"""The tcp data plane, receiver side: each layer's bytes come over a raw TCP connection next to the
-gRPC control plane, which avoids grpc-python's own cost per byte (HTTP/2 framing, copies into and
-out of messages).
+"""The tcp data plane, receiver side: a layer's bytes come over a raw TCP connection beside the gRPC
+control plane, without grpc-python's cost per byte (HTTP/2 framing, copies into and out of messages).
 
 Wire protocol of the data connection (big-endian `struct`s; nothing is pickled):
 
@@ -15,18 +14,13 @@ Wire protocol of the data connection (big-endian `struct`s; nothing is pickled):
     frame      sender -> receiver, any number: tag (u64) | nbytes (u64) | nbytes raw C-contiguous
                bytes. Tags count up per connection; a KVLayer names its frame (tcp_conn, tcp_tag).
 
-A thread per authenticated connection reads frames with `recv_into` into pooled buffers, reused
-transfer after transfer (no fresh page faults). For a KVLayer naming a frame the receiver checks
-the transfer id and auth token, waits for the frame, checks its checksum (DATA_LOSS when it
-differs), dtype and size against the message, and only then hands a view of the buffer to the
-shared checks, which copy it into the reserved blocks: a SendLayers ack means every byte of its
-layers arrived and was checked.
-
-Bounded memory and time (`timeout_s`, `max_buffered_bytes`): a KVLayer whose frame does not come
-within timeout_s is refused (DEADLINE_EXCEEDED); the frame of a refused KVLayer is dropped when it
-comes, a frame nobody claims after timeout_s; at most max_buffered_bytes of frames are held (the
-reading thread waits, so TCP pushes back on the sender, and gives up after timeout_s). A data
-connection that dies fails the layers waiting on it (UNAVAILABLE).
+A thread per authenticated connection reads frames with `recv_into` into pooled buffers (no fresh
+page faults). For a KVLayer naming a frame: transfer id and auth token, then the frame's checksum
+(DATA_LOSS), dtype and size, and only then a view of the buffer goes to the shared checks, which
+copy it into the blocks. Bounded: a frame that does not come within `timeout_s` fails its layer
+(DEADLINE_EXCEEDED), a refused layer's frame is dropped when it comes, an unclaimed one after
+timeout_s; at most `max_buffered_bytes` are held (then TCP pushes back on the sender). A dead
+connection fails the layers waiting on it (UNAVAILABLE).
 """
 
 from __future__ import annotations

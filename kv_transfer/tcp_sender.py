@@ -211,7 +211,7 @@ class TcpSendPlane(SendPlane):
         else:
             conn, tag = link.key, next(link.tags)
             self._queue_frame(link, tag, staged)
-        return dict(checksum=digest, tcp_conn=conn, tcp_tag=tag)
+        return {"checksum": digest, "tcp_conn": conn, "tcp_tag": tag}
 
     def _queue_frame(self, link: _Link, tag: int, staged: _Staged) -> None:
         """Hand a frame to the connection's thread (a test hook: bytes may be altered here)."""

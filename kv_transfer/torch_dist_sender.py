@@ -144,7 +144,7 @@ class TorchDistSendPlane(SendPlane):
             else:
                 with self.channels.lock:
                     pair.works.setdefault(ticket.transfer_id, []).append((work, staged.tensor))
-        return dict(checksum=digest, dist_pair=key, dist_tag=tag)
+        return {"checksum": digest, "dist_pair": key, "dist_tag": tag}
 
     def _post_send(self, pair: _SendPair, tensor: torch.Tensor, tag: int) -> Any:
         """Post the asynchronous point-to-point send (a test hook: bytes may be altered here)."""
