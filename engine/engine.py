@@ -166,10 +166,21 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     def step(self, hook_factory: LayerHookFactory | None = None) -> list[Sequence]:
         """Run one forward pass. Returns the sequences that received a token this step."""
+        return self._step(hook_factory, None)
+
+    def step_with_rows(self) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """`step()`, and the batch it ran: per scheduled sequence, (tokens computed before the step,
+        tokens the step computed) -- the shape a step's cost is fitted to (planner/calibrate.py)."""
+        rows: list[tuple[int, int]] = []
+        return self._step(None, rows), rows
+
+    def _step(self, hook_factory: LayerHookFactory | None, rows: list[tuple[int, int]] | None) -> list[Sequence]:
         batch = self.scheduler.schedule()
         if not batch:
             self.last_step = None
             return []
+        if rows is not None:
+            rows.extend((item.seq.num_computed_tokens, item.num_tokens) for item in batch)
         tokens = sum(item.num_tokens for item in batch)
         # one token per sequence is a decode step (a prompt's last chunk of one token counts as one)
         self.last_step = StepShape("decode" if tokens == len(batch) else "prefill", len(batch), tokens,

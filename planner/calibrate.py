@@ -175,6 +175,7 @@ def calibrate(model: str = "builtin:tiny-llama", cpu: int | None = None, repeats
               quick: bool = False, serving: bool = True) -> dict[str, Any]:
     from tqdm import tqdm
 
+    from engine.admission_rule import blocks_needed
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
@@ -215,17 +216,10 @@ def calibrate(model: str = "builtin:tiny-llama", cpu: int | None = None, repeats
                 k = 0
                 while engine.has_work():  # Engine.step(), with the batch's shape noted
                     t0 = time.perf_counter()
-                    batch = engine.scheduler.schedule()
-                    new = sum(b.num_tokens for b in batch)
-                    prior = sum(b.seq.num_computed_tokens for b in batch)
-                    attn = sum(b.num_tokens * (b.seq.num_computed_tokens + b.num_tokens) for b in batch)
-                    logits = engine.runner.run(batch, None)
-                    completing = [b.seq for b in batch if b.completes]
-                    toks, lps = engine.sampler(logits, [s.params for s in completing],
-                                               [s.num_output_tokens for s in completing])
-                    engine.scheduler.postprocess(batch, toks, lps)
+                    _, rows = engine.step_with_rows()  # (tokens cached or computed before, new) per sequence
                     times.setdefault((count, length, k), []).append(time.perf_counter() - t0)
-                    feats[(count, length, k)] = (new, attn, prior)
+                    feats[(count, length, k)] = (sum(n for _, n in rows), sum(n * (p + n) for p, n in rows),
+                                                 sum(p for p, _ in rows))
                     k += 1
                 bar.update()
         prefill_samples: list[dict[str, Any]] = []
@@ -235,23 +229,23 @@ def calibrate(model: str = "builtin:tiny-llama", cpu: int | None = None, repeats
                                     "seconds": min(ts), "all_seconds": ts})
 
         decode_samples: list[dict[str, Any]] = []
-        bm = engine.block_manager
         for batch_size, ctx in decode_shapes:
-            if batch_size * bm.blocks_needed(ctx + steps + 2) > bm.num_free_blocks:
+            if batch_size * blocks_needed(ctx + steps + 2, cfg.block_size) > engine.load().blocks_free:
                 continue  # more than this engine's KV cache holds
             seqs = []
             for i in range(batch_size):  # enter the batch as a committed KV transfer does
                 seq = engine.make_sequence(f"d{batch_size}x{ctx}-{i}", prompt(ctx),
                                            SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
-                seq.block_table = bm.allocate_blocks(ctx)
+                seq.block_table = engine.allocate_blocks(ctx)
                 seq.num_computed_tokens = ctx
                 seq.append_token(rng.randrange(3, vocab))
-                engine.scheduler.add_running(seq)
+                engine.add_running(seq)
                 seqs.append(seq)
             shape_steps = []
             for _ in range(steps):
-                sum_ctx = sum(len(s.token_ids) for s in engine.scheduler.running)
-                n = len(engine.scheduler.running)
+                # the running batch is these sequences (none finishes, none is preempted: room checked above)
+                sum_ctx = sum(len(s.token_ids) for s in seqs)
+                n = len(seqs)
                 t0 = time.perf_counter()
                 engine.step()
                 shape_steps.append({"batch": n, "sum_context": sum_ctx, "seconds": time.perf_counter() - t0})
@@ -267,20 +261,22 @@ def calibrate(model: str = "builtin:tiny-llama", cpu: int | None = None, repeats
                        [s["seconds"] for s in prefill_samples])
         dc, derr = fit([[1, s["sum_context"], s["batch"]] for s in decode_samples],
                        [s["seconds"] for s in decode_samples])
-        kv_bytes = engine.model_cfg.kv_bytes_per_token(engine.runner.dtype)
+        kv_cache = engine.kv_caches[0]  # (2, num_blocks, block_size, kv heads, head dim), the engine's dtype
+        num_blocks = kv_cache.shape[1]
+        kv_bytes = engine.model_cfg.kv_bytes_per_token(kv_cache.dtype)
         result = {
             "hardware": "cpu",
             "model": model,
             "model_shape": {"name": shape.name, "params": shape.params, "layers": shape.num_layers,
                             "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
-            "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "dtype": str(kv_cache.dtype).removeprefix("torch."),
             "prefill": {"a": pc[0], "b": pc[1], "c": pc[2], **perr,
                         "formula": "a + b * sum_new + c * sum(n_i * (p_i + n_i))"},
             "decode": {"a": dc[0], "b": dc[1], "c": dc[2], **derr, "formula": "a + b * sum_context + c * batch"},
             "kv_bytes_per_token": kv_bytes,
-            "kv_capacity_tokens": engine.runner.num_blocks * cfg.block_size,
-            "kv_cache": {"num_blocks": engine.runner.num_blocks, "block_size": cfg.block_size,
-                         "memory_bytes": engine.runner.num_blocks * cfg.block_size * kv_bytes},
+            "kv_capacity_tokens": num_blocks * cfg.block_size,
+            "kv_cache": {"num_blocks": num_blocks, "block_size": cfg.block_size,
+                         "memory_bytes": num_blocks * cfg.block_size * kv_bytes},
             "engine": {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
                        "torch_threads": 1, "pinned_cpu": pinned},
             "machine": _machine(),
