@@ -2,9 +2,9 @@
 
 catalog.py + hardware.yaml (devices) -> models.py (model shapes) -> cost_model.py (step times:
 roofline, or fitted by calibrate.py) -> simulator.py (the cluster, event by event; its parts, router
-and workers, in sim_*.py) -> plan.py (a
-plan as a cluster to simulate) -> search.py (goodput by simulation, ranking) -> report.py (table,
-Pareto plot, cluster.yaml). cli.py is `pdcluster plan`; docs/planner.md describes it all.
+and workers, in sim_*.py) -> plan.py (a plan as a cluster to simulate) -> search.py (goodput by
+simulation, ranking) -> report.py (table, Pareto plot, cluster.yaml). cli.py is `pdcluster plan`;
+docs/planner.md describes it all.
 """
 
 from planner.catalog import Hardware, load_catalog
