@@ -56,10 +56,10 @@ from pdcluster.cluster_fields import (
 )
 from pdcluster.config_file import FORBID_EXTRA, ConfigError, Wording, invalid, read_yaml, validate
 
-__all__ = ["API_KEYS_ENV", "DEFAULT_CLUSTER_FILE", "DTYPES", "KV_COMPRESSIONS", "KV_TRANSFER_BACKENDS", "MODES",
-           "POOL_NAME_PATTERN", "ROLES", "STANDARD_RESOURCES", "ClusterConfig", "ConfigError", "EngineSection",
-           "KVCacheConfig", "KVTransferConfig", "ModelSection", "PoolConfig", "RayConfig", "RouterConfig",
-           "SLOConfig", "TimeoutsConfig", "load_cluster_config", "merge_env_api_keys"]
+__all__ = ["API_KEYS_ENV", "DEFAULT_CLUSTER_FILE", "DTYPES", "KV_COMPRESSIONS", "KV_TRANSFER_BACKENDS",
+           "MODES", "POOL_NAME_PATTERN", "ROLES", "STANDARD_RESOURCES", "ClusterConfig", "ConfigError",
+           "EngineSection", "KVCacheConfig", "KVTransferConfig", "ModelSection", "PoolConfig", "RayConfig",
+           "RouterConfig", "SLOConfig", "TimeoutsConfig", "load_cluster_config", "merge_env_api_keys"]
 
 DEFAULT_CLUSTER_FILE = "cluster.yaml"
 API_KEYS_ENV = "PDCLUSTER_API_KEYS"
@@ -103,7 +103,8 @@ class RouterConfig:
     grpc_port: Port = 50051  # 0: pick a free port
     http_port: Port = 8000  # 0: pick a free port
     api_keys: ApiKeys = field(default=(), repr=False)  # empty: no authentication
-    max_retries: Annotated[StrictInt, Field(ge=0, le=10)] = 2  # per request, after a worker or KV transfer failure
+    # per request, after a worker or KV transfer failure (0: none)
+    max_retries: Annotated[StrictInt, Field(ge=0, le=10)] = 2
     # admitted requests in flight; beyond: RESOURCE_EXHAUSTED / HTTP 429
     max_requests: Annotated[StrictInt, Field(ge=1)] = 512
     # prompt tokens of admitted requests waiting for prefill
@@ -116,8 +117,9 @@ class RouterConfig:
     @model_validator(mode="after")
     def _pairs(self) -> RouterConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
+            missing = "tls_key" if self.tls_key is None else "tls_cert"
             raise invalid("required when the other TLS file is given; allowed: both tls_cert and tls_key "
-                          "(PEM files), or neither (no TLS)", "tls_key" if self.tls_key is None else "tls_cert")
+                          "(PEM files), or neither (no TLS)", missing)
         if self.grpc_port and self.grpc_port == self.http_port:
             raise invalid(f"{self.http_port} is also router.grpc_port; "
                           "allowed: a different port, or 0 (pick a free port)", "http_port")
@@ -133,7 +135,8 @@ class PoolConfig:
     # "cpu", or an accelerator type label (runs on CUDA, needs num_gpus > 0)
     hardware: Hardware = "cpu"
     # Ray, per replica (checked against `hardware` even when left out)
-    resources: Annotated[Resources, Field(validate_default=True)] = field(default_factory=lambda: {"num_cpus": 1.0})
+    resources: Annotated[Resources, Field(validate_default=True)] = field(
+        default_factory=lambda: {"num_cpus": 1.0})
     # pin each replica's process to these CPU ids (Linux); None: no pinning
     cpus: Cpus = None
 
@@ -177,14 +180,14 @@ class EngineSection:
     max_num_batched_tokens: Annotated[StrictInt, Field(ge=1)] = 2048
     max_num_seqs: Annotated[StrictInt, Field(ge=1)] = 256
     enable_prefix_caching: StrictBool = True
-    num_threads: Annotated[StrictInt | None, Field(ge=1)] = None  # torch intra-op threads on CPU; None: torch's
+    num_threads: Annotated[StrictInt | None, Field(ge=1)] = None  # torch threads on CPU; None: its default
     enforce_eager: StrictBool = False  # plain torch only (no native kernel, no prepacked oneDNN weights)
 
     @model_validator(mode="after")
     def _a_decode_step_fits(self) -> EngineSection:  # a decode step is one token per sequence
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise invalid(f"{self.max_num_batched_tokens} is below engine.max_num_seqs ({self.max_num_seqs}); "
-                          f"allowed: >= {self.max_num_seqs}", "max_num_batched_tokens")
+            raise invalid(f"{self.max_num_batched_tokens} is below engine.max_num_seqs "
+                          f"({self.max_num_seqs}); allowed: >= {self.max_num_seqs}", "max_num_batched_tokens")
         return self
 
 
@@ -293,8 +296,8 @@ class ClusterConfig:
         kv, max_len = self.kv_cache, self.model.max_model_len
         if isinstance(kv.num_blocks, int) and max_len is not None and kv.num_blocks * kv.block_size < max_len:
             raise invalid(f"{kv.num_blocks} blocks x {kv.block_size} tokens cannot hold one sequence of "
-                          f"model.max_model_len {max_len}; allowed: >= {-(-max_len // kv.block_size)}, or 'auto'",
-                          "kv_cache.num_blocks")
+                          f"model.max_model_len {max_len}; "
+                          f"allowed: >= {-(-max_len // kv.block_size)}, or 'auto'", "kv_cache.num_blocks")
         return self
 
 

@@ -72,8 +72,8 @@ Section = Annotated[T, none_is({})]  # a section: null is an empty mapping (its 
 Text = Annotated[StrictStr, AfterValidator(_not_blank)]
 Port = Annotated[StrictInt, Field(ge=0, le=65535, description="0: pick a free port")]
 Positive = Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)]
-ApiKeys = Annotated[tuple[Annotated[StrictStr, Field(pattern=r"\S"), Wording(expected="a non-empty string")], ...],
-                    none_is(()), Wording(expected="a list of strings")]
+ApiKey = Annotated[StrictStr, Field(pattern=r"\S"), Wording(expected="a non-empty string")]
+ApiKeys = Annotated[tuple[ApiKey, ...], none_is(()), Wording(expected="a list of strings")]
 RayAddress = Annotated[StrictStr | None, AfterValidator(_ray_address), Wording(
     allowed="null (embedded local Ray), 'auto', 'ray://HOST[:PORT]', 'HOST:PORT'")]
 PoolName = Annotated[StrictStr, Field(pattern=f"^{POOL_NAME_PATTERN}$"),
@@ -100,7 +100,8 @@ def _resources(v: Any) -> dict[str, float]:
         if not isinstance(k, str) or not k:
             raise invalid("resource names must be non-empty strings", str(k))
         if k in ("CPU", "GPU"):
-            raise invalid(f"use num_{k.lower()}s instead; allowed: num_cpus, num_gpus, memory, or a custom resource", k)
+            raise invalid(f"use num_{k.lower()}s instead; "
+                          "allowed: num_cpus, num_gpus, memory, or a custom resource", k)
         if k.startswith("num_") and k not in STANDARD_RESOURCES:
             raise invalid("unknown key; allowed: num_cpus, num_gpus, memory, or a custom resource name "
                           "(custom names must not start with num_)", k)
@@ -113,8 +114,12 @@ def _resources(v: Any) -> dict[str, float]:
 def _cpus(v: Any) -> tuple[int, ...] | None:
     if v is None:
         return None
-    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if not isinstance(v, (list, tuple)) or not v or any(isinstance(c, bool) or not isinstance(c, int) for c in v):
+    if hasattr(os, "sched_getaffinity"):
+        usable = sorted(os.sched_getaffinity(0))
+    else:
+        usable = list(range(os.cpu_count() or 1))
+    ids = isinstance(v, (list, tuple)) and all(isinstance(c, int) and not isinstance(c, bool) for c in v)
+    if not ids or not v:
         raise invalid(f"expected a non-empty list of CPU ids, got {show(v)}; allowed: ids among {usable}")
     if len(set(v)) != len(v) or any(c < 0 for c in v):
         raise invalid(f"{show(v)} is not allowed; allowed: distinct CPU ids >= 0")

@@ -167,8 +167,8 @@ def _order(schema: Any, err: Mapping[str, Any]) -> list[tuple[int, int]]:
         elif step.info is None:
             order.append((0, 0))
         else:
-            missing = err["type"] == "missing" and i == len(steps) - 1
-            order.append((1 if missing else 2, [f.name for f in dataclasses.fields(step.holder)].index(step.part)))
+            rank = 1 if err["type"] == "missing" and i == len(steps) - 1 else 2
+            order.append((rank, [f.name for f in dataclasses.fields(step.holder)].index(step.part)))
     return order
 
 
@@ -178,7 +178,8 @@ def _describe(schema: Any, err: Mapping[str, Any]) -> tuple[str, str]:
     steps = _steps(schema, err)
     key = ""
     for step in steps:
-        key = join(key, f"[{step.part}]" if step.holder is None and isinstance(step.part, int) else str(step.part))
+        index = step.holder is None and isinstance(step.part, int)
+        key = join(key, f"[{step.part}]" if index else str(step.part))
     if kind == "invalid":
         return join(key, ctx["key"]), ctx["message"]
     holder, info = (steps[-1].holder, steps[-1].info) if steps else (None, FieldInfo.from_annotation(schema))
@@ -209,7 +210,8 @@ def _describe(schema: Any, err: Mapping[str, Any]) -> tuple[str, str]:
         if ge is not None and le is not None:
             limits = f"{fmt(ge)}..{fmt(le)}"
         else:
-            limits = f"> {fmt(gt)}" if gt is not None else f">= {fmt(ge)}" if ge is not None else f"<= {fmt(le)}"
+            op, bound = (">", gt) if gt is not None else (">=", ge) if ge is not None else ("<=", le)
+            limits = f"{op} {fmt(bound)}"
         hint = f" ({info.description})" if info.description else ""
         return key, f"{fmt(value)} is out of range; allowed: {limits}{hint}"
     return key, str(err["msg"])  # pragma: no cover (no field of the schemas here raises another kind)
