@@ -113,6 +113,10 @@ class RouterServer(gen_grpc.PDClusterServicer):
         """Attempts after the first, per request, on a worker failure."""
         return self.orchestrator.max_retries
 
+    @max_retries.setter
+    def max_retries(self, n: int) -> None:
+        self.orchestrator.max_retries = n
+
     @property
     def local_prefill(self) -> LocalPrefillPolicy:
         return self.orchestrator.local_prefill
