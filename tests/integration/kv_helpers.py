@@ -20,6 +20,7 @@ from concurrent import futures
 from typing import Iterator
 
 import grpc
+import pytest
 import torch
 
 from decode_worker import DecodeEngine
@@ -164,6 +165,48 @@ def live_sender(backend: str, compat_hash: str, timeout_s: float = 5.0):
         assert not s.pairs
     if backend == "tcp":
         assert not s.links
+
+
+def backend_fixtures(backend: str, connect: bool = False, **decode_kwargs):
+    """The fixtures a backend's test file starts with, returned as (no_leftovers, decode, sender):
+    the backend's leftovers check around every test (autouse), a live DecodeEngine receiver with
+    `decode_kwargs` on its own gRPC server, and a sender to it (connected first when `connect`)."""
+
+    @pytest.fixture(autouse=True)
+    def no_leftovers():
+        with clean(backend):
+            yield
+
+    @pytest.fixture
+    def decode(checkpoint):
+        with grpc_server() as (srv, endpoint), live_decode(checkpoint, backend, srv, endpoint, **decode_kwargs) as d:
+            yield d
+
+    @pytest.fixture
+    def sender(decode):
+        with live_sender(backend, decode.compat_hash) as s:
+            if connect:
+                s.connect(decode.receiver.endpoint)
+            yield s
+
+    return no_leftovers, decode, sender
+
+
+def transfer(sender, decode, ticket, kv: torch.Tensor, first_token: int = 7) -> None:
+    """`kv` sent as every layer of `ticket` and committed; checked to be in the reserved blocks."""
+    for i in range(decode.num_layers):
+        sender.send_layer(ticket, i, kv)
+    sender.commit(ticket, first_token, None)
+    assert torch.equal(decode.engine.kv_caches[0][:, ticket.block_ids], kv)
+
+
+def assert_refused(stub, cases: list) -> None:
+    """Each hand-built (message, status code, detail) of `cases`, sent on a stream of its own, is
+    refused with that code and a detail containing that text."""
+    for msg, code, message in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SendLayers(iter([msg]), timeout=5)
+        assert info.value.code() == code and message in info.value.details(), (code, info.value.details())
 
 
 # ------------------------------------------------------------------------------------ torch_distributed

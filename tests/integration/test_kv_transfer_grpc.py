@@ -19,21 +19,12 @@ from kv_transfer.checksum import checksum
 from kv_transfer.control_sender import GrpcSender
 from kv_transfer.wire import MESSAGE_OPTIONS, wire_dtype
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
-from tests.integration.kv_helpers import PARAMS, cache_is_zero, clean, grpc_server, layer as _layer, live_decode
+from tests.integration.kv_helpers import PARAMS, assert_refused, backend_fixtures, cache_is_zero, layer as _layer
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_threads():
-    with clean("grpc"):
-        yield
-
-
-@pytest.fixture
-def decode(checkpoint):
-    with grpc_server() as (srv, endpoint), live_decode(checkpoint, "grpc", srv, endpoint) as d:
-        yield d
+no_leftovers, decode, _ = backend_fixtures("grpc")
 
 
 @pytest.fixture
@@ -69,10 +60,7 @@ def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub):
         (_message(ticket, 0, kv, first_block=1), grpc.StatusCode.INVALID_ARGUMENT, "outside the transfer"),
         (_message(ticket, 0, kv, auth_token="x"), grpc.StatusCode.PERMISSION_DENIED, "bad auth token"),
     ]
-    for msg, code, message in cases:
-        with pytest.raises(grpc.RpcError) as info:
-            stub.SendLayers(iter([msg]), timeout=5)
-        assert info.value.code() == code and message in info.value.details(), (code, info.value.details())
+    assert_refused(stub, cases)
     assert cache_is_zero(decode)
     # a stream that fails part-way keeps what was accepted before the bad message, nothing after
     with pytest.raises(grpc.RpcError, match="checksum mismatch"):

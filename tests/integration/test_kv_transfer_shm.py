@@ -30,8 +30,8 @@ from kv_transfer.shm_sender import ShmSender
 from kv_transfer.wire import MESSAGE_OPTIONS, wire_dtype
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.kv_helpers import (
-    OURS, PARAMS, cache_is_zero as _cache_is_zero, clean, decode_engine as _decode_engine, grpc_server,
-    layer as _layer, live_decode, live_sender, mapped_segments as _mapped_segments,
+    assert_refused, backend_fixtures,
+    OURS, PARAMS, cache_is_zero as _cache_is_zero, decode_engine as _decode_engine, layer as _layer, mapped_segments as _mapped_segments,
     ours_in_shm as _ours_in_shm,
     spy_on_messages,
 )
@@ -39,25 +39,10 @@ from tests.integration.kv_helpers import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def no_leftovers():
-    """Set up before (torn down after) every sender: no threads, nothing of ours in /dev/shm or mapped."""
-    with clean("shm"):
-        yield
-
-
-@pytest.fixture
-def decode(checkpoint):
-    """A receiver whose cache stays private: these tests are about the segments (the copying path;
-    writing in place is tests/integration/test_kv_transfer_shm_in_place.py)."""
-    with grpc_server() as (srv, endpoint), live_decode(checkpoint, "shm", srv, endpoint, in_place=False) as d:
-        yield d
-
-
-@pytest.fixture
-def sender(decode):
-    with live_sender("shm", decode.compat_hash) as s:
-        yield s
+# Around every test: no threads, nothing of ours in /dev/shm or mapped. The receiver's cache stays
+# private: these tests are about the segments (the copying path; writing in place is
+# tests/integration/test_kv_transfer_shm_in_place.py).
+no_leftovers, decode, sender = backend_fixtures("shm", in_place=False)
 
 
 @pytest.fixture
@@ -186,10 +171,7 @@ def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub, segment
         (_message(ticket, 0, kv, name, 4096, auth_token="x"), denied, "bad auth token"),
         (_message(ticket, 0, kv, "../x", transfer_id="t"), grpc.StatusCode.NOT_FOUND, "unknown transfer id"),
     ]
-    for msg, code, message in cases:
-        with pytest.raises(grpc.RpcError) as info:
-            stub.SendLayers(iter([msg]), timeout=5)
-        assert info.value.code() == code and message in info.value.details(), (code, info.value.details())
+    assert_refused(stub, cases)
     assert _cache_is_zero(decode)
     # a stream that fails part-way keeps what was accepted before the bad message, nothing after
     with pytest.raises(grpc.RpcError, match="checksum mismatch"):

@@ -26,9 +26,10 @@ from kv_transfer.shm_sender import ShmSender
 from kv_transfer.shm_cache import _lock, _unlock, fcntl
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.kv_helpers import (
+    transfer,
+    backend_fixtures,
     PARAMS,
     cache_is_zero,
-    clean,
     decode_engine,
     grpc_server,
     layer,
@@ -42,23 +43,7 @@ from tests.integration.kv_helpers import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def no_leftovers():
-    with clean("shm"):
-        yield
-
-
-@pytest.fixture
-def decode(checkpoint):
-    with grpc_server() as (srv, endpoint), live_decode(checkpoint, "shm", srv, endpoint) as d:
-        yield d
-
-
-@pytest.fixture
-def sender(decode):
-    with live_sender("shm", decode.compat_hash) as s:
-        s.connect(decode.receiver.endpoint)
-        yield s
+no_leftovers, decode, sender = backend_fixtures("shm", connect=True)
 
 
 def _refused(endpoint: str, msg: kv_transfer_pb2.KVLayer, why: str) -> None:
@@ -164,11 +149,7 @@ def test_a_receiver_without_room_for_its_shared_cache_falls_back_to_segments(che
             s.connect(d.receiver.endpoint)
             assert s.in_place_endpoints == []
             ticket = d.reserve("r1", list(range(3, 40)), PARAMS)
-            kv = layer(d, ticket)
-            for i in range(d.num_layers):
-                s.send_layer(ticket, i, kv)
-            s.commit(ticket, 7, None)
-            assert torch.equal(d.engine.kv_caches[0][:, ticket.block_ids], kv)
+            transfer(s, d, ticket, layer(d, ticket))
 
 
 def test_in_place_messages_to_a_private_cache_are_refused(checkpoint, decode):

@@ -30,8 +30,9 @@ from kv_transfer.control_receiver import GrpcReceiver
 from kv_transfer.torch_dist_receiver import TorchDistReceiver
 from kv_transfer.torch_dist_sender import TorchDistSender
 from tests.integration.kv_helpers import (
-    PARAMS, cache_is_zero as _cache_is_zero, clean, decode_engine as _decode_engine, grpc_server,
-    layer as _layer, live_decode, live_sender, spy_on_messages, spy_on_pairs as _spy_on_pairs,
+    transfer,
+    backend_fixtures,
+    PARAMS, cache_is_zero as _cache_is_zero, decode_engine as _decode_engine, layer as _layer, spy_on_messages, spy_on_pairs as _spy_on_pairs,
 )
 
 pytestmark = pytest.mark.slow
@@ -39,23 +40,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_threads():
-    with clean("torch_distributed"):
-        yield
-
-
-@pytest.fixture
-def decode(checkpoint):
-    """Closed after with its TCPStore and process groups checked gone."""
-    with grpc_server() as (srv, endpoint), live_decode(checkpoint, "torch_distributed", srv, endpoint) as d:
-        yield d
-
-
-@pytest.fixture
-def sender(decode):
-    with live_sender("torch_distributed", decode.compat_hash) as s:
-        yield s
+# The receiver is closed after each test with its TCPStore and process groups checked gone.
+no_leftovers, decode, sender = backend_fixtures("torch_distributed")
 
 
 # ------------------------------------------------------------------------------------ torch_distributed only
@@ -140,11 +126,7 @@ def test_a_grpc_sender_is_taken_too(decode):
     s = create_sender("grpc", decode.compat_hash, timeout_s=5.0)
     try:
         ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
-        kv = _layer(decode, ticket)
-        for layer in range(decode.num_layers):
-            s.send_layer(ticket, layer, kv)
-        s.commit(ticket, 7, None)
-        assert torch.equal(decode.engine.kv_caches[0][:, ticket.block_ids], kv)
+        transfer(s, decode, ticket, _layer(decode, ticket))
         assert not decode.receiver.pairs
     finally:
         s.close()

@@ -73,22 +73,18 @@ def test_busy_prefill_worker_sends_short_prompts_to_the_decode_worker_token_iden
 
 def test_idle_prefill_worker_takes_every_prompt_and_zero_turns_it_off(path):
     for max_tokens in (0, 48):
-        c = _cluster(path, max_tokens)
-        router, (_prefill, decode) = c.router, c.workers
-        try:
+        with _cluster(path, max_tokens) as c:
+            router, (_prefill, decode) = c.router, c.workers
             with Client(router.address) as client:
                 for i in range(3):  # one at a time: the prefill worker is idle at each arrival
                     client.complete([5 + i, 6, 7, 8, 9], max_tokens=4, temperature=0.0, ignore_eos=True)
             assert router.metrics.local_prefills._value.get() == 0
             assert decode.stats().prompt_tokens == 0
-        finally:
-            c.stop()
 
 
 def test_a_decode_worker_refuses_a_local_prefill_its_free_blocks_cannot_hold(path):
-    c = _cluster(path, max_tokens=64)
-    _router, (_prefill, decode) = c.router, c.workers
-    try:
+    with _cluster(path, max_tokens=64) as c:
+        _router, (_prefill, decode) = c.router, c.workers
         from engine.sampling_params import SamplingParams
 
         room = decode.engine.load().blocks_free * decode.engine.cfg.block_size  # no sequence runs: no headroom kept
@@ -97,14 +93,11 @@ def test_a_decode_worker_refuses_a_local_prefill_its_free_blocks_cannot_hold(pat
         assert decode.decode.add_local("y", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
         assert decode.decode.queued_prompt_tokens() in (0, 3)  # 0 once the engine thread took it
         assert c.wait_blocks_free()
-    finally:
-        c.stop()
 
 
 def test_a_local_prefill_aborted_mid_stream_frees_its_blocks(path):
-    c = _cluster(path, max_tokens=64)
-    router, (prefill, _decode) = c.router, c.workers
-    try:
+    with _cluster(path, max_tokens=64) as c:
+        router, (prefill, _decode) = c.router, c.workers
         prefill.stop()  # no prefill worker: a short prompt is prefilled locally rather than failing
         deadline = time.monotonic() + 10
         while router.pool.prefill_queued() is not None and time.monotonic() < deadline:
@@ -116,5 +109,3 @@ def test_a_local_prefill_aborted_mid_stream_frees_its_blocks(path):
         assert router.metrics.local_prefills._value.get() == 1
         assert c.wait_blocks_free()
         assert router.pool.workers("decode")[0].local_tokens == 0  # released when the stream ended early
-    finally:
-        c.stop()
