@@ -71,12 +71,12 @@ def show(v: Any) -> str:
     return repr(v)
 
 
-def fmt(x: float) -> str:
+def _fmt(x: float) -> str:
     """A bound or number as messages show it: 5.0 reads 5."""
     return str(x) if isinstance(x, int) or not float(x).is_integer() else str(int(x))
 
 
-def join(path: str, key: str) -> str:
+def _join(path: str, key: str) -> str:
     """The key path of `key` under `path`: "router" + "http_port", "pools" + "[1].name"."""
     if not key or not path:
         return path or key
@@ -114,7 +114,7 @@ def check_part(schema: Any, value: Any, key: str) -> Any:
         return _adapter(schema).validate_python(value)
     except ValidationError as e:
         below, message = _first(schema, e)
-        raise invalid(message, join(key, below)) from None
+        raise invalid(message, _join(key, below)) from None
 
 
 def _first(schema: Any, e: ValidationError) -> tuple[str, str]:
@@ -179,9 +179,9 @@ def _describe(schema: Any, err: Mapping[str, Any]) -> tuple[str, str]:
     key = ""
     for step in steps:
         index = step.holder is None and isinstance(step.part, int)
-        key = join(key, f"[{step.part}]" if index else str(step.part))
+        key = _join(key, f"[{step.part}]" if index else str(step.part))
     if kind == "invalid":
-        return join(key, ctx["key"]), ctx["message"]
+        return _join(key, ctx["key"]), ctx["message"]
     holder, info = (steps[-1].holder, steps[-1].info) if steps else (None, FieldInfo.from_annotation(schema))
     if info is None:
         names = sorted(f.name for f in dataclasses.fields(holder)) if holder is not None else []
@@ -208,12 +208,12 @@ def _describe(schema: Any, err: Mapping[str, Any]) -> tuple[str, str]:
                       for name, cls in (("gt", annotated_types.Gt), ("ge", annotated_types.Ge),
                                         ("le", annotated_types.Le)))
         if ge is not None and le is not None:
-            limits = f"{fmt(ge)}..{fmt(le)}"
+            limits = f"{_fmt(ge)}..{_fmt(le)}"
         else:
             op, bound = (">", gt) if gt is not None else (">=", ge) if ge is not None else ("<=", le)
-            limits = f"{op} {fmt(bound)}"
+            limits = f"{op} {_fmt(bound)}"
         hint = f" ({info.description})" if info.description else ""
-        return key, f"{fmt(value)} is out of range; allowed: {limits}{hint}"
+        return key, f"{_fmt(value)} is out of range; allowed: {limits}{hint}"
     return key, str(err["msg"])  # pragma: no cover (no field of the schemas here raises another kind)
 
 
