@@ -6,8 +6,8 @@ TTFT, TPOT, inter-token latency, end-to-end latency, throughput, SLO attainment 
 
 Workloads: azure-conv, azure-code, mooncake-conv, mooncake-synthetic (files in shared/workloads next
 to the repository), any Azure .csv / Mooncake .jsonl file, or `synthetic` (--synthetic-input/-output).
-Lengths can be scaled to fit a small model (--max-context C or --scale-lengths F; the rule of
-scripts/bench_engine.py), and the scaling is always printed.
+Lengths can be scaled to fit a small model (--max-context C or --scale-lengths F; loadgen/scaling.py,
+which scripts/bench_engine.py uses too), and the scaling is always printed.
 
 Several `--endpoint URL --endpoint-label NAME` pairs compare systems: for each rate the systems run
 in turn, in alternating order from one rate to the next, on the same requests and arrival times.

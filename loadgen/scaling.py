@@ -1,4 +1,4 @@
-"""Length scaling: one factor for prompt and output lengths, the rule of scripts/bench_engine.py.
+"""Length scaling: one factor for prompt and output lengths (scripts/bench_engine.py uses it too).
 
     factor = F                                            (--scale-lengths F)
     factor = min(1, C / max_i(prompt_i + output_i))       (--max-context C: the longest request fits)

@@ -96,7 +96,7 @@ def test_router_reports_a_dead_prefill_worker_and_frees_the_reservation(servers,
 
 
 def test_prefill_worker_reports_decode_workers_it_cannot_reach_at_startup(servers, checkpoint):
-    """What `pdcluster up` / `scale` asks every prefill worker before serving (launcher._check_kv_pairs)."""
+    """What `pdcluster up` / `scale` asks every prefill worker before serving (pdcluster.worker_launch.check_kv_pairs)."""
     decode, prefill, _ = servers
     assert prefill.connect_kv([decode.address], 5.0) == {}  # grpc to a grpc receiver: fine
     other = EngineConfig(model=str(checkpoint("llama-gqa")), num_blocks=64, max_model_len=256, num_threads=1,
