@@ -1,16 +1,8 @@
 """`auto` backend: per decode worker, NCCL between two GPU caches, shared memory on this node, else a
-TCP data connection, else gRPC.
-
-Both sides compose data planes. The receiver offers the torch_distributed (groups only for a CUDA
-cache), tcp and shm planes, and inline layers. The sender holds a sender per plane and decides once
-per endpoint: with a GPU, a torch_distributed group over NCCL; then shm (same node and /dev/shm);
-when that is refused for placement, tcp (a data port that can be reached and takes the token);
-else gRPC. Any other refusal (incompatible layout, bad endpoint) is raised as it is. The choice
-itself is `choose_backend`, a pure function.
-
-`AutoSender(dist_backend=...)` / `AutoReceiver(dist_backend=...)` name the process group backend
-explicitly ("gloo" joins CPU caches over torch.distributed instead: the same path, testable without
-GPUs; "off": never).
+TCP data connection, else gRPC (`choose_backend`, a pure function). Both sides compose planes; a
+refusal other than placement (incompatible layout, bad endpoint) is raised as it is.
+`dist_backend="gloo"` joins CPU caches over torch.distributed (the same path, testable without
+GPUs); "off": never.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The KV transfer interface: a prefill-side sender pushes layers into a decode-side receiver.
 
-Lifecycle of one transfer (ids are minted by whoever reserves the decode blocks):
-
     decode:  receiver.expect(ticket)            blocks reserved, transfer registered
     prefill: sender.send_layer(ticket, l, kv)   for each layer l as soon as it is computed
     prefill: sender.commit(ticket, token, lp)   after the last layer: the first sampled token
     decode:  sink.commit(...)                   all layers arrived -> the sequence may run
     either:  abort(ticket, reason)              the receiver forgets it; the sink frees the blocks
 
-The receiver side checks everything a sender claims (known transfer id, auth token, layer index,
-block count, tensor shape and dtype) before a single byte touches the cache, so a bad or stale
-message can never write into another request's blocks. Backends differ only in how the bytes
-travel; the checks live here, shared.
+The receiver checks everything a sender claims before a single byte touches the cache, so a bad
+or stale message can never write into another request's blocks; the checks live here, shared.
 """
 
 from __future__ import annotations

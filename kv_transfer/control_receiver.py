@@ -11,13 +11,8 @@ Refusals are gRPC status codes whose details carry the reason:
     UNAVAILABLE          the receiver was closed (or a data plane's connection died)
     INTERNAL             the sink failed unexpectedly
 
-Each message names the plane its bytes travel on (kv_transfer/planes.py): inline in the message,
-or fields a receiver plane claims. Nothing is written into the cache before every check passed (the
-checks in `KVReceiver._accept_layer` are shared by every backend).
-
-Threading: the server runs SendLayers on a pool thread for as long as the stream is open, i.e. for
-the length of the prefill forward pass that produces the layers. A server shared with other
-long-lived RPCs needs enough workers for the KV transfers in flight at once.
+SendLayers holds a server thread for as long as its stream is open (a prefill forward pass): a
+server shared with other long-lived RPCs needs enough workers for the transfers in flight.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""The sending half of the control plane (proto/kv_transfer.proto), per transfer:
-
-    Handshake   once per (sender, endpoint): the compatibility hashes must match, else refused;
-                the data plane adds its fields (kv_transfer/planes.py)
-    SendLayers  one client stream per transfer of `KVLayer`s (the bytes inline, or the fields naming
-                them on the data plane; XXH3-64 checksums; never pickled), fed from a queue in the
-                background: `send_layer` returns at once, the forward pass never waits on the network
-    Commit      after the stream is acknowledged: the first token (and its logprob)
-    Abort       cancels the stream, then tells the receiver to free the blocks
-
-Every RPC has a deadline; every failure is a `KVTransferError` naming the RPC, the endpoint, the
-status and the receiver's reason.
+"""The sending half of the control plane (proto/kv_transfer.proto): a handshake per endpoint, one
+SendLayers stream per transfer fed from a queue (`send_layer` never waits on the network), then
+Commit or Abort. Every RPC has a deadline; every failure is a `KVTransferError` naming the RPC,
+the endpoint, the status and the receiver's reason.
 """
 
 from __future__ import annotations

@@ -163,10 +163,12 @@ def corrupt(msg: Any) -> Any:
     return bad
 
 
-class _Lost(grpc.RpcError, grpc.Future, grpc.Call):
-    """The outcome of a unary call whose request was dropped: DEADLINE_EXCEEDED, as on a real network."""
+class _Lost(grpc.RpcError):
+    """A dropped request's outcome, DEADLINE_EXCEEDED as on a real network. Raised by the interceptor:
+    grpc turns it into a failed future for `.future()` calls."""
 
     def __init__(self, method: str) -> None:
+        super().__init__(f"{method}: lost in transit")
         self._details = f"{method}: the request was lost in transit (KV fault injection: drop)"
 
     def code(self) -> grpc.StatusCode:
@@ -174,45 +176,6 @@ class _Lost(grpc.RpcError, grpc.Future, grpc.Call):
 
     def details(self) -> str:
         return self._details
-
-    def result(self, timeout: float | None = None) -> Any:
-        raise self
-
-    def exception(self, timeout: float | None = None) -> BaseException:
-        return self
-
-    def traceback(self, timeout: float | None = None) -> None:
-        return None
-
-    def add_done_callback(self, fn: Any) -> None:
-        fn(self)
-
-    def cancel(self) -> bool:
-        return False
-
-    def cancelled(self) -> bool:
-        return False
-
-    def running(self) -> bool:
-        return False
-
-    def done(self) -> bool:
-        return True
-
-    def is_active(self) -> bool:
-        return False
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def add_callback(self, callback: Any) -> bool:
-        return False
-
-    def initial_metadata(self) -> None:
-        return None
-
-    def trailing_metadata(self) -> None:
-        return None
 
 
 class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor):
@@ -228,7 +191,7 @@ class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInter
         if fault == "drop":
             if method != "Handshake":  # nobody will answer (a handshake, started under the sender's
                 time.sleep(details.timeout if details.timeout is not None else 30.0)  # lock, fails at once)
-            return _Lost(method)
+            raise _Lost(method)
         if fault == "delay":
             time.sleep(self.delay_s)
         elif fault == "corrupt":

@@ -1,12 +1,8 @@
-"""Data planes: how a layer's bytes move, under the one control plane.
+"""Data planes: how a layer's bytes move under the one control plane (docs/kv_transfer.md).
 
-The control plane (control_sender.py, control_receiver.py) is the same for every backend: the
-`KVReceiver` gRPC service, the handshake, one SendLayers stream per transfer carrying `KVLayer`
-messages, Commit, Abort, deadlines, and the receiver's checks. A data plane is a sender side
-(`SendPlane`: the fields it adds to the handshake, how it stages a layer's bytes, which KVLayer
-fields name them) and a receiver side (`ReceivePlane`: its handshake answer, and how it fetches the
-bytes a message names before the shared checks copy them into the blocks). The planes: inline
-(here: the bytes ride in the message, the grpc backend), shm, tcp and torch_distributed. An empty
+A `SendPlane` adds its fields to the handshake, stages a layer's bytes and names them in the
+`KVLayer`; a `ReceivePlane` answers the handshake and fetches the bytes a message names before the
+shared checks copy them into the blocks. The inline plane (the grpc backend) is here. An empty
 layer always travels inline, and every receiver takes inline layers.
 """
 

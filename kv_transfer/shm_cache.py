@@ -1,29 +1,19 @@
-"""A decode worker's KV cache in shared memory, which same-node prefill workers write in place.
-
-With the shm backend the decode worker's (CPU) cache lives in one POSIX shared memory segment,
-laid out as
+"""A decode worker's KV cache in shared memory, which same-node prefill workers write in place:
 
     [ fence: one int64 tag per block, padded to a page | layer 0 | layer 1 | ... ]
 
-where each layer is the engine's usual (2, num_blocks, block_size, kv_heads, head_dim) tensor. A
-prefill worker on the node maps the segment (its name comes in the handshake) and copies each
-layer straight into the ticket's blocks: one memcpy per layer and nothing else, where the copying
-shm path makes two copies and two checksum passes. The per-layer KVLayer message still travels on
-the control channel (metadata only), and the receiver runs every check on it before the layer
-counts; the blocks stay invisible to decoding until the commit.
+each layer the engine's usual (2, num_blocks, block_size, kv_heads, head_dim) tensor.
 
-The write fence keeps a sender from writing into blocks that are no longer its transfer's. Every
-block reserved for a transfer carries that transfer's tag (a hash of its id and auth token, so only
-a holder of the ticket knows it); the tags are cleared when the transfer ends (commit, abort,
-forget), before its blocks are freed or start decoding. A sender writes a layer only while it holds
-a shared record lock on the ticket's first block's fence entry and sees its tag on every
-block; the receiver clears tags under an exclusive lock on the same entry, so a clear waits for a
-write in progress (milliseconds) and every later write sees the cleared tags and is skipped (the
-receiver then refuses the message: unknown transfer). A sender that dies drops its locks with it.
+The write fence keeps a sender from writing into blocks that are no longer its transfer's: every
+block reserved for a transfer carries its tag (a hash of its id and auth token), cleared when the
+transfer ends, before its blocks are freed or start decoding. A sender writes a layer only under a
+shared record lock on the ticket's first block's fence entry while it sees its tag on every block;
+the receiver clears tags under an exclusive lock on that entry, so a clear waits for a write in
+progress and every later write is skipped (the receiver then refuses the message).
 
 Trust: a sender that maps the segment could write anywhere in the cache, as any process of the
-same user on the node could already attach to the decode worker itself; the fence protects
-against stale and misdirected writes, not against a hostile process with the user's rights.
+same user on the node could already; the fence stops stale and misdirected writes, not a hostile
+process with the user's rights.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The shm data plane, receiver side: a prefill and a decode worker on one node (Linux).
 
-In place (the default, kv_transfer/shm_cache.py): the sink's CPU cache moves into a shared segment,
-named in the handshake, which senders write straight into; a layer's message (metadata only) gets
-the shared checks (and its checksum against the blocks, when it carries one). Otherwise a KVLayer
-names a range of a segment its sender owns: after the transfer id and token, the segment is mapped
-(read-only, kept while it exists), the range's checksum, dtype and size checked, and a tensor view
-of it (no copy) goes to the shared checks. Only `pdkv-*` names under `shm_dir` are opened, never
-unlinked. The handshake answers with this node's id and the first bytes of the sender's probe
-segment, read back: proof of one node and one /dev/shm.
+A layer written in place gets the shared checks (and its checksum against the blocks, when it
+carries one); otherwise its message names a range of a sender's segment, which is mapped read-only
+(kept while it exists) and checked, and a view of it (no copy) goes to the shared checks. Only
+`pdkv-*` names under `shm_dir` are opened, never unlinked.
 """
 
 from __future__ import annotations
@@ -308,7 +304,6 @@ class ShmReceivePlane(ReceivePlane):
 
 
 class ShmReceiver(ControlReceiver):
-    """The shm backend's receiver (also takes inline layers): `ShmReceiver(sink, server=None,
-    endpoint=None, *, host, port, max_workers, shm_dir="/dev/shm", in_place=True)`."""
+    """The shm backend's receiver, also taking inline layers (options: `ShmReceivePlane`)."""
 
     PLANES = (ShmReceivePlane,)

@@ -1,19 +1,10 @@
-"""The shm data plane, sender side: layers go through POSIX shared memory to a receiver on this node.
-
-In place (kv_transfer/shm_cache.py): once a receiver's handshake names its shared cache, a layer is
-copied straight into the ticket's blocks there, and its message (metadata only) rides in the commit.
-Otherwise (a cache on an accelerator, no room in the receiver's /dev/shm, layers sent before the
-handshake completed) its bytes are copied into a segment this sender owns, and the message names
-the range and its XXH3-64.
+"""The shm data plane, sender side: in place into the receiver's shared cache (kv_transfer/shm_cache.py;
+the message rides in the commit), else through segments this sender owns.
 
 Segments ("slabs") come from a per-sender pool: a transfer's first slab is sized for all its layers
-(as many as the last committed transfer had; until then its next slab doubles its space); after the
-commit or abort they go back to the pool (their pages are there: no faults), free slabs beyond
-`pool_bytes` are unlinked, and `close()` unlinks all. Pages are reserved up front (a full /dev/shm
-is an error here, never a SIGBUS later); the resource tracker unlinks them if the process dies.
-
-Refused (cached per endpoint, like a refused layout): a receiver on another node, one that cannot
-see this sender's /dev/shm (it cannot read back the probe segment), one without the shm plane.
+(as many as the last committed transfer had); after the commit or abort they go back to the pool,
+free slabs beyond `pool_bytes` are unlinked, and `close()` unlinks all. Pages are reserved up front
+(a full /dev/shm is an error here, never a SIGBUS later).
 """
 
 from __future__ import annotations
@@ -324,7 +315,6 @@ class ShmSendPlane(SendPlane):
 
 
 class ShmSender(ControlSender):
-    """The shm backend's sender: `ShmSender(compat_hash, timeout_s=30.0, sender_id=None, *,
-    slab_bytes=2 MiB, pool_bytes=1 GiB, shm_dir="/dev/shm", in_place=True, verify_in_place=False)`."""
+    """The shm backend's sender (options: `ShmSendPlane`)."""
 
     PLANE = ShmSendPlane

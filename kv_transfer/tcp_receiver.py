@@ -1,26 +1,21 @@
 """The tcp data plane, receiver side: a layer's bytes come over a raw TCP connection beside the gRPC
-control plane, without grpc-python's cost per byte (HTTP/2 framing, copies into and out of messages).
+control plane, without grpc-python's cost per byte.
 
 Wire protocol of the data connection (big-endian `struct`s; nothing is pickled):
 
-    handshake  a tcp sender sets HandshakeRequest.tcp; the receiver mints a connection for it and
-               answers tcp_port (its data listener, on the host of its gRPC endpoint), tcp_conn (the
-               connection id, 32 hex digits) and tcp_token (32 random bytes). The token travels only
-               over the control channel (which carries the cluster secret when there is one).
-    hello      sender -> receiver, first on the connection: b"PDKVTCP1" | id (16 bytes) | token (32 bytes).
-               The receiver compares the token with hmac.compare_digest; anything else closes the
-               connection before one byte of KV is read. Accepted: it answers the single byte 0x01.
-               An id takes one connection.
+    handshake  a tcp sender sets HandshakeRequest.tcp; the receiver answers tcp_port (its data
+               listener, on the host of its gRPC endpoint), tcp_conn (connection id, 32 hex digits)
+               and tcp_token (32 random bytes), over the control channel only.
+    hello      sender -> receiver, first: b"PDKVTCP1" | id (16 bytes) | token (32 bytes), compared
+               with hmac.compare_digest; anything else closes the connection before one byte of KV
+               is read. Accepted: the single byte 0x01. An id takes one connection.
     frame      sender -> receiver, any number: tag (u64) | nbytes (u64) | nbytes raw C-contiguous
                bytes. Tags count up per connection; a KVLayer names its frame (tcp_conn, tcp_tag).
 
-A thread per authenticated connection reads frames with `recv_into` into pooled buffers (no fresh
-page faults). For a KVLayer naming a frame: transfer id and auth token, then the frame's checksum
-(DATA_LOSS), dtype and size, and only then a view of the buffer goes to the shared checks, which
-copy it into the blocks. Bounded: a frame that does not come within `timeout_s` fails its layer
-(DEADLINE_EXCEEDED), a refused layer's frame is dropped when it comes, an unclaimed one after
-timeout_s; at most `max_buffered_bytes` are held (then TCP pushes back on the sender). A dead
-connection fails the layers waiting on it (UNAVAILABLE).
+Bounded: a frame that does not come within `timeout_s` fails its layer (DEADLINE_EXCEEDED), a
+refused layer's frame is dropped when it comes, an unclaimed one after timeout_s; at most
+`max_buffered_bytes` are held (then TCP pushes back on the sender). A dead connection fails the
+layers waiting on it (UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -345,7 +340,6 @@ class TcpReceivePlane(ReceivePlane):
 
 
 class TcpReceiver(ControlReceiver):
-    """The tcp backend's receiver (also takes inline layers): `TcpReceiver(sink, server=None,
-    endpoint=None, *, host, port, max_workers, timeout_s=30.0, max_buffered_bytes=1 GiB)`."""
+    """The tcp backend's receiver, also taking inline layers (options: `TcpReceivePlane`)."""
 
     PLANES = (TcpReceivePlane,)

@@ -1,18 +1,9 @@
-"""The tcp data plane, sender side: a layer's bytes go over one TCP data connection per endpoint
-(the wire protocol is in kv_transfer/tcp_receiver.py).
+"""The tcp data plane, sender side (the wire protocol is in kv_transfer/tcp_receiver.py).
 
-`send_layer` keeps views of the layer's bytes (the caller hands its tensor over, as
-`KVSender.send_layer` says; a CUDA or scattered tensor is copied into a pooled buffer instead) and
-queues them, never waiting on the network. On the stream's thread the plane checksums them, takes
-the connection's next tag, queues the frame for the connection's sending thread (which `sendall`s
-the views: the kernel's copy is the only one) and names the frame in the KVLayer (no payload).
-Large layers go as runs of blocks (`max_message_bytes`), so the receiver checks and copies one run
-while the next is on the wire. A connection found closed (the receiver restarted) or failing is
-dropped with its handshake, and the next layer to that endpoint handshakes again and connects anew.
-
-Refusals (KVTransferError, cached per endpoint like a refused layout): a receiver without the tcp
-plane (no data port in its handshake), a data port that cannot be reached or does not accept the
-token within timeout_s (`auto` falls back to grpc on these). int8 compression travels inline only.
+`stage` keeps views of the layer's own bytes (a pooled copy only for CUDA or scattered tensors); a
+thread per connection `sendall`s them, so the kernel's copy is the only one. A connection found
+closed (the receiver restarted) or failing is dropped with its handshake, and the next layer to
+that endpoint handshakes and connects anew.
 """
 
 from __future__ import annotations
@@ -226,6 +217,6 @@ class TcpSendPlane(SendPlane):
 
 
 class TcpSender(ControlSender):
-    """The tcp backend's sender: `TcpSender(compat_hash, timeout_s=30.0, sender_id=None, *, pool_bytes=1 GiB)`."""
+    """The tcp backend's sender (options: `TcpSendPlane`)."""
 
     PLANE = TcpSendPlane

@@ -1,17 +1,8 @@
-"""The torch_distributed data plane's channel: per (sender, receiver) a 2-rank process group.
+"""The torch_distributed data plane's channel: per (sender, receiver) a 2-rank process group over a
+`PrefixStore(pair key, the receiver's TCPStore)`; the receiver is rank 0. No global default group.
 
-The receiver hosts a `torch.distributed.TCPStore` (master, its own port) and, at each handshake
-from a torch_distributed sender, mints a pair key and builds its side (rank 0) of a group over
-`PrefixStore(key, store)` in a background thread; the handshake response carries `dist_store`
-("host:port"), `dist_pair` (the key) and `dist_backend`. The sender, once the handshake is
-accepted, connects to the store and builds its side (rank 1). No global default group is made.
-
-Building a pair ends with one element sent from the sender to the receiver (`_first_exchange`):
-groups connect lazily, so a pair that cannot work (NCCL refuses two ranks on one GPU) fails while
-the handshake builds it -- `auto` then falls back to shm on that node -- not at a request's first
-layer. Gloo between CPU caches is what is tested. "nccl" (both caches on CUDA) keeps the tensors on
-the GPU, but NCCL ignores tags and matches point-to-point operations in order, so it is only safe
-with one transfer in flight per pair; it is untested here.
+NCCL ignores tags and matches point-to-point operations in order, so "nccl" is only safe with one
+transfer in flight per pair; gloo between CPU caches is what is tested.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The torch_distributed data plane, receiver side: it hosts the TCPStore, builds its side of each
-sender's pair (kv_transfer/torch_dist_group.py) and receives a layer's bytes by a point-to-point recv.
-
-For a KVLayer naming a pair and tag, the receiver checks transfer id, auth token, layer range,
-dtype and shape against the ticket before posting the matching `recv` into a fresh buffer (a
-refused message never posts one), waits for it (bounded by `timeout_s`), checks its checksum
-(DATA_LOSS when it differs) and hands it to the shared checks, which copy it into the reserved
-blocks. A failed recv drops the pair (gloo closes it on a timeout). `close()` shuts every group
-down and stops the store.
+sender's pair (kv_transfer/torch_dist_group.py) and receives a layer by a point-to-point recv,
+posted only after the message passed the ticket's checks (a refused message never posts one).
+A failed recv drops the pair.
 """
 
 from __future__ import annotations

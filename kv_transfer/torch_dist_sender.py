@@ -1,17 +1,9 @@
-"""The torch_distributed data plane, sender side: a layer's bytes go by a point-to-point send over
-the pair's process group (kv_transfer/torch_dist_group.py).
+"""The torch_distributed data plane, sender side: a layer goes by a point-to-point send over the
+pair's process group (kv_transfer/torch_dist_group.py); the wait happens in `flush` / `commit`.
 
-`send_layer` only copies the layer (to the group's device, contiguous) and queues it. On the
-stream's thread the plane computes the checksum, takes the pair's next tag, posts
-`send([tensor], dstRank=0, tag)` (asynchronous: the wait happens in `flush` / `commit`, never in
-`send_layer`) and names the pair and tag in the `KVLayer` (no payload). The pair is built lazily,
-once per endpoint, under its own lock (never the one `send_layer` takes); a store or group that
-cannot be reached within `timeout_s` is a refusal, cached per endpoint like a refused layout.
-
-A refused message leaves the send unmatched, and a timed-out send or recv closes the group (gloo
-closes the pair), so after any failure of a transfer whose sends are not all complete the pair is
-dropped with its handshake: the next transfer to that endpoint handshakes again and gets a new pair
-(the receiver drops that sender's older pairs then). Transfers still in flight on it fail.
+A refused message leaves its send unmatched and a timed-out send closes the group, so after any
+failure of a transfer whose sends are not all complete the pair is dropped with its handshake: the
+next transfer to that endpoint handshakes again and gets a new pair.
 """
 
 from __future__ import annotations
@@ -185,7 +177,6 @@ class TorchDistSendPlane(SendPlane):
 
 
 class TorchDistSender(ControlSender):
-    """The torch_distributed backend's sender: `TorchDistSender(compat_hash, timeout_s=30.0,
-    sender_id=None, *, dist_backend="gloo")`."""
+    """The torch_distributed backend's sender (options: `TorchDistSendPlane`)."""
 
     PLANE = TorchDistSendPlane
