@@ -2,7 +2,7 @@
 server on loopback, per backend, with that backend's cleanliness checks; layers, prompts, the
 disaggregated prefill -> decode run, and a 64 MiB sink for the throughput print.
 
-Used by tests/integration/test_kv_transfer_conformance.py (the suite every backend passes) and by
+Used by tests/integration/test_kv_transfer_conformance*.py (the suite every backend passes) and by
 the per-backend files (what is particular to one backend).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import glob
 import os
@@ -306,3 +307,38 @@ class BigSink:
     def abort(self, ticket, reason):
         pass
 
+
+@dataclasses.dataclass
+class Live:
+    """One backend's live receiver (a DecodeEngine on a real server) and a matching sender."""
+
+    backend: str
+    server: grpc.Server
+    decode: DecodeEngine
+    sender: object
+
+    def idle(self, sender=None) -> bool:
+        return sender_is_idle(self.backend, self.sender if sender is None else sender)
+
+    def new_sender(self, compat_hash=None, timeout_s=5.0):
+        return create_sender(self.backend, compat_hash or self.decode.compat_hash, timeout_s=timeout_s)
+
+
+def conformance_fixture():
+    """The conformance files' `kv` fixture: a `Live` per backend, and the backend's leftovers checks
+    (threads, /dev/shm segments and mappings, store and groups) after. "shm" writes layers into the
+    decode cache in place; "shm+segments" is shm's copying path."""
+
+    @pytest.fixture(params=[*BACKENDS, "shm+segments"])
+    def kv(request, checkpoint):
+        backend = request.param.split("+")[0]
+        options = {"in_place": False} if request.param == "shm+segments" else {}
+        with clean(backend), grpc_server() as (srv, endpoint), \
+                live_decode(checkpoint, backend, srv, endpoint, **options) as decode, \
+                live_sender(backend, decode.compat_hash) as sender:
+            if backend == "shm":  # as a prefill worker does at start-up: in place from the first layer
+                sender.connect(decode.receiver.endpoint)
+                assert (sender.in_place_endpoints == [decode.receiver.endpoint]) == (request.param == "shm")
+            yield Live(backend, srv, decode, sender)
+
+    return kv
