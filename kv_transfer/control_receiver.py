@@ -30,7 +30,7 @@ from kv_transfer.base import KVReceiver, KVSink, KVTransferError, TransferTicket
 from kv_transfer.checksum import NAME as CHECKSUM
 from kv_transfer.checksum import checksum
 from kv_transfer.compression import dequantize_int8
-from kv_transfer.planes import ReceivePlane, plane_attribute
+from kv_transfer.planes import ReceivePlane
 from kv_transfer.wire import MESSAGE_OPTIONS, WIRE_DTYPES, Corrupt, status_for, wire_dtype
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from proto.convert import logprob_from_proto
@@ -163,10 +163,6 @@ class ControlReceiver(KVReceiver):
         kv_transfer_pb2_grpc.add_KVReceiverServicer_to_server(_Servicer(self), server)
         if self._own_server:
             server.start()
-
-    def __getattr__(self, name: str) -> Any:
-        """The planes' state reads through the receiver (`shared`, `pairs`, `connections`, ...)."""
-        return plane_attribute(self, self.__dict__.get("planes", {}).values(), name)
 
     @classmethod
     def serve(cls, sink: KVSink, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16) -> ControlReceiver:

@@ -20,7 +20,7 @@ import torch
 from engine.config import KV_LAYOUT_VERSION
 from engine.sequence import TokenLogprobs
 from kv_transfer.base import KVSender, KVTransferError, TransferTicket
-from kv_transfer.planes import InlineSendPlane, Int8, SendPlane, inline_fields, plane_attribute
+from kv_transfer.planes import InlineSendPlane, Int8, SendPlane, inline_fields
 from kv_transfer.streams import END, Handshake, Stream, Transfer, split_layer
 from kv_transfer.wire import CHANNEL_OPTIONS, WIRE_DTYPES, rpc_error, target, wire_dtype
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -51,11 +51,6 @@ class ControlSender(KVSender):
         self._interceptors: list[Any] = []
         self._closed = False
         self.plane = self.PLANE(self, **options)
-        self.max_message_bytes = self.plane.max_message_bytes
-
-    def __getattr__(self, name: str) -> Any:
-        """The plane's state reads through the sender (`segments`, `links`, `pairs`, ...)."""
-        return plane_attribute(self, [self.__dict__["plane"]] if "plane" in self.__dict__ else [], name)
 
     @property
     def closed(self) -> bool:
@@ -198,7 +193,8 @@ class ControlSender(KVSender):
         dtype = wire_dtype(kv.dtype)
         if dtype not in WIRE_DTYPES:
             raise KVTransferError(f"layer {layer}: cannot send KV of dtype {kv.dtype}")
-        parts = [(first, list(part.shape), self._payload(ticket, layer, part)) for first, part in split_layer(kv, self.max_message_bytes)]
+        parts = [(first, list(part.shape), self._payload(ticket, layer, part))
+                 for first, part in split_layer(kv, self.plane.max_message_bytes)]
         with self._lock:
             hs = self._handshake(endpoint)
             if hs.error is not None:

@@ -9,7 +9,7 @@ layer always travels inline, and every receiver takes inline layers.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -95,18 +95,6 @@ class ReceivePlane:
 
     def close(self) -> None:
         """After the control plane closed."""
-
-
-def plane_attribute(owner: object, planes: Iterable[object], name: str) -> Any:
-    """`name` of the first of `planes` that has it: their state reads through their owner."""
-    for plane in planes if not name.startswith("__") else ():
-        value = getattr(plane, name, _MISSING)
-        if value is not _MISSING:
-            return value
-    raise AttributeError(f"{type(owner).__name__!r} object has no attribute {name!r}")
-
-
-_MISSING = object()
 
 
 class Channels:

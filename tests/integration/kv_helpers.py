@@ -117,7 +117,7 @@ def clean(backend: str) -> Iterator[None]:
 
 def sender_is_idle(backend: str, sender) -> bool:
     """Nothing held for a transfer that is over (shm: no segment leases)."""
-    return sender.num_in_flight == 0 and (backend != "shm" or not sender._leases)
+    return sender.num_in_flight == 0 and (backend != "shm" or not sender.plane._leases)
 
 
 # ------------------------------------------------------------------------------------ a live receiver
@@ -143,14 +143,16 @@ def live_decode(checkpoint, backend: str, srv: grpc.Server, endpoint: str, **kwa
         kwargs.setdefault("timeout_s", 5.0)
     d = DecodeEngine(decode_engine(checkpoint), backend=backend, server=srv, endpoint=endpoint, **kwargs)
     srv.start()
-    port = d.receiver._store.port if backend == "torch_distributed" else None
+    port = d.receiver.planes["torch_distributed"]._store.port if backend == "torch_distributed" else None
     yield d
     d.close()
     if backend == "tcp":
-        assert not d.receiver.connections and d.receiver.buffered_bytes == 0
-        assert port_is_closed(d.receiver.data_port), "the receiver's data port is still listening"
+        assert not d.receiver.planes["tcp"].connections and d.receiver.planes["tcp"].buffered_bytes == 0
+        data_port = d.receiver.planes["tcp"].data_port
+        assert port_is_closed(data_port), "the receiver's data port is still listening"
     if backend == "torch_distributed":
-        assert not d.receiver.pairs and d.receiver._store is None
+        assert not d.receiver.planes["torch_distributed"].pairs
+        assert d.receiver.planes["torch_distributed"]._store is None
         gc.collect()
         assert port_is_closed(port), "the receiver's TCPStore is still listening"
 
@@ -163,9 +165,9 @@ def live_sender(backend: str, compat_hash: str, timeout_s: float = 5.0):
     finally:
         s.close()
     if backend == "torch_distributed":
-        assert not s.pairs
+        assert not s.plane.pairs
     if backend == "tcp":
-        assert not s.links
+        assert not s.plane.links
 
 
 def backend_fixtures(backend: str, connect: bool = False, **decode_kwargs):
@@ -242,8 +244,8 @@ def spy_on_messages(sender) -> list:
 def spy_on_pairs(decode, sender) -> RecvSpy:
     """torch_distributed: connect, and count the recvs the receiver's pair posts from now on."""
     sender.connect(decode.receiver.endpoint)
-    (key,) = decode.receiver.pairs
-    pair = decode.receiver._pairs[key]
+    (key,) = decode.receiver.planes["torch_distributed"].pairs
+    pair = decode.receiver.planes["torch_distributed"]._pairs[key]
     assert pair.ready.wait(5) and pair.pg is not None
     pair.pg = spy = RecvSpy(pair.pg)
     return spy
@@ -338,7 +340,8 @@ def conformance_fixture():
                 live_sender(backend, decode.compat_hash) as sender:
             if backend == "shm":  # as a prefill worker does at start-up: in place from the first layer
                 sender.connect(decode.receiver.endpoint)
-                assert (sender.in_place_endpoints == [decode.receiver.endpoint]) == (request.param == "shm")
+                in_place = sender.plane.in_place_endpoints == [decode.receiver.endpoint]
+                assert in_place == (request.param == "shm")
             yield Live(backend, srv, decode, sender)
 
     return kv

@@ -58,7 +58,7 @@ def test_auto_sender_picks_shm_on_this_node_then_tcp_then_grpc(receivers, receiv
         assert sender.backend_for(decode.receiver.endpoint) == expected
         assert set(sender.bytes_sent) == {expected}
         if receiver_backend == "auto":  # CPU caches: no process group on either side
-            assert sender.dist is None and not decode.receiver.pairs
+            assert sender.dist is None and not decode.receiver.planes["torch_distributed"].pairs
     finally:
         sender.close()
 
@@ -68,13 +68,13 @@ def test_auto_passes_in_place_down_to_its_shm_part(receivers):
     in_place=False keeps the decode cache private, so an auto sender on this node copies through
     its segments; the default shares it and writes in place."""
     private, shared = receivers("auto", in_place=False), receivers("auto")
-    assert private.receiver.shared is None and shared.receiver.shared is not None
+    assert private.receiver.planes["shm"].shared is None and shared.receiver.planes["shm"].shared is not None
     sender = create_sender("auto", shared.compat_hash, timeout_s=10)
     try:
         for decode in (private, shared):
             _transfer(decode, sender)
             assert sender.backend_for(decode.receiver.endpoint) == "shm"
-        assert sender.shm.in_place_endpoints == [shared.receiver.endpoint]
+        assert sender.shm.plane.in_place_endpoints == [shared.receiver.endpoint]
     finally:
         sender.close()
 
@@ -88,7 +88,8 @@ def test_auto_between_two_accelerated_caches_takes_a_process_group(receivers):
     try:
         _transfer(grouped, sender)
         assert sender.backend_for(grouped.receiver.endpoint) == "torch_distributed"
-        assert set(sender.bytes_sent) == {"torch_distributed"} and len(grouped.receiver.pairs) == 1
+        assert set(sender.bytes_sent) == {"torch_distributed"}
+        assert len(grouped.receiver.planes["torch_distributed"].pairs) == 1
         _transfer(plain, sender)
         assert sender.backend_for(plain.receiver.endpoint) == "shm" and "shm" in sender.bytes_sent
     finally:
@@ -125,7 +126,7 @@ def test_auto_across_nodes_takes_the_data_connection(receivers):
     try:
         _transfer(decode, sender)
         assert sender.backend_for(decode.receiver.endpoint) == "tcp"
-        assert len(decode.receiver.connections) == 1
+        assert len(decode.receiver.planes["tcp"].connections) == 1
     finally:
         sender.close()
 
@@ -138,6 +139,6 @@ def test_auto_falls_back_to_grpc_when_the_data_port_cannot_be_reached(receivers)
     try:
         _transfer(decode, sender)
         assert sender.backend_for(decode.receiver.endpoint) == "grpc"
-        assert not sender.tcp.links  # refused at connect: no data connection was kept
+        assert not sender.tcp.plane.links  # refused at connect: no data connection was kept
     finally:
         sender.close()

@@ -73,8 +73,8 @@ def test_many_transfers_in_flight_from_several_threads(kv):
         th.start()
     for th in threads:
         th.join()
-    if kv.backend == "shm" and decode.receiver.shared is None:  # one segment per transfer in flight
-        assert len([n for n in sender.segments if n != sender._probe.name]) == 4
+    if kv.backend == "shm" and decode.receiver.planes["shm"].shared is None:  # a segment per transfer in flight
+        assert len([n for n in sender.plane.segments if n != sender.plane._probe.name]) == 4
     assert sender.flush(tickets[0]) == decode.num_layers
     for t in reversed(tickets):  # commits in any order
         sender.commit(t, 5, None)
@@ -84,9 +84,10 @@ def test_many_transfers_in_flight_from_several_threads(kv):
             assert torch.equal(cache[layer][:, t.block_ids], layers[t.transfer_id][layer])
     assert decode.num_reserved == 0 and len(decode._committed) == 4 and kv.idle()
     if kv.backend == "torch_distributed":
-        assert len(decode.receiver.pairs) == 1  # one pair carried them all
+        assert len(decode.receiver.planes["torch_distributed"].pairs) == 1  # one pair carried them all
     if kv.backend == "tcp":
-        assert len(decode.receiver.connections) == 1 and len(sender.links) == 1  # one connection carried them all
+        assert len(decode.receiver.planes["tcp"].connections) == 1  # one connection carried them all
+        assert len(sender.plane.links) == 1
 
 
 @pytest.mark.parametrize("backend", ["grpc", "shm", "tcp"])

@@ -49,7 +49,7 @@ def _corrupt_shm(sender, target: int) -> None:
     def corrupting(ticket, layer, *rest):
         msg = original(ticket, layer, *rest)
         if layer == target and msg.shm_in_place:  # a byte of the first block in the receiver's cache
-            (_, mapping), = sender._caches.values()
+            (_, mapping), = sender.plane._caches.values()
             mapping._layers[layer, 0, ticket.block_ids[0]].reshape(-1).view(torch.uint8)[100] ^= 0x01
         elif layer == target:  # the segment the message points at (rest: dtype, shape, payload, first block)
             region = rest[2]
@@ -139,7 +139,8 @@ def test_bytes_corrupted_after_their_checksum_are_refused(kv):
         sender.flush(ticket)
     cache = decode.engine.kv_caches
     assert torch.equal(cache[0][:, ticket.block_ids], kv_)
-    if not (kv.backend == "shm" and decode.receiver.shared is not None):  # in place: in blocks not yet live
+    in_place = kv.backend == "shm" and decode.receiver.planes["shm"].shared is not None
+    if not in_place:  # in place: in blocks not yet live
         assert torch.all(cache[1] == 0)
     with pytest.raises(KVTransferError, match=r"before layers \[1\]"):
         sender.commit(ticket, 7, None)
@@ -172,11 +173,13 @@ def test_incompatible_layout_is_refused_at_handshake_before_any_bytes_move(kv):
         with pytest.raises(KVTransferError, match="refused the handshake"):  # cached: refused at once
             other.send_layer(forged, 1, _layer(decode, ticket))
         if kv.backend == "shm":
-            assert not other._leases  # nothing was copied for the refused endpoint
+            assert not other.plane._leases  # nothing was copied for the refused endpoint
         if kv.backend == "torch_distributed":
-            assert not other.pairs and not decode.receiver.pairs  # no group was made
+            assert not other.plane.pairs
+            assert not decode.receiver.planes["torch_distributed"].pairs  # no group was made
         if kv.backend == "tcp":
-            assert not other.links and not decode.receiver.connections  # no data connection was made
+            assert not other.plane.links
+            assert not decode.receiver.planes["tcp"].connections  # no data connection was made
     finally:
         other.close()
     assert cache_is_zero(decode) and decode.num_reserved == 1

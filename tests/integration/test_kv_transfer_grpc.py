@@ -102,7 +102,7 @@ def test_a_large_layer_travels_as_runs_of_blocks_and_lands_whole(decode, compres
     try:
         ticket = decode.reserve("r-split", list(range(3, 40)), PARAMS)  # 3 blocks of 16
         layers = [_layer(decode, ticket, seed=layer) for layer in range(decode.num_layers)]
-        sender.max_message_bytes = layers[0].nbytes // 3 + 1  # one block per message
+        sender.plane.max_message_bytes = layers[0].nbytes // 3 + 1  # one block per message
         for layer, kv in enumerate(layers):
             sender.send_layer(ticket, layer, kv)
         sender.commit(ticket, 7, None)

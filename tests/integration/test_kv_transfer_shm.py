@@ -84,7 +84,7 @@ def _message(ticket, layer, kv, name, offset=0, **override):
 
 
 def _slabs(sender) -> list[str]:
-    return [n for n in sender.segments if n != sender._probe.name]
+    return [n for n in sender.plane.segments if n != sender.plane._probe.name]
 
 
 # ------------------------------------------------------------------------------------ shm only
@@ -137,7 +137,7 @@ def test_segments_are_reused_across_transfers_and_unlinked(decode, sender):
     finally:
         lean.close()
     sender.close()  # close unlinks the pool and the probe
-    assert not sender.segments and not _ours_in_shm()
+    assert not sender.plane.segments and not _ours_in_shm()
 
 
 def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub, segment):
@@ -186,12 +186,12 @@ def test_receiver_refuses_corrupted_and_malformed_messages(decode, stub, segment
                                                first_token=9, num_layers=2), timeout=5)
     assert ack.ok and decode.has_work()
     # live segments stay mapped (senders reuse theirs), read-only; none once they are gone
-    assert 0 < decode.receiver.num_mappings <= 3 and _mapped_segments()
+    assert 0 < decode.receiver.planes["shm"].num_mappings <= 3 and _mapped_segments()
     assert all(line.split()[1].startswith("r--s") for line in _mapped_segments())
     for n in (name, bad, short):
         os.rename(os.path.join(SHM_DIR, n), os.path.join(SHM_DIR, n + "-moved"))
-    decode.receiver.sweep()
-    assert decode.receiver.num_mappings == 0 and not _mapped_segments()
+    decode.receiver.planes["shm"].sweep()
+    assert decode.receiver.planes["shm"].num_mappings == 0 and not _mapped_segments()
     for n in (name, bad, short):
         os.rename(os.path.join(SHM_DIR, n + "-moved"), os.path.join(SHM_DIR, n))  # for the fixture to unlink
 

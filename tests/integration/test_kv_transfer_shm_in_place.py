@@ -57,8 +57,8 @@ def _refused(endpoint: str, msg: kv_transfer_pb2.KVLayer, why: str) -> None:
 
 
 def test_layers_land_in_place_with_no_segment_and_only_metadata_sent(decode, sender):
-    shared = decode.receiver.shared
-    assert shared is not None and sender.in_place_endpoints == [decode.receiver.endpoint]
+    shared = decode.receiver.planes["shm"].shared
+    assert shared is not None and sender.plane.in_place_endpoints == [decode.receiver.endpoint]
     # the engine's cache is the shared segment's memory
     assert decode.engine.kv_caches[0].data_ptr() == shared.cache[0].data_ptr()
     sent = spy_on_messages(sender)
@@ -68,7 +68,7 @@ def test_layers_land_in_place_with_no_segment_and_only_metadata_sent(decode, sen
         sender.send_layer(ticket, i, kv)
         # the bytes are in the blocks before the message is even read
         assert torch.equal(decode.engine.kv_caches[i][:, ticket.block_ids], kv)
-    assert sender.segments == [sender._probe.name]  # no segment made for the transfer
+    assert sender.plane.segments == [sender.plane._probe.name]  # no segment made for the transfer
     assert sender.flush(ticket) == decode.num_layers
     assert len(sent) == decode.num_layers and all(
         m.shm_in_place and not m.payload and m.shm_name == shared.name and not m.shm_nbytes
@@ -85,7 +85,7 @@ def test_verified_layers_carry_the_checksum_of_their_blocks(decode, sender):
     for i in range(decode.num_layers):
         sender.send_layer(ticket, i, layer(decode, ticket, seed=i))
     assert sender.flush(ticket) == decode.num_layers
-    shared = decode.receiver.shared
+    shared = decode.receiver.planes["shm"].shared
     assert [m.checksum for m in sent] == [shared.digest(i, ticket.block_ids) for i in range(decode.num_layers)]
     assert all(m.shm_checksummed for m in sent)
     sender.commit(ticket, 7, None)
@@ -121,7 +121,7 @@ def test_a_stale_sender_cannot_write_into_blocks_given_to_another_transfer(decod
 def test_clearing_the_fence_waits_for_a_write_in_progress(decode, sender):
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     sender.send_layer(ticket, 0, layer(decode, ticket))
-    (_, mapping), = sender._caches.values()
+    (_, mapping), = sender.plane._caches.values()
     first = ticket.block_ids[0]
     _lock(mapping._fd, fcntl.LOCK_SH, first, 1.0)  # the sender's lock, as during a layer's copy
     dropped = threading.Event()
@@ -143,11 +143,11 @@ def test_a_receiver_without_room_for_its_shared_cache_falls_back_to_segments(che
     monkeypatch.setattr(os, "posix_fallocate", full)  # a full /dev/shm (a container's 64 MiB one)
     with grpc_server() as (srv, endpoint), live_decode(checkpoint, "shm", srv, endpoint) as d:
         monkeypatch.undo()
-        assert d.receiver.shared is None and "stays private" in caplog.text
+        assert d.receiver.planes["shm"].shared is None and "stays private" in caplog.text
         assert not [n for n in ours_in_shm() if "-cache-" in n]
         with live_sender("shm", d.compat_hash) as s:
             s.connect(d.receiver.endpoint)
-            assert s.in_place_endpoints == []
+            assert s.plane.in_place_endpoints == []
             ticket = d.reserve("r1", list(range(3, 40)), PARAMS)
             transfer(s, d, ticket, layer(d, ticket))
 
@@ -158,7 +158,7 @@ def test_in_place_messages_to_a_private_cache_are_refused(checkpoint, decode):
         # a message claiming in-place bytes for a receiver that has no shared cache
         msg = kv_transfer_pb2.KVLayer(transfer_id=t2.transfer_id, auth_token=t2.auth_token, layer=0,
                                       dtype="float32", shape=list(private.layer_shape(3)), shm_in_place=True,
-                                      shm_name=decode.receiver.shared.name)
+                                      shm_name=decode.receiver.planes["shm"].shared.name)
         _refused(endpoint, msg, "not in shared memory")
         assert cache_is_zero(private) and private.receiver.num_pending == 1
 
@@ -172,7 +172,7 @@ def test_a_restarted_receiver_is_mapped_anew(checkpoint):
     port = int(endpoint.rsplit(":", 1)[1])
     with live_sender("shm", d.compat_hash) as s:
         s.connect(endpoint)
-        old = d.receiver.shared.name
+        old = d.receiver.planes["shm"].shared.name
         sent = spy_on_messages(s)
         ticket = d.reserve("r1", list(range(3, 40)), PARAMS)
         s.send_layer(ticket, 0, layer(d, ticket))
@@ -188,7 +188,7 @@ def test_a_restarted_receiver_is_mapped_anew(checkpoint):
             for i in range(d.num_layers):
                 s.send_layer(t2, i, layer(d, t2, seed=i))
             s.commit(t2, 7, None)
-            assert d.receiver.shared.name != old and s.in_place_endpoints == [endpoint]
+            assert d.receiver.planes["shm"].shared.name != old and s.plane.in_place_endpoints == [endpoint]
             for i in range(d.num_layers):
                 assert torch.equal(d.engine.kv_caches[i][:, t2.block_ids], layer(d, t2, seed=i))
         finally:
@@ -197,7 +197,7 @@ def test_a_restarted_receiver_is_mapped_anew(checkpoint):
 
 
 def test_close_unmaps_the_cache_and_the_receiver_unlinks_it(decode):
-    name = decode.receiver.shared.name
+    name = decode.receiver.planes["shm"].shared.name
 
     def mappings() -> int:
         with open("/proc/self/maps") as f:
@@ -206,7 +206,7 @@ def test_close_unmaps_the_cache_and_the_receiver_unlinks_it(decode):
     receiver_only = mappings()
     s = ShmSender(decode.compat_hash, timeout_s=5.0)
     s.connect(decode.receiver.endpoint)
-    assert s.in_place_endpoints == [decode.receiver.endpoint] and mappings() > receiver_only
+    assert s.plane.in_place_endpoints == [decode.receiver.endpoint] and mappings() > receiver_only
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     s.send_layer(ticket, 0, layer(decode, ticket))  # the sender's mapping in use
     s.close()
@@ -231,7 +231,7 @@ def test_layer_messages_ride_in_the_commit_and_are_checked_there(decode, sender)
     bad = decode.reserve("r2", list(range(3, 40)), PARAMS)
     for i in range(decode.num_layers):
         sender.send_layer(bad, i, layer(decode, bad, seed=i))
-    (_, mapping), = sender._caches.values()
+    (_, mapping), = sender.plane._caches.values()
     mapping._layers[1, 1, bad.block_ids[-1]].reshape(-1).view(torch.uint8)[7] ^= 0x01  # after its checksum
     with pytest.raises(KVTransferError, match="Commit to .* DATA_LOSS: checksum mismatch for layer 1"):
         sender.commit(bad, 7, None)

@@ -54,8 +54,8 @@ def tcp_decode(checkpoint, srv, endpoint):
         yield d
     finally:
         d.close()
-        assert not d.receiver.connections and d.receiver.buffered_bytes == 0
-        assert port_is_closed(d.receiver.data_port)
+        assert not d.receiver.planes["tcp"].connections and d.receiver.planes["tcp"].buffered_bytes == 0
+        assert port_is_closed(d.receiver.planes["tcp"].data_port)
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def sender(decode):
     s = create_sender("tcp", decode.compat_hash, timeout_s=5.0)
     yield s
     s.close()
-    assert not s.links
+    assert not s.plane.links
 
 
 def _send_all(decode, sender, ticket, seed=0):
@@ -121,15 +121,17 @@ def test_only_metadata_crosses_grpc(decode, sender):
 def test_a_connection_without_the_token_is_closed_before_a_byte_is_read(decode):
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     response = _handshake(decode)
-    assert response.ok and response.tcp_port == decode.receiver.data_port and len(response.tcp_token) == 32
+    assert response.ok and len(response.tcp_token) == 32
+    assert response.tcp_port == decode.receiver.planes["tcp"].data_port
     conn_id = bytes.fromhex(response.tcp_conn)
     assert _hello(response.tcp_port, conn_id, secrets.token_bytes(32)) == b""  # a guessed token
     assert _hello(response.tcp_port, secrets.token_bytes(16), response.tcp_token) == b""  # another id
     with socket.create_connection(("127.0.0.1", response.tcp_port), timeout=5) as s:  # no hello at all
         s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\x00" * 100)
         assert _answer(s) == b""
-    assert decode.receiver.buffered_bytes == 0 and cache_is_zero(decode) and decode.num_reserved == 1
-    assert response.tcp_conn in decode.receiver.connections  # the real one is still there to be made
+    assert decode.receiver.planes["tcp"].buffered_bytes == 0
+    assert cache_is_zero(decode) and decode.num_reserved == 1
+    assert response.tcp_conn in decode.receiver.planes["tcp"].connections  # the real one is still to be made
     assert _hello(response.tcp_port, conn_id, response.tcp_token) == ACCEPTED
     assert _hello(response.tcp_port, conn_id, response.tcp_token) == b""  # an id takes one connection
     assert ticket.transfer_id in decode.receiver._pending
@@ -152,11 +154,12 @@ def test_a_connection_dropped_inside_a_frame_fails_the_transfer_in_time_and_abor
         sender.flush(ticket)
     assert time.monotonic() - start < TIMEOUT_S + 1.0
     sender.abort(ticket, "data connection lost")
-    assert bm.num_used_blocks == 0 and decode.num_reserved == 0 and decode.receiver.buffered_bytes == 0
+    assert bm.num_used_blocks == 0 and decode.num_reserved == 0
+    assert decode.receiver.planes["tcp"].buffered_bytes == 0
     del sender.plane._queue_frame
     ticket2 = decode.reserve("r2", list(range(3, 40)), PARAMS)  # the next transfer connects anew
     _send_all(decode, sender, ticket2)
-    assert len(decode.receiver.connections) == 1
+    assert len(decode.receiver.planes["tcp"].connections) == 1
 
 
 def test_a_frame_that_never_comes_or_nobody_claims_is_dropped_in_time(decode, sender):
@@ -166,16 +169,16 @@ def test_a_frame_that_never_comes_or_nobody_claims_is_dropped_in_time(decode, se
     with pytest.raises(KVTransferError, match="DEADLINE_EXCEEDED: layer 0 .* did not arrive within"):
         sender.flush(ticket)
     del sender.plane._queue_frame
-    (link,) = sender._links.values()
+    (link,) = sender.plane._links.values()
     staged = sender._payload(ticket, 0, layer(decode, ticket))
     link.frames.put((10_000, staged))  # bytes that no KVLayer names
     deadline = time.monotonic() + 5.0
-    while decode.receiver.buffered_bytes == 0 and time.monotonic() < deadline:
+    while decode.receiver.planes["tcp"].buffered_bytes == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert decode.receiver.buffered_bytes > 0
-    while decode.receiver.buffered_bytes and time.monotonic() < deadline:
+    assert decode.receiver.planes["tcp"].buffered_bytes > 0
+    while decode.receiver.planes["tcp"].buffered_bytes and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert decode.receiver.buffered_bytes == 0 and cache_is_zero(decode)
+    assert decode.receiver.planes["tcp"].buffered_bytes == 0 and cache_is_zero(decode)
     sender.abort(ticket, "done")
     assert decode.engine.block_manager.num_used_blocks == 0
 
@@ -185,7 +188,7 @@ def test_a_restarted_receiver_is_found_again(checkpoint):
         sender = create_sender("tcp", decode.compat_hash, timeout_s=5.0)
         try:
             _send_all(decode, sender, decode.reserve("r1", list(range(3, 40)), PARAMS))
-            (first,) = sender.links.values()
+            (first,) = sender.plane.links.values()
             decode.close()
             srv.stop(grace=None).wait()
             executor = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="test-restarted")
@@ -194,7 +197,8 @@ def test_a_restarted_receiver_is_found_again(checkpoint):
             try:
                 with tcp_decode(checkpoint, srv2, endpoint) as again:
                     _send_all(again, sender, again.reserve("r2", list(range(3, 40)), PARAMS), seed=5)
-                    assert list(sender.links.values()) != [first] and len(again.receiver.connections) == 1
+                    assert list(sender.plane.links.values()) != [first]
+                    assert len(again.receiver.planes["tcp"].connections) == 1
             finally:
                 srv2.stop(grace=None).wait()
                 executor.shutdown(wait=True)
@@ -227,7 +231,7 @@ def test_the_cluster_secret_guards_the_handshake_and_so_the_data_port(checkpoint
             try:
                 with pytest.raises(KVTransferError, match="UNAUTHENTICATED"):
                     stranger.connect(endpoint)
-                assert not decode.receiver.connections  # no token was handed out
+                assert not decode.receiver.planes["tcp"].connections  # no token was handed out
                 _send_all(decode, member, decode.reserve("r1", list(range(3, 40)), PARAMS))
             finally:
                 stranger.close()

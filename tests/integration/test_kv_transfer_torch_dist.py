@@ -57,7 +57,7 @@ def test_only_metadata_crosses_grpc(decode, sender):
     assert len(sent) == decode.num_layers
     assert [m.dist_tag for m in sent] == list(range(decode.num_layers))
     for msg, kv in zip(sent, layers):
-        assert msg.payload == b"" and msg.dist_pair == sender.pairs[decode.receiver.endpoint]
+        assert msg.payload == b"" and msg.dist_pair == sender.plane.pairs[decode.receiver.endpoint]
         assert msg.checksum == checksum(kv.numpy().tobytes())
 
 
@@ -70,7 +70,7 @@ def test_only_metadata_crosses_grpc(decode, sender):
 )
 def test_unknown_transfer_and_bad_token_are_refused_before_any_recv(decode, sender, tamper, message):
     spy = _spy_on_pairs(decode, sender)
-    old_pair = sender.pairs[decode.receiver.endpoint]
+    old_pair = sender.plane.pairs[decode.receiver.endpoint]
     ticket = decode.reserve("r1", list(range(3, 20)), PARAMS)
     forged = dataclasses.replace(ticket, **tamper)
     sender.send_layer(forged, 0, _layer(decode, ticket))
@@ -78,14 +78,15 @@ def test_unknown_transfer_and_bad_token_are_refused_before_any_recv(decode, send
         sender.flush(forged)
     assert spy.recvs == 0 and _cache_is_zero(decode) and decode.num_reserved == 1
     # the unmatched send cannot stay on the channel: the pair was dropped, the next transfer makes a new one
-    assert decode.receiver.endpoint not in sender.pairs
+    assert decode.receiver.endpoint not in sender.plane.pairs
     with pytest.raises(KVTransferError, match=message):
         sender.commit(forged, 7, None)
     kv = _layer(decode, ticket, seed=3)
     for layer in range(decode.num_layers):
         sender.send_layer(ticket, layer, kv)
     sender.commit(ticket, 7, None)
-    assert sender.pairs[decode.receiver.endpoint] != old_pair and old_pair not in decode.receiver.pairs
+    assert sender.plane.pairs[decode.receiver.endpoint] != old_pair
+    assert old_pair not in decode.receiver.planes["torch_distributed"].pairs
     assert torch.equal(decode.engine.kv_caches[1][:, ticket.block_ids], kv)
 
 
@@ -127,7 +128,7 @@ def test_a_grpc_sender_is_taken_too(decode):
     try:
         ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
         transfer(s, decode, ticket, _layer(decode, ticket))
-        assert not decode.receiver.pairs
+        assert not decode.receiver.planes["torch_distributed"].pairs
     finally:
         s.close()
 
@@ -137,9 +138,9 @@ def test_close_with_transfers_in_flight(decode):
     ticket = decode.reserve("r1", list(range(3, 40)), PARAMS)
     s.send_layer(ticket, 0, _layer(decode, ticket))
     s.connect(decode.receiver.endpoint)
-    assert s.pairs
+    assert s.plane.pairs
     s.close()
-    assert not s.pairs
+    assert not s.plane.pairs
     with pytest.raises(KVTransferError, match="closed"):
         s.send_layer(ticket, 1, _layer(decode, ticket))
 
@@ -158,7 +159,7 @@ try:
     sender.commit(ticket, 11, None)
 finally:
     sender.close()
-print("child-done", sorted(sender.pairs) == [])
+print("child-done", sorted(sender.plane.pairs) == [])
 """
 
 
