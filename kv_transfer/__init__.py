@@ -1,9 +1,5 @@
-"""KV cache transfer between prefill and decode workers: one interface, one control plane
-(control_sender.py, control_receiver.py), pluggable data planes (planes.py, and one sender and one
-receiver module per plane); `auto` composes them.
-
-Backends are imported lazily by name so that, say, torch.distributed is only touched when chosen.
-"""
+"""KV cache transfer between prefill and decode workers (docs/kv_transfer.md). Backends are imported
+lazily by name so that, say, torch.distributed is only touched when chosen."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Reusable byte buffers for transports that stage a layer's bytes outside a message (the tcp backend).
-
-A fresh large allocation is a fresh mapping: every 4 KiB of it page-faults on first touch, and
-freeing it unmaps it again. A pool hands out the same buffers transfer after transfer, so after the
-first transfer a layer's bytes land in pages that are already there. Sizes are powers of two from
-`MIN_BYTES` (a buffer serves any request up to its size; only the bytes written are touched), and
-at most `keep_bytes` of free buffers are kept; the rest are dropped when given back.
-"""
+"""Reusable byte buffers for the tcp plane: a fresh large allocation page-faults every 4 KiB on first
+touch, a pooled one lands in pages already there. Sizes are powers of two from `MIN_BYTES`; at most
+`keep_bytes` of free buffers are kept."""
 
 from __future__ import annotations
 
@@ -46,10 +41,6 @@ class BufferPool:
             if self._free_bytes + size <= self.keep_bytes:
                 self._free.setdefault(size, []).append(buf)
                 self._free_bytes += size
-
-    @property
-    def free_bytes(self) -> int:
-        return self._free_bytes
 
     def clear(self) -> None:
         with self._lock:

@@ -1,11 +1,6 @@
-"""In-transit KV compression: int8 with one scale per (K or V, block).
-
-A layer `kv[2, num_blocks, block_size, kvh, hd]` becomes int8 values plus float32 scales
-`[2, num_blocks]`; `scale = max|x| / 127` over the block, so each block keeps its own range and a
-block of small values does not lose precision to a block of large ones. The receiver dequantizes
-into the cache's dtype before writing. Bytes on the wire: 1/4 of float32, 1/2 of bf16/fp16 (plus
-8 bytes per block for the scales).
-"""
+"""In-transit KV compression: int8 with one float32 scale (max|x| / 127) per (K or V, block), so a
+block of small values keeps its precision beside a block of large ones; the receiver dequantizes
+into the cache's dtype."""
 
 from __future__ import annotations
 

@@ -27,22 +27,17 @@ import grpc
 import torch
 
 from kv_transfer.base import KVReceiver, KVSink, KVTransferError, TransferTicket
-from kv_transfer.checksum import NAME as CHECKSUM
 from kv_transfer.checksum import checksum
 from kv_transfer.compression import dequantize_int8
 from kv_transfer.planes import ReceivePlane
-from kv_transfer.wire import MESSAGE_OPTIONS, WIRE_DTYPES, Corrupt, status_for, wire_dtype
+from kv_transfer.wire import MESSAGE_OPTIONS, WIRE_DTYPES, check_digest, status_for, wire_dtype
 from proto import kv_transfer_pb2, kv_transfer_pb2_grpc
 from proto.convert import logprob_from_proto
 
 
 def sink_dtype(sink: KVSink) -> torch.dtype | None:
-    """The dtype a sink's KV cache holds, or None when it does not say.
-
-    `KVSink` has no dtype attribute; a sink may declare `kv_dtype`, and the decode worker's
-    `DecodeEngine` is recognised by its `engine.runner.dtype`. Without either, any known wire dtype
-    of the right size is accepted (the compatibility hash already pins the dtype).
-    """
+    """The dtype a sink's KV cache holds (its `kv_dtype`, or a DecodeEngine's `engine.runner.dtype`),
+    or None: then any wire dtype of the right size is accepted (the compatibility hash pins it)."""
     dtype = getattr(sink, "kv_dtype", None)
     if dtype is None:
         dtype = getattr(getattr(getattr(sink, "engine", None), "runner", None), "dtype", None)
@@ -78,8 +73,7 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
 
     @staticmethod
     def _run(context: grpc.ServicerContext, what: str, step: Callable[[], None]) -> None:
-        """Run `step`; a refusal aborts the RPC with its status, a sink failure with INTERNAL (never
-        leaving a stream hanging)."""
+        """Run `step`; a refusal aborts the RPC with its status, a sink failure with INTERNAL."""
         try:
             step()
         except KVTransferError as e:
@@ -116,15 +110,10 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
 
 
 class ControlReceiver(KVReceiver):
-    """Serves `KVReceiver` for a sink, taking inline layers and those of its `PLANES`.
-
-    `ControlReceiver(sink, server, endpoint)` registers on the caller's server (best before
-    `server.start()`; the caller owns the server, its port and its lifetime, and `close()` only
-    makes this servicer refuse with UNAVAILABLE; `endpoint` is the "host:port" senders should
-    dial and goes into every ticket). Without a server (`ControlReceiver(sink)`, or
-    `.serve(sink, host, port)`) it starts its own on host:port (0: any free port) and stops it on
-    `close()`. Other keyword arguments go to the planes that name them.
-    """
+    """Serves `KVReceiver` for a sink, taking inline layers and those of its `PLANES`. On the caller's
+    `server` (which it owns; `close()` then only refuses with UNAVAILABLE) senders dial `endpoint`;
+    without one it starts its own on host:port (0: any free port) and stops it on `close()`. Other
+    keyword arguments go to the planes that name them."""
 
     PLANES: tuple[type[ReceivePlane], ...] = ()
 
@@ -217,19 +206,13 @@ class ControlReceiver(KVReceiver):
         return dtype
 
     def check_layer(self, msg: kv_transfer_pb2.KVLayer, payload: Any) -> tuple[torch.dtype, tuple[int, ...]]:
-        """Check a `KVLayer`'s framing against its bytes (any 1-D byte buffer): compression, split,
-        checksum, dtype, size. Returns the dtype and shape the bytes hold."""
+        """Check a `KVLayer`'s framing against its bytes (a 1-D byte buffer); their dtype and shape."""
         int8 = msg.HasField("compression") and msg.compression == "int8"
         if msg.HasField("compression") and not int8:
             raise KVTransferError(f"layer {msg.layer}: compression {msg.compression!r} is not supported")
         if int8 and (msg.shm_name or msg.dist_pair or msg.tcp_conn):
             raise KVTransferError(f"layer {msg.layer}: int8 compression travels inline (grpc) only")
-        digest = checksum(payload, msg.scales) if int8 else checksum(payload)  # int8: the scales too
-        if digest != msg.checksum:
-            raise Corrupt(
-                f"checksum mismatch for layer {msg.layer} of {msg.transfer_id!r}: "
-                f"payload {CHECKSUM} {digest:#018x}, message says {msg.checksum:#018x}"
-            )
+        check_digest(msg, "payload", checksum(payload, msg.scales) if int8 else checksum(payload))
         dtype = self.check_dtype(msg)
         shape = tuple(msg.shape)
         if not shape or any(d < 0 for d in shape):

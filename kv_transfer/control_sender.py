@@ -28,13 +28,9 @@ from proto.convert import logprob_to_proto
 
 
 class ControlSender(KVSender):
-    """Pushes layers to `ControlReceiver`s over `PLANE`. Thread-safe; any number of transfers in flight.
-
-    One channel per endpoint (created on first use, reused), one handshake per endpoint (its
-    refusal is cached; a network failure is retried by the next transfer), one SendLayers stream
-    per transfer. `timeout_s` bounds every RPC: the handshake, a stream (from its first layer until
-    it is acknowledged), the commit and the abort. `options` go to the plane.
-    """
+    """Pushes layers to `ControlReceiver`s over `PLANE`; thread-safe. A handshake's refusal is cached
+    per endpoint, a network failure retried by the next transfer. `timeout_s` bounds every RPC (a
+    stream from its first layer until acknowledged); `options` go to the plane."""
 
     PLANE: type[SendPlane] = InlineSendPlane
     _ids = itertools.count()
@@ -182,12 +178,8 @@ class ControlSender(KVSender):
                                        dtype=dtype, shape=shape, first_block=first_block, **fields)
 
     def send_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> None:
-        """Queue one layer for the background stream; returns without waiting for the network.
-
-        Raises at once only for what is already known: an incompatible ticket, a refused
-        handshake, or an earlier failure of this transfer's stream. Anything else surfaces in
-        `flush` / `commit`.
-        """
+        """Queue one layer; raises at once only for what is already known (an incompatible ticket, a
+        refused handshake, an earlier failure of this transfer's stream), else in `flush` / `commit`."""
         self.check_ticket(ticket)
         endpoint = ticket.kv_endpoint
         dtype = wire_dtype(kv.dtype)
@@ -230,22 +222,15 @@ class ControlSender(KVSender):
             stream.requests.put(item)
 
     def _close_streams(self, endpoint: str) -> None:
-        """Under self._lock: end the open streams to `endpoint` (their layers are all queued).
-
-        A server thread serves each open stream, so a commit waiting for its own stream must not
-        wait behind other transfers' open streams: they are closed too. A later layer of theirs
-        opens a new stream; the receiver collects layers per transfer, not per stream.
-        """
+        """Under self._lock: end the open streams to `endpoint`, other transfers' too: each holds a
+        server thread, and a commit must not wait behind them (a later layer opens a new stream)."""
         for transfer in self._transfers.values():
             if transfer.endpoint == endpoint and transfer.open is not None:
                 transfer.open.requests.put(END)
                 transfer.open = None
 
     def flush(self, ticket: TransferTicket, timeout: float | None = None) -> int:
-        """Wait until the receiver acknowledged every layer sent so far; returns how many it took.
-
-        Raises KVTransferError with the receiver's reason for any refused layer.
-        """
+        """Wait until the receiver acknowledged every layer sent so far; returns how many it took."""
         timeout = self.timeout_s if timeout is None else timeout
         try:
             received = self._flush(ticket, timeout)

@@ -1,8 +1,5 @@
-"""In-process backend: sender and receiver live in one Python process (the offline `LLM`).
-
-The receiver registers itself under an `inproc://NAME` endpoint; the sender finds it there and
-hands over the layer tensor, which the receiver validates and copies into the decode cache.
-"""
+"""In-process backend (the offline `LLM`): the receiver registers under `inproc://NAME`, where the
+sender finds it and hands the layer tensor to its shared checks."""
 
 from __future__ import annotations
 

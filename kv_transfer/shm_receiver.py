@@ -23,11 +23,10 @@ from typing import Any
 import torch
 
 from kv_transfer.base import KVTransferError, TransferTicket
-from kv_transfer.checksum import NAME as CHECKSUM
 from kv_transfer.control_receiver import ControlReceiver
 from kv_transfer.planes import ReceivePlane
 from kv_transfer.shm_cache import SHM_DIR, SharedKVCache
-from kv_transfer.wire import WIRE_DTYPES, Corrupt, wire_dtype
+from kv_transfer.wire import WIRE_DTYPES, check_digest, wire_dtype
 from proto import kv_transfer_pb2
 
 log = logging.getLogger(__name__)
@@ -171,14 +170,9 @@ class ShmReceivePlane(ReceivePlane):
         shape = tuple(msg.shape)
 
         def verify(ticket: TransferTicket) -> None:
-            if not msg.shm_checksummed:
-                return
-            digest = shared.digest(msg.layer, ticket.block_ids[msg.first_block : msg.first_block + shape[1]])
-            if digest != msg.checksum:
-                raise Corrupt(
-                    f"checksum mismatch for layer {msg.layer} of {msg.transfer_id!r}: blocks {CHECKSUM} "
-                    f"{digest:#018x}, message says {msg.checksum:#018x}"
-                )
+            if msg.shm_checksummed:
+                blocks = ticket.block_ids[msg.first_block : msg.first_block + shape[1]]
+                check_digest(msg, "blocks", shared.digest(msg.layer, blocks))
 
         self.control._accept_layer(msg.transfer_id, msg.auth_token, msg.layer, shape, msg.first_block, verify)
 

@@ -16,12 +16,11 @@ from typing import Any
 import torch
 
 from kv_transfer.base import KVTransferError
-from kv_transfer.checksum import NAME as CHECKSUM
 from kv_transfer.checksum import tensor_checksum
 from kv_transfer.control_receiver import ControlReceiver, sink_device
 from kv_transfer.planes import ReceivePlane
 from kv_transfer.torch_dist_group import OFF, build_pair, check_dist_backend, device_for, shutdown
-from kv_transfer.wire import Corrupt, split_host_port
+from kv_transfer.wire import check_digest, split_host_port
 from proto import kv_transfer_pb2
 
 
@@ -152,12 +151,7 @@ class TorchDistReceivePlane(ReceivePlane):
                 f"layer {msg.layer} of {msg.transfer_id!r}: torch_distributed recv (tag {msg.dist_tag}) "
                 f"over {pair.key} failed: {e}"
             ) from None
-        digest = tensor_checksum(buf)
-        if digest != msg.checksum:
-            raise Corrupt(
-                f"checksum mismatch for layer {msg.layer} of {msg.transfer_id!r}: "
-                f"received {CHECKSUM} {digest:#018x}, message says {msg.checksum:#018x}"
-            )
+        check_digest(msg, "received", tensor_checksum(buf))
         self.control._on_layer(msg.transfer_id, msg.auth_token, msg.layer, buf)
 
     def _check(self, msg: kv_transfer_pb2.KVLayer, num_blocks: int) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -197,8 +191,6 @@ class TorchDistReceivePlane(ReceivePlane):
 
 
 class TorchDistReceiver(ControlReceiver):
-    """The torch_distributed backend's receiver (also takes inline layers): `TorchDistReceiver(sink,
-    server=None, endpoint=None, *, host, port, max_workers, store_host=None, store_port=0,
-    dist_backend=None, timeout_s=30.0)`."""
+    """The torch_distributed backend's receiver, also taking inline layers (options: its plane)."""
 
     PLANES = (TorchDistReceivePlane,)

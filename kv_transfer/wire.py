@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import warnings
 from concurrent import futures
+from typing import Any
 
 import grpc
 import torch
 
 from kv_transfer.base import KVTransferError
+from kv_transfer.checksum import NAME as CHECKSUM
 
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 MESSAGE_OPTIONS = [
@@ -50,6 +52,13 @@ class Corrupt(KVTransferError):
     """The bytes do not match their checksum."""
 
     status = grpc.StatusCode.DATA_LOSS
+
+
+def check_digest(msg: Any, what: str, digest: int) -> None:
+    """Raise `Corrupt` unless `digest` (of the KVLayer's `what`: payload, blocks, ...) is its checksum."""
+    if digest != msg.checksum:
+        raise Corrupt(f"checksum mismatch for layer {msg.layer} of {msg.transfer_id!r}: "
+                      f"{what} {CHECKSUM} {digest:#018x}, message says {msg.checksum:#018x}")
 
 
 class Unavailable(KVTransferError):
