@@ -153,10 +153,6 @@ class ControlReceiver(KVReceiver):
         if self._own_server:
             server.start()
 
-    @classmethod
-    def serve(cls, sink: KVSink, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16) -> ControlReceiver:
-        return cls(sink, host=host, port=port, max_workers=max_workers)
-
     @property
     def endpoint(self) -> str:
         return self._endpoint

@@ -18,6 +18,7 @@ process with the user's rights.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -119,10 +120,8 @@ def create_segment(shm_dir: str, name: str, size: int, what: str = "KV segment")
 
 def remove_segment(shm_dir: str, name: str, tracked: bool) -> None:
     """Unlink a segment made by `create_segment` (gone already: fine) and untrack it."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(shm_dir, name))
-    except FileNotFoundError:
-        pass
     if tracked:
         from multiprocessing import resource_tracker
 
@@ -279,8 +278,6 @@ class MappedKVCache:
                 return
             self._closed = True
             self._layers = self._fence_np = None  # type: ignore[assignment]
-            try:
+            with contextlib.suppress(BufferError):  # a view outlived a write (never normally): unmapped later
                 self._mm.close()
-            except BufferError:  # a view outlived a write (cannot happen normally): unmapped when collected
-                pass
             os.close(self._fd)

@@ -8,6 +8,7 @@ carries one); otherwise its message names a range of a sender's segment, which i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import mmap
@@ -66,10 +67,8 @@ class _Mapping:
     retired: bool = False
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(BufferError):  # a view outlived its layer (never normally): unmapped later
             self.mm.close()
-        except BufferError:  # a view outlived its layer (cannot happen normally): unmapped when collected
-            pass
 
 
 class ShmReceivePlane(ReceivePlane):

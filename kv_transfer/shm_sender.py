@@ -9,6 +9,7 @@ free slabs beyond `pool_bytes` are unlinked, and `close()` unlinks all. Pages ar
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
@@ -77,10 +78,8 @@ class _Slab:
             return
         self._gone = True
         remove_segment(self.shm_dir, self.name, self._tracked)
-        try:
+        with contextlib.suppress(BufferError):  # a copy or checksum still running (close() racing a send)
             self.mm.close()
-        except BufferError:  # a copy or checksum still running (close() racing a send): unmapped when done
-            pass
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ layers waiting on it (UNAVAILABLE).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import secrets
 import socket
@@ -83,11 +84,10 @@ class _Conn:
     ended: float | None = None
 
 
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)  # wakes its reading thread
-    except OSError:
-        pass
+def shut(sock: socket.socket) -> None:
+    """Shut both directions (which wakes a thread blocked reading it); already closed: fine."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class TcpReceivePlane(ReceivePlane):
@@ -236,7 +236,7 @@ class TcpReceivePlane(ReceivePlane):
             conn.error = why
             conn.ended = time.monotonic()
         if conn.sock is not None:
-            _shut(conn.sock)
+            shut(conn.sock)
         for frame in conn.frames.values():
             self._release_locked(frame.buf)
         conn.frames.clear()
@@ -329,7 +329,7 @@ class TcpReceivePlane(ReceivePlane):
                 self._end_locked(conn, "KV receiver closed")
             self._conns.clear()
             for sock in self._socks:  # connections still to say hello too
-                _shut(sock)
+                shut(sock)
             threads = list(self._threads)
         if listener is not None:
             self._accepter.join(timeout=2.0)

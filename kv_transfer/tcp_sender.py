@@ -24,7 +24,7 @@ from kv_transfer.buffers import BufferPool
 from kv_transfer.checksum import checksum
 from kv_transfer.control_sender import ControlSender
 from kv_transfer.planes import Channels, SendPlane
-from kv_transfer.tcp_receiver import ACCEPTED, FRAME, HELLO, MAGIC, buffer_bytes
+from kv_transfer.tcp_receiver import ACCEPTED, FRAME, HELLO, MAGIC, buffer_bytes, shut
 from kv_transfer.wire import split_host_port
 from proto import kv_transfer_pb2
 
@@ -79,10 +79,7 @@ class _Link:
     def shut(self) -> None:
         """Retired: its thread skips what is queued and exits."""
         self.frames.put(None)
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shut(self.sock)
 
 
 class TcpSendPlane(SendPlane):
