@@ -17,10 +17,9 @@ environment variable PDCLUSTER_KV_FAULTS (which wins), e.g.
     count=N       at most N faults in all, then none (deterministic tests: "the first one fails")
     seed=N        seed of the random draws (default: unseeded)
 
-The faults are injected by a gRPC client interceptor on the sender's channels, so they apply to
-every backend's control plane (grpc, shm, tcp, torch_distributed, auto; the layers a commit carries
-count as layers); what a receiver sees is exactly
-what a bad network or a hostile peer could send. `FaultInjector.injected` counts what was done.
+A gRPC client interceptor on the sender's channels injects them, so they apply to every backend's
+control plane (the layers a commit carries count as layers): what a receiver sees is exactly what a
+bad network or a hostile peer could send. `FaultInjector.injected` counts what was done.
 """
 
 from __future__ import annotations

@@ -152,7 +152,6 @@ class SharedKVCache:
         self.size = self.offset + nbytes
         self.shm_dir = shm_dir
         self.name = f"pdkv-{os.getpid()}-cache-{secrets.token_hex(6)}"
-        self.path = os.path.join(shm_dir, self.name)
         # fd kept open for the record locks (closing any fd of the file would drop them)
         self._fd, mm, self._tracked = create_segment(shm_dir, self.name, self.size, "KV cache")
         self.fence = torch.frombuffer(mm, dtype=torch.int64, count=self.num_blocks)

@@ -124,14 +124,12 @@ class ShmReceivePlane(ReceivePlane):
             return b""
         try:
             fd = os.open(os.path.join(self.shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                return os.read(fd, PROBE_BYTES)
+            finally:
+                os.close(fd)
         except OSError:
             return b""
-        try:
-            return os.read(fd, PROBE_BYTES)
-        except OSError:
-            return b""
-        finally:
-            os.close(fd)
 
     # ------------------------------------------------------------------ layers
     def claims(self, msg: kv_transfer_pb2.KVLayer) -> bool:

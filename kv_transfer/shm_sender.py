@@ -48,7 +48,6 @@ class _Slab:
 
     def __init__(self, shm_dir: str, size: int) -> None:
         self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{next(self._ids)}"
-        self.path = os.path.join(shm_dir, self.name)
         self.size = size
         self.used = 0
         self.shm_dir = shm_dir
@@ -266,10 +265,11 @@ class ShmSendPlane(SendPlane):
     def segments(self) -> list[str]:
         """Names of the segments this sender holds now (in use, pooled, the probe)."""
         with self._arena_lock:
-            slabs = [*self._free, *(s for ss in self._leases.values() for s in ss)]
-            if self._probe is not None:
-                slabs.append(self._probe)
-            return sorted(s.name for s in slabs)
+            return sorted(s.name for s in self._slabs_locked())
+
+    def _slabs_locked(self) -> list[_Slab]:
+        probe = [self._probe] if self._probe is not None else []
+        return [*self._free, *(s for ss in self._leases.values() for s in ss), *probe]
 
     # ------------------------------------------------------------------ transfers
     def stage(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
@@ -301,9 +301,7 @@ class ShmSendPlane(SendPlane):
         """Unlink every segment, unmap every shared cache."""
         with self._arena_lock:
             self._arena_closed = True
-            slabs = [*self._free, *(s for ss in self._leases.values() for s in ss)]
-            if self._probe is not None:
-                slabs.append(self._probe)
+            slabs = self._slabs_locked()
             self._free, self._leases, self._probe = [], {}, None
             caches, self._caches = self._caches, {}
         for slab in slabs:
