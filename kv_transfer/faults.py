@@ -80,29 +80,27 @@ class KVFaults:
         return cls.parse((os.environ if env is None else env).get(ENV))
 
 
+_WANT = {"on": f"kinds joined by '+' among {', '.join(KINDS)}", "count": "an integer >= 0",
+         "seed": "an integer >= 0", "delay_ms": "milliseconds >= 0"}
+
+
 def _value(key: str, raw: str, spec: str) -> Any:
     try:
         if key == "on":
-            kinds = tuple(k for k in raw.split("+") if k)
-            if not kinds or any(k not in KINDS for k in kinds):
-                raise ValueError
-            return kinds
-        if key in ("count", "seed"):
-            n = int(raw)
-            if n < 0:
-                raise ValueError
-            return n
-        x = float(raw)
-        if key == "delay_ms":
-            if not 0 <= x < float("inf"):
-                raise ValueError
-        elif not 0.0 <= x <= 1.0:
-            raise ValueError
-        return x
+            value: Any = tuple(k for k in raw.split("+") if k)
+            ok = bool(value) and all(k in KINDS for k in value)
+        elif key in ("count", "seed"):
+            value = int(raw)
+            ok = value >= 0
+        else:
+            value = float(raw)
+            ok = 0 <= value < float("inf") if key == "delay_ms" else 0.0 <= value <= 1.0
     except ValueError:
-        want = {"on": f"kinds joined by '+' among {', '.join(KINDS)}", "count": "an integer >= 0",
-                "seed": "an integer >= 0", "delay_ms": "milliseconds >= 0"}.get(key, "a probability in [0, 1]")
-        raise ValueError(f"KV faults {spec!r}: {key}={raw!r}; allowed: {want}") from None
+        ok = False
+    if not ok:
+        want = _WANT.get(key, "a probability in [0, 1]")
+        raise ValueError(f"KV faults {spec!r}: {key}={raw!r}; allowed: {want}")
+    return value
 
 
 class FaultInjector:
