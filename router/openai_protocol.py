@@ -50,7 +50,8 @@ NEUTRAL_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
                            "stop", "logprobs",
-                           "top_k", "ignore_eos", "stop_token_ids"})  # these three: vLLM-style extensions
+                           "top_k", "ignore_eos", "stop_token_ids",  # these four: vLLM-style extensions
+                           "return_token_ids"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -92,11 +93,17 @@ class OpenAIRequest:
     logprobs: bool = False  # return logprobs (completions: top-N dicts; chat: content entries)
     created: int = field(default_factory=lambda: int(time.time()))
     max_tokens_field: str = "max_tokens"  # which OpenAI name the user gave max_tokens under
+    return_token_ids: bool = False  # the answer carries the token ids (vLLM's extension)
+    prompt_token_ids: list[int] | None = None  # the prompt's ids, when known here (None: not known)
 
 
 # ---------------------------------------------------------------------------------------------- requests
-def parse_completion(body: Any, served_model: str) -> OpenAIRequest:
-    """A /v1/completions body -> the request to send. Raises ApiError (400) naming the field."""
+Tokenize = Callable[[str], list[int]]
+
+
+def parse_completion(body: Any, served_model: str, tokenize: Tokenize | None = None) -> OpenAIRequest:
+    """A /v1/completions body -> the request to send. Raises ApiError (400) naming the field.
+    `tokenize`: the router's tokenizer, for the prompt_token_ids of a text prompt (return_token_ids)."""
     body = _check_fields(body, COMPLETION_FIELDS)
     req = _common(body, served_model, chat=False)
     if "prompt" not in body or body["prompt"] is None:
@@ -105,9 +112,10 @@ def parse_completion(body: Any, served_model: str) -> OpenAIRequest:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # one prompt in a batch of one
     if isinstance(p, str):
-        req.grpc.text = p
+        _text_prompt(req, p, tokenize)
     elif isinstance(p, list) and p and all(type(t) is int and 0 <= t <= _U32 for t in p):
         req.grpc.token_ids.ids.extend(p)
+        req.prompt_token_ids = list(p)
     elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
         raise bad("prompt", f"a batch of {len(p)} prompts is not supported; send one prompt per request")
     else:
@@ -120,8 +128,10 @@ def parse_completion(body: Any, served_model: str) -> OpenAIRequest:
     return req
 
 
-def parse_chat(body: Any, served_model: str, render: Callable[[list[dict[str, str]]], str]) -> OpenAIRequest:
-    """A /v1/chat/completions body -> the request to send; `render` applies the chat template."""
+def parse_chat(body: Any, served_model: str, render: Callable[[list[dict[str, str]]], str],
+               tokenize: Tokenize | None = None) -> OpenAIRequest:
+    """A /v1/chat/completions body -> the request to send; `render` applies the chat template,
+    `tokenize` as for parse_completion."""
     body = _check_fields(body, CHAT_FIELDS)
     req = _common(body, served_model, chat=True)
     if body.get("max_completion_tokens") is not None:
@@ -129,7 +139,7 @@ def parse_chat(body: Any, served_model: str, render: Callable[[list[dict[str, st
         req.max_tokens_field = "max_completion_tokens"
     if "messages" not in body or body["messages"] is None:
         raise bad("messages", "required")
-    req.grpc.text = render(_messages(body["messages"]))
+    _text_prompt(req, render(_messages(body["messages"])), tokenize)
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if lp is not None and not isinstance(lp, bool):
         raise bad("logprobs", f"expected true or false, got {lp!r}")
@@ -141,6 +151,18 @@ def parse_chat(body: Any, served_model: str, render: Callable[[list[dict[str, st
         req.grpc.sampling.logprobs = 0
     req.logprobs = bool(lp)
     return req
+
+
+def _text_prompt(req: OpenAIRequest, text: str, tokenize: Tokenize | None) -> None:
+    """A text prompt. With return_token_ids and a tokenizer it is tokenized here and sent as token ids,
+    so the prompt_token_ids returned are the ones generated from; an empty text goes on as text (the
+    router refuses it)."""
+    ids = tokenize(text) if req.return_token_ids and tokenize is not None and text else None
+    if ids:
+        req.grpc.token_ids.ids.extend(ids)
+        req.prompt_token_ids = list(ids)
+    else:
+        req.grpc.text = text
 
 
 def _check_fields(body: Any, known: frozenset[str]) -> dict[str, Any]:
@@ -190,6 +212,8 @@ def _common(body: dict[str, Any], served_model: str, chat: bool) -> OpenAIReques
         s.stop_token_ids.extend(ids)
     if body.get("ignore_eos") is not None:
         s.ignore_eos = _bool("ignore_eos", body["ignore_eos"])
+    if body.get("return_token_ids") is not None:
+        req.return_token_ids = _bool("return_token_ids", body["return_token_ids"])
     req.stream = _bool("stream", body["stream"]) if body.get("stream") is not None else False
     opts = body.get("stream_options")
     if opts is not None:

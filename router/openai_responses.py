@@ -2,6 +2,10 @@
 body, or the chunks of its event stream (chat's opening role, text, logprobs, the finish reason,
 the usage), with logprobs as OpenAI lays them out. No I/O; the requests they answer are read
 by router/openai_protocol.py.
+
+With return_token_ids (vLLM's extension, in vLLM's places): each choice carries `token_ids` (a
+stream chunk: that chunk's), and `prompt_token_ids` is on the completion's choice or at the top
+level of a chat completion (a stream: on its first chunk only).
 """
 
 from __future__ import annotations
@@ -81,13 +85,17 @@ def response(req: OpenAIRequest, out: Output, fmt: LogprobFormatter) -> dict[str
         choice["text"] = out.text
         if req.logprobs:
             choice["logprobs"] = fmt.completion(out.logprobs)
-    return {"id": req.id, "object": "chat.completion" if req.chat else "text_completion",
+    body = {"id": req.id, "object": "chat.completion" if req.chat else "text_completion",
             "created": req.created, "model": req.model, "choices": [choice], "usage": out.usage(),
             "system_fingerprint": None}
+    _token_ids(req, body, out.token_ids, prompt=True)
+    return body
 
 
-def chunk(req: OpenAIRequest, out: Output, fmt: LogprobFormatter, role: bool = False) -> dict[str, Any]:
-    """One stream chunk with `out`'s text (and logprobs, finish reason); `role`: the chat stream's first."""
+def chunk(req: OpenAIRequest, out: Output, fmt: LogprobFormatter, role: bool = False,
+          prompt: bool = False) -> dict[str, Any]:
+    """One stream chunk with `out`'s text (and logprobs, finish reason, token ids); `role`: the chat
+    stream's first; `prompt`: the stream's first chunk (it carries prompt_token_ids)."""
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
     if req.chat:
         choice["delta"] = {"role": "assistant", "content": out.text} if role else (
@@ -98,7 +106,19 @@ def chunk(req: OpenAIRequest, out: Output, fmt: LogprobFormatter, role: bool = F
         choice["text"] = out.text
         if req.logprobs and out.logprobs:
             choice["logprobs"] = fmt.completion(out.logprobs)
-    return _chunk_envelope(req, [choice])
+    body = _chunk_envelope(req, [choice])
+    _token_ids(req, body, out.token_ids, prompt)
+    return body
+
+
+def _token_ids(req: OpenAIRequest, body: dict[str, Any], token_ids: list[int], prompt: bool) -> None:
+    """return_token_ids: the choice's token ids and (`prompt`) the prompt's, where vLLM puts them."""
+    if not req.return_token_ids:
+        return
+    choice = body["choices"][0]
+    choice["token_ids"] = list(token_ids)
+    if prompt:
+        (body if req.chat else choice)["prompt_token_ids"] = req.prompt_token_ids
 
 
 def usage_chunk(req: OpenAIRequest, out: Output) -> dict[str, Any]:
@@ -110,27 +130,31 @@ def usage_chunk(req: OpenAIRequest, out: Output) -> dict[str, Any]:
 
 class StreamShaper:
     """The router's messages -> the stream's chunks: the chat stream opens with the assistant role,
-    each message with text (or logprobs) becomes a chunk, the finish reason gets a chunk of its own,
-    then (stream_options.include_usage) the usage chunk."""
+    each message with text (or logprobs; with return_token_ids, token ids) becomes a chunk, the finish
+    reason gets a chunk of its own, then (stream_options.include_usage) the usage chunk."""
 
     def __init__(self, req: OpenAIRequest, fmt: LogprobFormatter) -> None:
         self.req, self.fmt = req, fmt
         self.total = Output()
-        self._opened = False
+        self._first = True
 
     def chunks(self, msg: gen.GenerateResponse) -> list[dict[str, Any]]:
         req, out = self.req, []
-        if req.chat and not self._opened:
-            out.append(chunk(req, Output(), self.fmt, role=True))
-        self._opened = True
+        if req.chat and self._first:
+            out.append(self._chunk(Output(), role=True))
         self.total.add(msg)
-        if msg.text or (req.logprobs and msg.logprobs):
-            out.append(chunk(req, Output(text=msg.text, logprobs=list(msg.logprobs)), self.fmt))
+        if msg.text or (req.logprobs and msg.logprobs) or (req.return_token_ids and msg.token_ids):
+            out.append(self._chunk(Output(text=msg.text, token_ids=list(msg.token_ids),
+                                          logprobs=list(msg.logprobs))))
         if msg.finish_reason:
-            out.append(chunk(req, Output(finish_reason=msg.finish_reason), self.fmt))
+            out.append(self._chunk(Output(finish_reason=msg.finish_reason)))
             if req.include_usage:
                 out.append(usage_chunk(req, self.total))
         return out
+
+    def _chunk(self, out: Output, role: bool = False) -> dict[str, Any]:
+        first, self._first = self._first, False
+        return chunk(self.req, out, self.fmt, role=role, prompt=first)
 
 
 def _chunk_envelope(req: OpenAIRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
