@@ -7,8 +7,10 @@ A request moves through
                         +-- abort / transfer failure: blocks freed   |  preempted: recomputed
                                                                      +  from its token ids here
 
-`reserve` allocates fresh blocks for the prompt (no prefix sharing: KV from elsewhere is hashed
-into the prefix cache only after it has arrived and been committed). Commits may come from
+`reserve` shares the prompt's leading blocks that this worker's prefix cache holds (confirmed by
+token ids: an earlier turn's prompt and answer, a shared system prompt) and allocates fresh blocks for
+the rest; the ticket names only those, so KV moves only for the tokens after the cached prefix. KV
+from elsewhere is hashed into the prefix cache only after it has arrived and been committed. Commits may come from
 transfer threads; they are queued and join the running batch at the next `step()`. Prompts
 prefilled here (the router's local prefill) take `LockedEngine`'s way, under the same lock.
 """
@@ -44,6 +46,8 @@ class DecodeEngine(LockedEngine):
         self._by_request: dict[str, str] = {}  # request id -> transfer id, while reserved
         self._committed: deque[Sequence] = deque()
         self._on_commit: dict[str, Callable[[], None]] = {}
+        self.committed_prompt_tokens = 0  # cumulative, prompts whose KV committed here
+        self.committed_cached_tokens = 0  # of which this worker held already (no KV moved for them)
         self.receiver: KVReceiver = create_receiver(backend, self, **receiver_kwargs)
 
     # ------------------------------------------------------------------ reservation
@@ -67,15 +71,18 @@ class DecodeEngine(LockedEngine):
                 raise ValueError(f"transfer id {transfer_id!r} is already in use")
             if not self.engine.fits(len(token_ids)):
                 return None
-            seq.block_table = self.engine.allocate_blocks(len(token_ids))
+            # the prompt's leading blocks this worker holds (an earlier turn of the conversation, a
+            # shared prefix) are shared; KV arrives only for the blocks after them
+            cached = self.engine.allocate_cached(seq)
             ticket = TransferTicket(
                 transfer_id=transfer_id,
                 kv_endpoint=self.receiver.endpoint,
-                block_ids=list(seq.block_table),
+                block_ids=seq.block_table[cached // self.engine.block_size :],
                 compat_hash=self.compat_hash,
                 auth_token=secrets.token_hex(16),
                 num_tokens=len(token_ids),
                 backend=self.backend,
+                cached_tokens=cached,
             )
             self._reserved[ticket.transfer_id] = seq
             if on_commit is not None:
@@ -117,6 +124,8 @@ class DecodeEngine(LockedEngine):
             if seq is None:
                 return
             del self._by_request[seq.request_id]
+            self.committed_prompt_tokens += seq.num_prompt_tokens
+            self.committed_cached_tokens += seq.num_cached_tokens
             seq.num_computed_tokens = seq.num_prompt_tokens
             seq.append_token(first_token)
             if logprob is not None:

@@ -64,8 +64,12 @@ class DecodeWorkerServer(DecodeWorkerService):
             self._streams.pop(rid, None)
             log.debug("no free KV blocks for %d prompt tokens", len(ids))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
-        log.debug("reserved %d blocks, transfer %s", len(ticket.block_ids), ticket.transfer_id)
+        log.debug("reserved %d blocks (%d prompt tokens held already), transfer %s", len(ticket.block_ids),
+                  ticket.cached_tokens, ticket.transfer_id)
         return wk.ReserveResponse(ticket=ticket.to_proto())
+
+    def _received(self) -> tuple[int, int]:
+        return self.decode.committed_prompt_tokens, self.decode.committed_cached_tokens
 
     def _committed(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

@@ -32,7 +32,7 @@ from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import server_interceptors
-from proto.convert import logprob_to_proto, sampling_from_proto, step_stats_to_proto
+from proto.convert import logprob_to_proto, prefix_cache_to_proto, sampling_from_proto, step_stats_to_proto
 from proto.serving import add_health_and_reflection, bind_server, in_request_context
 
 log = logging.getLogger("pdcluster.decode")
@@ -67,6 +67,8 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
         self._queued_tokens = 0
         self._prompt_tokens = 0  # cumulative, prompts prefilled here (engine thread)
         self._cached_tokens = 0  # of which served from the prefix cache
+        self._local_prefills = 0  # requests a decode worker prefilled itself (engine thread)
+        self._local_blocks = 0  # their prompts' blocks: KV no prefill worker had to send
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.step_totals = StepTotals()
@@ -123,6 +125,9 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
             decode_queue_ms = seq.queue_ms
             self._prompt_tokens += seq.num_prompt_tokens
             self._cached_tokens += seq.num_cached_tokens
+            if self.role == wk.WORKER_ROLE_DECODE:
+                self._local_prefills += 1
+                self._local_blocks += -(-seq.num_prompt_tokens // self.engine.block_size)
         elif first == 0 and stream.committed_at is not None:  # KV committed -> first decode step done
             decode_queue_ms = (time.monotonic() - stream.committed_at) * 1e3
         chunk = wk.TokenChunk(
@@ -220,17 +225,29 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
         )
 
     def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
-        return self.stats()
+        return self.stats(request)
 
-    def stats(self) -> wk.WorkerStats:
-        """Lengths and block counts are read live; the queued-token sum comes from the engine thread."""
+    def _received(self) -> tuple[int, int]:
+        """(prompt tokens, of which this worker held already) of requests whose KV came from prefill
+        workers (none for a role that takes no KV)."""
+        return 0, 0
+
+    def stats(self, request: wk.StatsRequest | None = None) -> wk.WorkerStats:
+        """Lengths and block counts are read live; the queued-token sum comes from the engine thread.
+        Prompt tokens and prefix-cache hits count every prompt served here: prefilled here, or whose
+        KV arrived (the blocks held already are hits)."""
         load = self.engine.load()
+        received, held = self._received()
+        not_sent = (held // self.engine.block_size + self._local_blocks) * self.engine.kv_bytes_per_block
         return wk.WorkerStats(
             worker_id=self.worker_id, role=self.role, running=load.running,
             queued=load.waiting + self.locked.num_reserved,
             kv_blocks_used=load.blocks_used, kv_blocks_free=load.blocks_free,
-            queued_prefill_tokens=self._queued_tokens, prefix_cache_hit_tokens=self._cached_tokens,
-            prompt_tokens=self._prompt_tokens, **step_stats_to_proto(self.step_totals),
+            queued_prefill_tokens=self._queued_tokens, prefix_cache_hit_tokens=self._cached_tokens + held,
+            prompt_tokens=self._prompt_tokens + received, kv_bytes_not_sent=not_sent,
+            local_prefills=self._local_prefills, **step_stats_to_proto(self.step_totals),
+            **prefix_cache_to_proto(request or wk.StatsRequest(), self.engine.prefix_cache_changes,
+                                    self.engine.block_size),
         )
 
     def stop(self, grace: float = 1.0) -> None:

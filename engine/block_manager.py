@@ -21,12 +21,14 @@ block-table entries that name the block.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.cache_events import CacheEvents
+from engine.prefix_hash import chain_hash
 from engine.sequence import Sequence
+
+__all__ = ["Block", "BlockManager", "chain_hash"]
 
 
 @dataclass
@@ -37,14 +39,6 @@ class Block:
     token_ids: tuple[int, ...] = ()
     epoch: int = 0  # bumped each time the block is handed out afresh
     parent: tuple[int, int] | None = None  # (block id, epoch) of the block before it when cached
-
-
-def chain_hash(prev: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    """Stable (cross-process) hash of a full block given the hash of the block before it."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(prev or b"\0" * 16)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 class BlockManager:
@@ -59,6 +53,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
         self.prefix_hits = 0  # blocks served from the prefix cache, lifetime
+        self.events = CacheEvents()  # hashes entered and evicted, for the router's prefix index
 
     # ------------------------------------------------------------------ queries
     @property
@@ -83,6 +78,7 @@ class BlockManager:
         if block.hash is not None:  # evict its prefix-cache entry
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                self.events.removed(block.hash)
             block.hash, block.token_ids, block.parent = None, (), None
         block.epoch += 1
         block.ref_count = 1
@@ -118,8 +114,8 @@ class BlockManager:
                 table.append(block_id)
         hits = len(table)
         self.prefix_hits += hits
-        while len(table) < self.blocks_needed(n):
-            table.append(self._take_free())
+        # fresh blocks in ascending order: a transfer into them copies each run of consecutive ids as one slice
+        table.extend(sorted(self._take_free() for _ in range(self.blocks_needed(n) - hits)))
         seq.block_table = table
         seq.num_registered_blocks = hits
         seq.num_cached_tokens = hits * bs
@@ -191,7 +187,8 @@ class BlockManager:
                 block.hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 block.parent = self._parent_of(seq.block_table[:i])
-                self.hash_to_block.setdefault(block.hash, block.block_id)
+                if self.hash_to_block.setdefault(block.hash, block.block_id) == block.block_id:
+                    self.events.stored(block.hash)
         seq.num_registered_blocks = num_full
 
     # ------------------------------------------------------------------ checks

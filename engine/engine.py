@@ -14,6 +14,7 @@ import torch
 
 from engine.admission_rule import prompt_fits
 from engine.block_manager import BlockManager
+from engine.cache_events import CacheChanges
 from engine.builtin_model import resolve_model_path
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner, ScheduledSeq
@@ -138,6 +139,27 @@ class Engine:
     def allocate_blocks(self, num_tokens: int) -> list[int]:
         """Fresh, unshared blocks for `num_tokens` (KV that arrives from elsewhere goes there)."""
         return self.block_manager.allocate_blocks(num_tokens)
+
+    def allocate_cached(self, seq: Sequence) -> int:
+        """Blocks for all of `seq`'s tokens: its leading full blocks from the prefix cache where they
+        are there (shared, never written), fresh ones for the rest, in ascending order (KV that
+        arrives from elsewhere goes there). Returns the number of tokens served from the cache."""
+        self.block_manager.allocate(seq)
+        return seq.num_cached_tokens
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block's K and V over every layer."""
+        c = self.runner.kv_caches[0]
+        return len(self.runner.kv_caches) * c[:, 0].numel() * c.element_size()
+
+    def prefix_cache_changes(self, cursor: int) -> CacheChanges:
+        """What the prefix cache stored and evicted since `cursor` (engine/cache_events.py)."""
+        return self.block_manager.events.since(cursor)
 
     def free(self, seq: Sequence) -> None:
         """Give back a sequence's blocks (one the scheduler does not hold)."""

@@ -58,12 +58,13 @@ class TransferTicket:
     auth_token: str
     num_tokens: int
     backend: str = "inproc"
+    cached_tokens: int = 0  # leading tokens the receiver holds already; block_ids cover the rest
 
     def to_proto(self) -> wk.TransferTicket:
         return wk.TransferTicket(
             transfer_id=self.transfer_id, kv_endpoint=self.kv_endpoint, block_ids=self.block_ids,
             compat_hash=self.compat_hash, auth_token=self.auth_token, num_tokens=self.num_tokens,
-            backend=self.backend,
+            backend=self.backend, cached_tokens=self.cached_tokens,
         )
 
     @classmethod
@@ -71,6 +72,7 @@ class TransferTicket:
         return cls(
             transfer_id=msg.transfer_id, kv_endpoint=msg.kv_endpoint, block_ids=list(msg.block_ids),
             compat_hash=msg.compat_hash, auth_token=msg.auth_token, num_tokens=msg.num_tokens, backend=msg.backend,
+            cached_tokens=msg.cached_tokens,
         )
 
 

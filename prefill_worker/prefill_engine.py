@@ -51,6 +51,13 @@ class PrefillEngine:
         self.sender.check_ticket(ticket)
         if ticket.num_tokens != len(token_ids):
             raise ValueError(f"ticket covers {ticket.num_tokens} tokens, prompt has {len(token_ids)}")
+        bs = self.engine.block_size
+        if ticket.cached_tokens % bs or not 0 <= ticket.cached_tokens < len(token_ids):
+            raise ValueError(f"ticket's cached_tokens {ticket.cached_tokens} must be a multiple of the block size "
+                             f"{bs} below the prompt's {len(token_ids)} tokens")
+        if len(ticket.block_ids) != -(-len(token_ids) // bs) - ticket.cached_tokens // bs:
+            raise ValueError(f"ticket has {len(ticket.block_ids)} blocks for tokens {ticket.cached_tokens}.."
+                             f"{len(token_ids)} in blocks of {bs}")
         self.engine.add_request(request_id, token_ids, params, output_offset)
         self._tickets[request_id] = ticket
 
@@ -79,15 +86,19 @@ class PrefillEngine:
         if not done:
             return None
         caches = self.engine.kv_caches
+        bs = self.engine.block_size
 
         def hook(layer: int) -> None:
             for seq in done:
                 rid = seq.request_id
                 if rid in self._errors:
                     continue
+                ticket = self._tickets[rid]
                 try:
-                    # (2, num_blocks, block_size, kvh, hd): a copy, so the blocks may be reused at once
-                    self.sender.send_layer(self._tickets[rid], layer, caches[layer][:, seq.block_table])
+                    # (2, num_blocks, block_size, kvh, hd): a copy, so the blocks may be reused at once;
+                    # the blocks the receiver holds already are left out
+                    blocks = seq.block_table[ticket.cached_tokens // bs :]
+                    self.sender.send_layer(ticket, layer, caches[layer][:, blocks])
                 except Exception as e:  # one failed transfer must not fail the whole batch
                     self._errors[rid] = f"KV transfer failed at layer {layer}: {e}"
 

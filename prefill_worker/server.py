@@ -29,7 +29,7 @@ from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import CarrySecret, server_interceptors
-from proto.convert import logprob_to_proto, sampling_from_proto, step_stats_to_proto
+from proto.convert import logprob_to_proto, prefix_cache_to_proto, sampling_from_proto, step_stats_to_proto
 from proto.serving import add_health_and_reflection, bind_server, in_request_context
 
 log = logging.getLogger("pdcluster.prefill")
@@ -197,9 +197,9 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         )
 
     def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
-        return self.stats()
+        return self.stats(request)
 
-    def stats(self) -> wk.WorkerStats:
+    def stats(self, request: wk.StatsRequest | None = None) -> wk.WorkerStats:
         """Lengths and block counts are read live; the queued-token sum, which iterates the engine's
         queues, is taken by the engine thread after each step (iterating here would race it)."""
         load = self.engine.load()
@@ -209,6 +209,8 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             kv_blocks_free=load.blocks_free, queued_prefill_tokens=self._queued_tokens,
             kv_bytes_sent=dict(self.prefill.sender.bytes_sent), prefix_cache_hit_tokens=self._cached_tokens,
             prompt_tokens=self._prompt_tokens, **step_stats_to_proto(self.step_totals),
+            **prefix_cache_to_proto(request or wk.StatsRequest(), self.engine.prefix_cache_changes,
+                                    self.engine.block_size),
         )
 
     def stop(self, grace: float = 1.0) -> None:

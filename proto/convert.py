@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from engine.cache_events import CacheChanges
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.step_stats import PhaseTotals, StepTotals
@@ -70,3 +73,14 @@ def step_stats_to_proto(totals: StepTotals) -> dict[str, list[wk.StepPhaseStats]
     phases, by_batch = totals.snapshots()
     return {"steps": [_phase_stats(p, t) for p, t in phases.items()],
             "steps_by_batch": [_phase_stats(p, t, lo) for (p, lo), t in by_batch.items()]}
+
+
+def prefix_cache_to_proto(request: wk.StatsRequest, changes: Callable[[int], CacheChanges],
+                          block_size: int) -> dict[str, wk.PrefixCacheEvents]:
+    """The `prefix_cache` field of a worker's Stats answer: what `changes(cursor)` returns, when the
+    request asked for it (`WorkerStats(**...)`; empty otherwise)."""
+    if not request.prefix_cache_events:
+        return {}
+    c = changes(request.prefix_cache_cursor)
+    return {"prefix_cache": wk.PrefixCacheEvents(cursor=c.cursor, snapshot=c.snapshot, stored=c.stored,
+                                                 removed=c.removed, block_size=block_size)}

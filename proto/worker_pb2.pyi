@@ -20,7 +20,7 @@ WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_COLOCATED: WorkerRole
 
 class TransferTicket(_message.Message):
-    __slots__ = ("transfer_id", "kv_endpoint", "block_ids", "compat_hash", "auth_token", "num_tokens", "backend")
+    __slots__ = ("transfer_id", "kv_endpoint", "block_ids", "compat_hash", "auth_token", "num_tokens", "backend", "cached_tokens")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class TransferTicket(_message.Message):
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     kv_endpoint: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -35,7 +36,8 @@ class TransferTicket(_message.Message):
     auth_token: str
     num_tokens: int
     backend: str
-    def __init__(self, transfer_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., auth_token: _Optional[str] = ..., num_tokens: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, transfer_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., auth_token: _Optional[str] = ..., num_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "ticket", "resume_offset")
@@ -142,11 +144,29 @@ class HealthResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("prefix_cache_events", "prefix_cache_cursor")
+    PREFIX_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    prefix_cache_events: bool
+    prefix_cache_cursor: int
+    def __init__(self, prefix_cache_events: _Optional[bool] = ..., prefix_cache_cursor: _Optional[int] = ...) -> None: ...
+
+class PrefixCacheEvents(_message.Message):
+    __slots__ = ("cursor", "snapshot", "stored", "removed", "block_size")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    cursor: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    def __init__(self, cursor: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "running", "queued", "kv_blocks_used", "kv_blocks_free", "queued_prefill_tokens", "kv_bytes_sent", "prefix_cache_hit_tokens", "prompt_tokens", "steps", "steps_by_batch")
+    __slots__ = ("worker_id", "role", "running", "queued", "kv_blocks_used", "kv_blocks_free", "queued_prefill_tokens", "kv_bytes_sent", "prefix_cache_hit_tokens", "prompt_tokens", "steps", "steps_by_batch", "prefix_cache", "kv_bytes_not_sent", "local_prefills")
     class KvBytesSentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +186,9 @@ class WorkerStats(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STEPS_BY_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_NOT_SENT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     running: int
@@ -178,7 +201,10 @@ class WorkerStats(_message.Message):
     prompt_tokens: int
     steps: _containers.RepeatedCompositeFieldContainer[StepPhaseStats]
     steps_by_batch: _containers.RepeatedCompositeFieldContainer[StepPhaseStats]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[_Mapping[str, int]] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ..., steps_by_batch: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ...) -> None: ...
+    prefix_cache: PrefixCacheEvents
+    kv_bytes_not_sent: int
+    local_prefills: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[_Mapping[str, int]] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ..., steps_by_batch: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheEvents, _Mapping]] = ..., kv_bytes_not_sent: _Optional[int] = ..., local_prefills: _Optional[int] = ...) -> None: ...
 
 class StepPhaseStats(_message.Message):
     __slots__ = ("phase", "steps", "seconds", "seqs", "tokens", "context_tokens", "batch_min")

@@ -94,6 +94,9 @@ _WORKER_GAUGES = (  # (metric suffix, WorkerStats field, help)
 _WORKER_COUNTERS = (
     ("prompt_tokens", "prompt_tokens", "Prompt tokens prefilled by the worker, cached ones included."),
     ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
+    ("kv_bytes_not_sent", "kv_bytes_not_sent", "KV bytes no transfer had to move to the decode worker: "
+     "blocks it held already, and prompts it prefilled itself."),
+    ("local_prefills", "local_prefills", "Requests the decode worker prefilled itself."),
 )
 
 _STEP_COUNTERS = (  # engine loop iterations by phase (engine/step_stats.py)
@@ -191,9 +194,15 @@ class RouterMetrics:
         self.retries = Counter("pdcluster_request_retries", "Times a request went on from its tokens already sent "
                                "on another pair of workers after a worker or KV transfer failure.", registry=r)
         self.local_prefills = Counter("pdcluster_local_prefills", "Disaggregated requests whose prompt was prefilled "
-                                      "on their decode worker (router.local_prefill_max_tokens).", registry=r)
+                                      "on their decode worker (router.local_prefill_uncached_tokens, router.local_prefill_max_tokens).", registry=r)
         self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=r)
+        self.routed_prompt_tokens = Counter(
+            "pdcluster_routed_prompt_tokens", "Prompt tokens of the requests the router sent to a worker of each role "
+            "(retries included).", ["role"], registry=r)
+        self.routed_cached_tokens = Counter(
+            "pdcluster_routed_cached_tokens", "Of those, the tokens the router's prefix index expected the chosen "
+            "worker to hold in its prefix cache (router/prefix_index.py).", ["role"], registry=r)
         self.generation_tokens = Counter("pdcluster_generation_tokens", "Tokens generated for finished requests.",
                                          registry=r)
         for reason in FINISH_REASONS:
@@ -202,6 +211,11 @@ class RouterMetrics:
             self.phase.labels(phase)
         if workers is not None:
             r.register(WorkerStatsCollector(workers))
+
+    def routed(self, role: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """A routing decision: a prompt sent to a worker of `role` expected to hold `cached_tokens`."""
+        self.routed_prompt_tokens.labels(role).inc(prompt_tokens)
+        self.routed_cached_tokens.labels(role).inc(cached_tokens)
 
     def watch_admission(self, admission: object) -> None:
         """Gauges of admission control (router/admission.py), read at scrape time."""

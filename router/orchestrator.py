@@ -44,6 +44,7 @@ from proto.convert import sampling_to_proto
 from router.admission import Admitted
 from router.local_prefill import LocalPrefillPolicy
 from router.metrics import RequestMetrics, RouterMetrics
+from router.prefix_index import PromptBlocks
 from router.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("pdcluster.router")
@@ -209,11 +210,13 @@ class Orchestrator:
             raise _cancelled(active)
 
     # ------------------------------------------------------------------ one attempt
-    def _reserve(self, active: ActiveRequest, rid: str, ids: list[int], params: SamplingParams, offset: int,
-                 deadline: float, avoid: set[str]) -> tuple[WorkerHandle, wk.TransferTicket | None]:
-        """Reserve on the least-loaded decode worker, those in `avoid` last; wait (bounded) while
-        all are full. `rid` is the request's id on the worker (a retry's differs). The ticket is None
-        when the worker prefills the prompt itself (colocated, or a local prefill)."""
+    def _reserve(self, active: ActiveRequest, rid: str, blocks: PromptBlocks, params: SamplingParams,
+                 offset: int, deadline: float, avoid: set[str]) -> tuple[WorkerHandle, wk.TransferTicket | None]:
+        """Reserve on the decode worker the routing policy picks (the longest cached prefix among
+        the nearly least loaded), those in `avoid` last; wait (bounded) while all are full. `rid` is
+        the request's id on the worker (a retry's differs). The ticket is None when the worker
+        prefills the prompt itself (colocated, conditional disaggregation, or a local prefill)."""
+        ids = list(blocks.token_ids)
         role = "colocated" if self.mode == "colocated" else "decode"
         req = wk.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
                                 sampling=sampling_to_proto(params), token_ids=ids, run_prefill=self.mode == "colocated",
@@ -222,17 +225,20 @@ class Orchestrator:
         while True:
             tried: set[str] = set()
             full, failed, last = False, [], ""
-            while (w := self.pool.take(role, tried, avoid)) is not None:  # counted on w from here
+            while (w := self.pool.take(role, tried, avoid, prompt=blocks)) is not None:  # counted on w from here
                 tried.add(w.worker_id)
                 pending = 0
+                cached = self.pool.cached_tokens(w, blocks)
                 if self.mode != "colocated":
-                    req.run_prefill = self.local_prefill.enabled and self.local_prefill.local(
-                        len(ids), self.pool.prefill_queued(), w.local_tokens)
+                    req.run_prefill = self.pool.policy.prefill_on_decode(len(ids), cached) or (
+                        self.local_prefill.enabled and self.local_prefill.local(
+                            len(ids), self.pool.prefill_queued(), w.local_tokens))
                     if not req.run_prefill:
                         pending = len(ids)
                         self.pool.add_pending_prefill(pending)  # seen by requests arriving meanwhile
                 try:
                     resp = w.stub.Reserve(req, timeout=max(0.1, min(deadline - time.monotonic(), 30.0)))
+                    self.metrics.routed(role, len(ids), cached)
                     return w, resp.ticket if not req.run_prefill else None
                 except grpc.RpcError as e:
                     self.pool.release(w)
@@ -269,7 +275,8 @@ class Orchestrator:
         if offset >= run.params.max_tokens or len(prompt) >= self.max_model_len:  # nothing left to generate
             return "length", gen.GenerateResponse(request_id=rid)
         params = run.params if not offset else dataclasses.replace(run.params, max_tokens=run.params.max_tokens - offset)
-        decode, ticket = self._reserve(active, wrid, prompt, params, offset, deadline, avoid)  # counted on decode
+        blocks = PromptBlocks(prompt)
+        decode, ticket = self._reserve(active, wrid, blocks, params, offset, deadline, avoid)  # counted on decode
         local = ticket is None  # the decode worker prefills (colocated, or a local prefill)
         # prompt tokens this attempt has counted in the pool until they are handed on: bound for a
         # prefill worker (counted by _reserve) until _prefill takes one; a local prefill's on the
@@ -294,7 +301,7 @@ class Orchestrator:
             if not local:
                 self.pool.add_pending_prefill(-pending)
                 pending = 0
-                first = self._prefill(active, wrid, prompt, params, offset, ticket, deadline, avoid, decode)
+                first = self._prefill(active, wrid, blocks, params, offset, ticket, deadline, avoid, decode)
                 if not run.tokens:
                     run.timing.prefill_queue_ms = first.prefill_queue_ms
                     run.timing.prefill_compute_ms = first.prefill_compute_ms
@@ -329,6 +336,8 @@ class Orchestrator:
                         self.abort(active)
                         return "stop", msg
                 if chunk.finish_reason:
+                    # its prompt and answer stay in the decode worker's prefix cache (a next turn's prefix)
+                    self.pool.index.expect(decode.worker_id, (run.prompt + run.tokens)[:-1])
                     return chunk.finish_reason, msg or gen.GenerateResponse(request_id=rid)
                 if msg is not None:
                     yield msg
@@ -346,15 +355,20 @@ class Orchestrator:
                 self.pool.add_local(decode, -local_tokens)
             self.pool.release(decode)
 
-    def _prefill(self, active: ActiveRequest, rid: str, ids: list[int], params: SamplingParams, offset: int,
+    def _prefill(self, active: ActiveRequest, rid: str, blocks: PromptBlocks, params: SamplingParams, offset: int,
                  ticket: wk.TransferTicket, deadline: float, avoid: set[str], decode: WorkerHandle,
                  ) -> wk.PrefillResponse:
-        prefill = self.pool.take("prefill", avoid=avoid, tokens=len(ids))
-        if prefill is None:
+        taken = self.pool.take_prefill(blocks, avoid=avoid)
+        if taken is None:
             raise AttemptFailed("no healthy prefill worker", [])
+        prefill, counted = taken
+        ids = list(blocks.token_ids)
+        self.metrics.routed("prefill", len(ids), len(ids) - counted)
         try:
             self._reached(active, prefill, rid)
-            log.debug("prefill on %s", prefill.worker_id)
+            log.debug("prefill on %s (%d prompt tokens expected cached there, %d on the decode worker)",
+                      prefill.worker_id, len(ids) - counted, ticket.cached_tokens)
+            self.pool.index.expect(prefill.worker_id, ids)
             return prefill.stub.Prefill(
                 wk.PrefillRequest(request_id=rid, token_ids=ids, sampling=sampling_to_proto(params), ticket=ticket,
                                   resume_offset=offset),
@@ -365,7 +379,7 @@ class Orchestrator:
             raise self._failure(active, f"prefill on {prefill.worker_id} (KV to {decode.worker_id})", e,
                                 [prefill, decode], deadline) from None
         finally:
-            self.pool.release(prefill, len(ids))
+            self.pool.release(prefill, counted)
 
     @staticmethod
     def _failure(active: ActiveRequest, what: str, e: grpc.RpcError, suspects: list[WorkerHandle],

@@ -41,6 +41,7 @@ from proto.serving import Malformed, add_health_and_reflection, add_servicer, bi
 from router import metrics as router_metrics
 from router.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits, Refused
 from router.local_prefill import LocalPrefillPolicy
+from router.prefix_policy import RoutingPolicy
 from router.metrics import RouterMetrics
 from router.orchestrator import ActiveRequest, Orchestrator, Progress, RequestError
 from router.worker_pool import WorkerPool
@@ -71,11 +72,16 @@ class RouterServer(gen_grpc.PDClusterServicer):
         tls_cert: str | None = None,
         tls_key: str | None = None,
         local_prefill_max_tokens: int = 0,
+        prefix_routing: bool = True,
+        local_prefill_uncached_tokens: int = 0,
     ) -> None:
         """`tls_cert` / `tls_key`: PEM files; with both, the public port serves TLS only, and a second,
         plaintext port on 127.0.0.1 (`local_address`) serves the HTTP API in this process.
         `local_prefill_max_tokens` (disaggregated): prompts up to this long may be prefilled on their
-        decode worker when the prefill workers are busier (router/local_prefill.py); 0: never."""
+        decode worker when the prefill workers are busier (router/local_prefill.py); 0: never.
+        `prefix_routing`: pick workers by what their prefix caches hold as well as by load;
+        `local_prefill_uncached_tokens` (disaggregated): a prompt whose part its decode worker does
+        not hold is at most this long is prefilled there (router/prefix_policy.py); 0: never."""
         path = resolve_model_path(model)
         self.model_name = model_name or model
         self.model_cfg = ModelConfig.from_pretrained(path)
@@ -87,7 +93,9 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.request_timeout_s = request_timeout_s
         self.api_keys = set(api_keys or [])
         self.admission = Admission(AdmissionLimits(max_requests, max_queued_prompt_tokens))
-        self.pool = WorkerPool(cluster_secret=cluster_secret)
+        self.pool = WorkerPool(cluster_secret=cluster_secret, policy=RoutingPolicy(
+            prefix_aware=prefix_routing,
+            local_prefill_uncached_tokens=local_prefill_uncached_tokens if mode == "disaggregated" else 0))
         self.metrics = RouterMetrics(self.pool.workers, mode)
         self.metrics.watch_admission(self.admission)
         router_metrics.set_current(self.metrics.registry)  # what router.metrics.render() serves

@@ -2,6 +2,8 @@
 
 Load is tracked by the router itself (requests and prompt tokens it has in flight per worker) and
 refreshed from each worker's `Stats` (free KV blocks) by a background poll, so a pick costs no RPC.
+The same poll keeps the prefix index (router/prefix_index.py): what each worker's prefix cache
+holds; the choice between workers is `RoutingPolicy`'s (router/prefix_policy.py).
 The last `WorkerStats` of each worker is kept on its handle (`stats`), for the router's metrics.
 Each handle carries the stub the router calls that worker through (`Connect` makes it: gRPC by
 default; the router's unit tests hand in fakes).
@@ -20,6 +22,8 @@ import grpc
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import with_secret
+from router.prefix_index import PrefixIndex, PromptBlocks
+from router.prefix_policy import Candidate, RoutingPolicy
 
 log = logging.getLogger("pdcluster.router")
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
@@ -41,11 +45,14 @@ class WorkerHandle:
     kv_blocks_free: int = 0
     healthy: bool = True
     stats: wk.WorkerStats | None = field(default=None, repr=False)  # last answer to Stats (None: none yet)
+    cache_cursor: int = 0  # where the prefix index stands in the worker's cache change list
 
 
 class WorkerPool:
     def __init__(self, stats_interval_s: float = 0.5, cluster_secret: str | None = None,
-                 connect: Connect | None = None) -> None:
+                 connect: Connect | None = None, policy: RoutingPolicy | None = None) -> None:
+        self.policy = policy or RoutingPolicy()
+        self.index = PrefixIndex()
         self._secret = cluster_secret  # sent with every RPC to a worker (proto/cluster_auth.py)
         self._connect = connect or self._grpc_connect
         self._workers: dict[str, WorkerHandle] = {}
@@ -65,11 +72,13 @@ class WorkerPool:
             for wid in list(self._workers):
                 if wid not in keep:
                     del self._workers[wid]
+                    self.index.forget(wid)
             for wid, role, address in workers:
                 if wid in self._workers and self._workers[wid].address == address:
                     continue
                 channel, stub = self._connect(role, address)
                 self._workers[wid] = WorkerHandle(wid, role, address, channel, stub)
+                self.index.forget(wid)  # a new worker, or one restarted at a new address
 
     def _grpc_connect(self, role: str, address: str) -> tuple[grpc.Channel, Any]:
         channel = with_secret(grpc.insecure_channel(address, options=GRPC_OPTIONS), self._secret)
@@ -86,29 +95,48 @@ class WorkerPool:
             return [w for w in self._workers.values() if role is None or w.role == role]
 
     def take(self, role: str, exclude: set[str] = frozenset(), avoid: set[str] = frozenset(),
-             tokens: int = 0) -> WorkerHandle | None:
-        """The least-loaded healthy worker of `role` not in `exclude` (those in `avoid` only when no
-        other is left), counted as carrying one more request (and `tokens` prompt tokens) at once,
-        in the same step as the choice and before any RPC to it: a request that arrives while an
-        earlier one still waits for its Reserve or Prefill then sees that one's load instead of the
-        same tie. Load: prefill by queued prompt tokens, then requests in flight; decode and
-        colocated by requests in flight, then the most free KV blocks (as of the last Stats poll);
-        a tie left after that goes to the first worker listed. The caller `release`s it, also
-        when the RPC fails."""
+             tokens: int = 0, prompt: PromptBlocks | None = None) -> WorkerHandle | None:
+        """The healthy worker of `role` not in `exclude` that the routing policy picks (those in
+        `avoid` only when no other is left), counted as carrying one more request (and `tokens`
+        prompt tokens) at once, in the same step as the choice and before any RPC to it: a request
+        that arrives while an earlier one still waits for its Reserve or Prefill then sees that
+        one's load instead of the same tie. `prompt`: the request's prompt, for the prefix caches.
+        Prefill: by expected cost (uncached prompt tokens plus queued ones), then requests in
+        flight; decode and colocated: the longest cached prefix among the nearly least loaded, then
+        requests in flight, then the most free KV blocks (as of the last Stats poll); a tie left
+        after that goes to the first worker listed. The caller `release`s it, also when the RPC
+        fails."""
         with self._lock:
-            w = self._least_loaded(role, exclude | avoid) or self._least_loaded(role, exclude)
+            w = self._pick(role, exclude | avoid, tokens, prompt) or self._pick(role, exclude, tokens, prompt)
             if w is not None:
                 w.inflight += 1
                 w.inflight_tokens += tokens
             return w
 
-    def _least_loaded(self, role: str, exclude: set[str]) -> WorkerHandle | None:
-        candidates = [w for w in self._workers.values() if w.role == role and w.healthy and w.worker_id not in exclude]
-        if not candidates:
-            return None
-        if role == "prefill":
-            return min(candidates, key=lambda w: (w.inflight_tokens, w.inflight))
-        return min(candidates, key=lambda w: (w.inflight, -w.kv_blocks_free))
+    def take_prefill(self, prompt: PromptBlocks, avoid: set[str] = frozenset()) -> tuple[WorkerHandle, int] | None:
+        """`take` a prefill worker for `prompt`, counted as carrying the prompt tokens it is not
+        expected to hold; returns it and that count (to `release` it with)."""
+        n = len(prompt.token_ids)
+        with self._lock:
+            w = self._pick("prefill", set(avoid), n, prompt) or self._pick("prefill", set(), n, prompt)
+            if w is None:
+                return None
+            counted = n - self.index.cached_tokens(w.worker_id, prompt) if self.policy.prefix_aware else n
+            w.inflight += 1
+            w.inflight_tokens += counted
+            return w, counted
+
+    def cached_tokens(self, w: WorkerHandle, prompt: PromptBlocks) -> int:
+        """Leading prompt tokens `w`'s prefix cache is expected to hold."""
+        return self.index.cached_tokens(w.worker_id, prompt)
+
+    def _pick(self, role: str, exclude: set[str], tokens: int, prompt: PromptBlocks | None) -> WorkerHandle | None:
+        workers = [w for w in self._workers.values() if w.role == role and w.healthy and w.worker_id not in exclude]
+        cands = [Candidate(w, self.index.cached_tokens(w.worker_id, prompt) if prompt is not None else 0,
+                           w.inflight_tokens, w.inflight, w.kv_blocks_free) for w in workers]
+        c = (self.policy.pick_prefill(len(prompt.token_ids) if prompt is not None else tokens, cands)
+             if role == "prefill" else self.policy.pick_decode(cands))
+        return c.worker if c is not None else None
 
     def prefill_queued(self) -> int | None:
         """Prompt tokens queued on the least-loaded healthy prefill worker, with its share of those
@@ -135,9 +163,12 @@ class WorkerPool:
 
     def check(self, w: WorkerHandle, timeout_s: float = 2.0) -> bool:
         """Ask `w` for its Stats now (the poll does it every interval; a request that saw `w` fail
-        asks at once). A worker that does not answer is out of rotation until it answers again."""
+        asks at once). A worker that does not answer is out of rotation until it answers again,
+        and its prefix cache is unknown until then."""
+        cursor = w.cache_cursor
         try:
-            stats = w.stub.Stats(wk.StatsRequest(), timeout=timeout_s)
+            stats = w.stub.Stats(wk.StatsRequest(prefix_cache_events=self.policy.prefix_aware,
+                                                 prefix_cache_cursor=cursor), timeout=timeout_s)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 log.debug("Stats of worker %s failed: %s %s", w.worker_id, e.code(), e.details())
@@ -146,9 +177,17 @@ class WorkerPool:
                 log.warning("worker %s at %s is not answering (%s): out of rotation until it does",
                             w.worker_id, w.address, e.code().name)
             w.healthy = False
+            with self._lock:
+                w.cache_cursor = 0
+                self.index.forget(w.worker_id)
             return False
         if not w.healthy:
             log.warning("worker %s at %s answers again: back in rotation", w.worker_id, w.address)
+        if stats.HasField("prefix_cache"):
+            with self._lock:  # a change list older than one already applied is left out
+                if w.cache_cursor == cursor:
+                    self.index.apply(w.worker_id, stats.prefix_cache)
+                    w.cache_cursor = stats.prefix_cache.cursor
         w.kv_blocks_free, w.healthy, w.stats = stats.kv_blocks_free, True, stats
         return True
 

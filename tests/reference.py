@@ -1,0 +1,20 @@
+"""Greedy outputs of transformers' `generate()`: what every serving path must equal token for token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def hf_greedy(path: str, pad_token_id: int = 0) -> Callable[[list[int], int], list[int]]:
+    """`ref(ids, n)`: the n tokens float32 transformers generates greedily after `ids` (no EOS stop)."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def ref(ids: list[int], n: int) -> list[int]:
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=pad_token_id)
+        return out[0, len(ids):].tolist()
+
+    return ref
