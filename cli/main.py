@@ -131,13 +131,22 @@ def _status(args: argparse.Namespace) -> int:
           f"router {(info.get('router') or {}).get('address')}")
     if meta.get("http_address"):
         print(f"OpenAI API at http://{meta['http_address']}/v1")
-    header = f"{'pool':<10} {'worker':<16} {'role':<9} {'state':<12} {'running':>7} {'queued':>6} {'kv used/free':>14}"
+    header = (f"{'pool':<10} {'worker':<16} {'role':<9} {'state':<12} {'running':>7} {'queued':>6} "
+              f"{'kv used/free':>14} {'prefix hits':>18}")
     print(header)
     for w in sorted(info["workers"], key=lambda w: (w.get("pool", ""), w["worker_id"])):
         kv = f"{w.get('kv_blocks_used', '-')}/{w.get('kv_blocks_free', '-')}"
         print(f"{w.get('pool', ''):<10} {w['worker_id']:<16} {w['role']:<9} {w['state']:<12} "
-              f"{w.get('running', '-'):>7} {w.get('queued', '-'):>6} {kv:>14}")
+              f"{w.get('running', '-'):>7} {w.get('queued', '-'):>6} {kv:>14} {hit_rate(w):>18}")
     return 0
+
+
+def hit_rate(w: dict) -> str:
+    """Prompt tokens served from the worker's prefix cache, of all it served: "37.5% of 4096"."""
+    total = w.get("prompt_tokens")
+    if total is None:
+        return "-"
+    return f"{100 * w.get('prefix_cache_hit_tokens', 0) / total:.1f}% of {total}" if total else "0 tokens"
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -231,7 +231,9 @@ class Controller:
             try:
                 s = stub.Stats(wk.StatsRequest(), timeout=3.0)
                 row.update(state="healthy", running=s.running, queued=s.queued, kv_blocks_used=s.kv_blocks_used,
-                           kv_blocks_free=s.kv_blocks_free, queued_prefill_tokens=s.queued_prefill_tokens)
+                           kv_blocks_free=s.kv_blocks_free, queued_prefill_tokens=s.queued_prefill_tokens,
+                           prompt_tokens=s.prompt_tokens, prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+                           local_prefills=s.local_prefills, kv_bytes_not_sent=s.kv_bytes_not_sent)
             except grpc.RpcError as e:
                 row.update(state=f"unreachable ({e.code().name})")
             finally:

@@ -45,6 +45,9 @@ def test_up_detach_status_generate_down_from_a_shell(tmp_path):
 
         streamed = _pdcluster("generate", "--max-tokens", "8", "Hello")
         assert streamed.returncode == 0 and "finish_reason=" in streamed.stderr
+
+        served = _pdcluster("status").stdout  # each worker's prefix-cache hit rate, of the prompt tokens it served
+        assert "prefix hits" in served and any("prefill-0" in line and "% of " in line for line in served.splitlines())
     finally:
         down = _pdcluster("down")
     assert down.returncode == 0, down.stderr[-3000:]

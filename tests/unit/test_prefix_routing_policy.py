@@ -110,3 +110,10 @@ def test_hashes_are_the_block_managers():
     ids = list(range(40))
     assert block_hashes(ids, 16) == [chain_hash(None, ids[:16]), chain_hash(chain_hash(None, ids[:16]), ids[16:32])]
     assert block_hashes(ids, 16, 1) == block_hashes(ids, 16)[:1]
+
+
+def test_status_shows_each_workers_hit_rate():
+    from cli.main import hit_rate
+
+    assert hit_rate({"prompt_tokens": 4096, "prefix_cache_hit_tokens": 1536}) == "37.5% of 4096"
+    assert hit_rate({"prompt_tokens": 0}) == "0 tokens" and hit_rate({}) == "-"
