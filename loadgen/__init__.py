@@ -3,6 +3,8 @@
 workload.py (traces, synthetic lengths) -> prompts.py (text of a token length, shared prefixes) ->
 arrivals.py (open-loop offsets) -> runner.py + client.py (streamed /v1/completions, client-side timing)
 -> metrics.py (percentiles, SLO attainment, goodput) -> report.py (JSON, markdown, PNG). cli.py ties them.
+Multi-turn chat: conversations.py (turns from flags or a Mooncake trace, the history) run by
+conversation_run.py (each conversation a closed loop, started open-loop).
 """
 
 from loadgen.arrivals import ArrivalConfig, arrival_offsets

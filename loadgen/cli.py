@@ -6,6 +6,10 @@ TTFT, TPOT, inter-token latency, end-to-end latency, throughput, SLO attainment 
 
 Workloads: azure-conv, azure-code, mooncake-conv, mooncake-synthetic (files in shared/workloads next
 to the repository), any Azure .csv / Mooncake .jsonl file, or `synthetic` (--synthetic-input/-output).
+Multi-turn chat: `multiturn` (conversations from --conversations, --turns, --first-prompt-len,
+--message-len, --output-len, --think-time) or `multiturn:TRACE` (a Mooncake trace's conversations,
+grouped by hash_ids): each turn's prompt is the history plus a new message, sent --think-time after
+the previous answer; conversations start at the arrival rate.
 Lengths can be scaled to fit a small model (--max-context C or --scale-lengths F; loadgen/scaling.py,
 which scripts/bench_engine.py uses too), and the scaling is always printed.
 
@@ -30,14 +34,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.heap import freeze_startup_heap
 from loadgen.arrivals import KINDS, ArrivalConfig, arrival_offsets
 from loadgen.client import EndpointConfig, fetch_model
+from loadgen.conversation_run import run_conversations
+from loadgen.conversations import PREFIX, ConversationConfig, MessageMaker, load_conversations
 from loadgen.metrics import SLO, summarize
 from loadgen.report import RunReport, failure_lines, run_notes, text_table, write_all
-from loadgen.runner import run
+from loadgen.runner import RunResult, run
 from loadgen.server_counters import counted
 from loadgen.workload import NAMED, Workload, WorkloadConfig, load_workload
-from common.heap import freeze_startup_heap
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,9 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--fresh-prompts", action="store_true",
                    help="each rate gets its own prompt texts (same lengths; every system at that rate the same "
                         "ones), so a run reuses no prefix cached by an earlier run of the sweep")
+    m = p.add_argument_group("multi-turn (--workload multiturn or multiturn:TRACE)")
+    m.add_argument("--conversations", type=int, default=None, help="conversations per run (default 10)")
+    m.add_argument("--turns", default=None, help="turns per conversation: fixed:N | uniform:LO:HI | "
+                                                   "lognormal:MEDIAN:SIGMA (default fixed:3; not with a trace)")
+    m.add_argument("--first-prompt-len", default=None, help="first prompt tokens (same forms; default fixed:256)")
+    m.add_argument("--message-len", default=None, help="tokens of each later turn's new message (default fixed:64)")
+    m.add_argument("--output-len", default=None, help="answer tokens, max_tokens (default fixed:64)")
+    m.add_argument("--think-time", default=None,
+                   help="seconds from an answer to the next turn: fixed:S | uniform:LO:HI | exponential:MEAN | "
+                        "trace[:F] (the trace's gap between the two turns times F) (default fixed:1)")
+    m.add_argument("--min-turns", type=int, default=None,
+                   help="multiturn:TRACE: only conversations of at least K turns (default 2)")
     a = p.add_argument_group("arrivals")
     r = a.add_mutually_exclusive_group()
-    r.add_argument("--rate", type=float, default=None, help="requests/s (inf: all at once)")
+    r.add_argument("--rate", type=float, default=None, help="requests/s (multi-turn: conversations started per s; inf: all at once)")
     r.add_argument("--rates", default=None, help="a sweep: R1,R2,... requests/s")
     a.add_argument("--arrival", choices=KINDS, default="poisson",
                    help="poisson, gamma (--burstiness), or trace (its timestamps; a rate rescales them)")
@@ -130,6 +148,36 @@ def load_tokenizer(spec: str | None) -> Any:
     return tok
 
 
+_FLAG_TURNS = ("turns", "first_prompt_len", "message_len", "output_len")  # from flags only
+_FLAGS_MULTITURN = ("conversations", *_FLAG_TURNS, "think_time", "min_turns")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def conversation_config(args: argparse.Namespace) -> ConversationConfig | None:
+    """The multi-turn workload's configuration (None: another workload); refuses flags that do not apply."""
+    given = [n for n in _FLAGS_MULTITURN if getattr(args, n) is not None]
+    if args.workload != PREFIX and not args.workload.startswith(PREFIX + ":"):
+        if given:
+            raise ValueError(f"{_flag(given[0])} applies to --workload multiturn or multiturn:TRACE")
+        return None
+    trace = args.workload != PREFIX
+    wrong = [n for n in given if n in _FLAG_TURNS] if trace else [n for n in given if n == "min_turns"]
+    if wrong:
+        why = "the trace gives the lengths and turn counts" if trace else "it selects conversations of a trace"
+        raise ValueError(f"{_flag(wrong[0])} does not apply to --workload {args.workload}: {why}")
+    if args.sample_seed is not None:
+        raise ValueError("--sample-seed does not apply to a multi-turn workload (the first conversations are used)")
+    pick = {n: getattr(args, n) for n in _FLAGS_MULTITURN if getattr(args, n) is not None}
+    names = {"first_prompt_len": "first_prompt", "message_len": "message", "output_len": "output",
+             "think_time": "think"}
+    return ConversationConfig(args.workload, **{names.get(k, k): v for k, v in pick.items()}, seed=args.seed,
+                              scale_lengths=args.scale_lengths, max_context=args.max_context,
+                              max_output=args.max_output)
+
+
 def redact(argv: list[str]) -> list[str]:
     """The command line without the API key's value (it goes into result.json and summary.md)."""
     out = list(argv)
@@ -168,25 +216,42 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     if args.time_scale is not None and args.arrival != "trace":
         raise ValueError("--time-scale applies to --arrival trace")
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    wcfg = WorkloadConfig(args.workload, args.num_requests, args.sample_seed, args.scale_lengths,
-                          args.max_context, args.max_output, args.seed, args.synthetic_input,
-                          args.synthetic_output)
+    ccfg = conversation_config(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    workload: Workload = load_workload(wcfg, tokenizer, args.tokenizer)
+    salts = {rate: prompt_salt(k) if args.fresh_prompts else "" for k, rate in enumerate(rates)}
+    if ccfg is not None:
+        workload: Workload = load_conversations(ccfg, tokenizer, args.tokenizer)
+        convs = workload.conversations  # type: ignore[attr-defined]
+        starts, unit = [c.arrival_s for c in convs], "conversations"
+
+        def run_one(rate: float | None, e: EndpointConfig, on_done: Any) -> RunResult:
+            maker = MessageMaker(args.seed, tokenizer, salts[rate])  # --fresh-prompts: texts of the rate's own
+            return run_conversations(convs, arrivals[rate].offsets, e, e.model or "", args.time_limit_s, maker,
+                                     on_done, rate, arrivals[rate].description)
+    else:
+        wcfg = WorkloadConfig(args.workload, args.num_requests, args.sample_seed, args.scale_lengths,
+                              args.max_context, args.max_output, args.seed, args.synthetic_input,
+                              args.synthetic_output)
+        workload = load_workload(wcfg, tokenizer, args.tokenizer)
+        # per rate: the same requests, or (--fresh-prompts) the same lengths with texts of their own
+        requests = {rate: workload.requests if not salts[rate] else load_workload(
+            dataclasses.replace(wcfg, prompt_salt=salts[rate]), tokenizer, args.tokenizer).requests
+            for rate in rates}
+        starts, unit = [r.arrival_s for r in workload.requests], "requests"
+
+        def run_one(rate: float | None, e: EndpointConfig, on_done: Any) -> RunResult:
+            return run(requests[rate], arrivals[rate].offsets, e, e.model or "", args.time_limit_s, on_done,
+                       rate, arrivals[rate].description)
     reqs = workload.requests
-    # per rate: the same requests, or (--fresh-prompts) the same lengths with texts of their own
-    requests = {rate: reqs if not args.fresh_prompts or k == 0 else load_workload(
-        dataclasses.replace(wcfg, prompt_salt=prompt_salt(k)), tokenizer, args.tokenizer).requests
-        for k, rate in enumerate(rates)}
-    stamps = [r.arrival_s for r in reqs] if args.arrival == "trace" else None
+    stamps = starts if args.arrival == "trace" else None
     arrivals = {rate: arrival_offsets(ArrivalConfig(args.arrival, rate, args.burstiness, args.time_scale,
-                                                    args.seed), len(reqs), stamps) for rate in rates}
+                                                    args.seed), len(starts), stamps) for rate in rates}
     for e in eps:
         e.model = e.model or asyncio.run(fetch_model(e))
     print("\n".join(workload.describe()))
     for rate, arr in arrivals.items():
-        print(f"arrivals   {arr.description}: {len(reqs)} requests over {arr.offsets[-1]:.1f} s "
-              f"(mean {arr.mean_rate:.3g} req/s)")
+        print(f"arrivals   {arr.description}: {len(starts)} {unit} over {arr.offsets[-1]:.1f} s "
+              f"(mean {arr.mean_rate:.3g} {unit}/s)")
     for e in eps:
         print(f"system     {e.label}: {e.url}/v1/completions, model {e.model!r}"
               f"{', ignore_eos' if e.ignore_eos else ''}")
@@ -203,9 +268,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
             # a full collection over them (150 ms here) stalls every stream the client times
             freeze_startup_heap()
             bar.set_postfix_str(f"{e.label} @ {'trace' if rate is None else f'{rate:g}/s'}")
-            result, result_counters = counted(e.url, e.api_key, lambda e=e, rate=rate: run(
-                requests[rate], arrivals[rate].offsets, e, e.model or "", args.time_limit_s, lambda _rec: bar.update(),
-                rate, arrivals[rate].description))
+            result, result_counters = counted(e.url, e.api_key, lambda e=e, rate=rate: run_one(
+                rate, e, lambda _rec: bar.update()))
             result.server_counters = result_counters  # what a pdcluster endpoint's workers counted
             left = len(reqs) - sum(1 for r in result.records if r.outcome in ("ok", "failed", "unfinished"))
             bar.update(left)  # not sent: the bar still reaches its end
@@ -214,7 +278,10 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
             s = rep.summary
             bar.write(f"{rep.name}: {s.completed}/{s.sent} ok in {s.duration_s:.1f} s ({result.stopped_by}), "
                       f"TTFT p50 {s.ttft_ms.p50 or 0:.1f} ms, TPOT p50 {s.tpot_ms.p50 or 0:.1f} ms"
-                      + (f", SLO {s.slo_attainment:.0%}" if s.slo_attainment is not None else ""))
+                      + (f", SLO {s.slo_attainment:.0%}" if s.slo_attainment is not None else "")
+                      + (f", TTFT p50 turn 1 {s.ttft_first_turn_ms.p50 or 0:.1f} ms, turns 2+ "
+                         f"{s.ttft_later_turns_ms.p50 or 0:.1f} ms" if s.ttft_first_turn_ms and s.ttft_later_turns_ms
+                         else ""))
     finally:
         bar.close()
     reports.sort(key=lambda r: ([x.label for x in eps].index(r.result.label), rates.index(r.result.rate)))

@@ -2,7 +2,8 @@
 
 Per request: the send time, the arrival time of every content-bearing chunk (the first is the first
 token: TTFT; the gaps are inter-token latencies), the end, the output tokens, and success or why not.
-Tokens per chunk come from the chunk's `logprobs`, else from a cumulative `usage` in content chunks
+Tokens per chunk come from the chunk's `logprobs` or `token_ids` (return_token_ids, which multi-turn
+runs ask for to rebuild the history), else from a cumulative `usage` in content chunks
 (vLLM's continuous usage stats), else a chunk counts as one token; the final usage chunk
 (`stream_options.include_usage`) gives the request's output tokens when the server sends it.
 """
@@ -56,13 +57,15 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int | None = None  # the server's usage, when sent
     output_tokens_from: str = "chunks"  # usage (the server's count) | chunks (the sum of chunk_tokens)
-    chunk_tokens_from: str = "assumed"  # logprobs | usage (cumulative) | assumed (one token per chunk)
+    chunk_tokens_from: str = "assumed"  # logprobs | token_ids | usage (cumulative) | assumed (one per chunk)
     chunks_match_usage: bool | None = None  # sum(chunk_tokens) == usage; None: no usage sent
     outcome: str = "not_sent"  # ok | failed | unfinished (cut at the time limit) | not_sent
     status: int | None = None
     error_kind: str | None = None
     error: str | None = None
     finish_reason: str | None = None
+    conversation: int | None = None  # multi-turn workloads: the conversation and the turn in it (0 = first)
+    turn: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -118,8 +121,9 @@ def error_message(raw: bytes) -> str:
 class CompletionsClient:
     """An httpx.AsyncClient for one endpoint; use as `async with`."""
 
-    def __init__(self, endpoint: EndpointConfig) -> None:
+    def __init__(self, endpoint: EndpointConfig, return_token_ids: bool = False) -> None:
         self.endpoint = endpoint
+        self.return_token_ids = return_token_ids  # ask for the answer's and the prompt's token ids (vLLM's field)
         self.http: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> CompletionsClient:  # noqa: PYI034
@@ -137,14 +141,18 @@ class CompletionsClient:
                                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
         if self.endpoint.ignore_eos:
             body["ignore_eos"] = True
+        if self.return_token_ids:
+            body["return_token_ids"] = True
         return body
 
-    async def send(self, req: Request, rec: RequestRecord, t0: float, model: str) -> None:
-        """Fill `rec` for one request. Never raises but CancelledError (then `rec` says unfinished)."""
+    async def send(self, req: Request, rec: RequestRecord, t0: float, model: str) -> StreamState | None:
+        """Fill `rec` for one request; the stream's state (its text and token ids) when it was read.
+        Never raises but CancelledError (then `rec` says unfinished)."""
         rec.start_s = time.perf_counter() - t0
         rec.outcome = "unfinished"
+        state = None
         try:
-            await _within(self._stream(req, rec, t0, model), self.endpoint.request_timeout_s)
+            state = await _within(self._stream(req, rec, t0, model), self.endpoint.request_timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             limit = self.endpoint.request_timeout_s
             rec.fail("timeout", f"no complete answer within --request-timeout-s {limit:g}")
@@ -156,15 +164,16 @@ class CompletionsClient:
             rec.fail("client error", f"{type(e).__name__}: {e}")
         if rec.end_s is None and rec.outcome != "unfinished":
             rec.end_s = time.perf_counter() - t0
+        return state
 
-    async def _stream(self, req: Request, rec: RequestRecord, t0: float, model: str) -> None:
+    async def _stream(self, req: Request, rec: RequestRecord, t0: float, model: str) -> StreamState | None:
         assert self.http is not None, "use CompletionsClient as `async with`"
         url = f"{self.endpoint.url}/v1/completions"
         async with self.http.stream("POST", url, json=self.body(req, model)) as resp:
             rec.status = resp.status_code
             if resp.status_code != 200:
                 rec.fail(f"http {resp.status_code}", error_message(await resp.aread()), resp.status_code)
-                return
+                return None
             dec, state = SSEDecoder(), StreamState()
             async for piece in resp.aiter_bytes():
                 now = time.perf_counter() - t0
@@ -174,17 +183,17 @@ class CompletionsClient:
                 for p in dec.close():
                     state.take(parse_chunk(p), time.perf_counter() - t0, rec)
             state.finish(rec, time.perf_counter() - t0)
+            return state
 
 
-async def _within(coro: Any, timeout_s: float) -> None:
+async def _within(coro: Any, timeout_s: float) -> Any:
     """Await `coro` for at most `timeout_s` (asyncio.TimeoutError after). On Python 3.11+ with
     asyncio.timeout, since there `wait_for` can lose a cancellation that arrives as `coro` completes
     (the caller's task then runs on: a stopped load generator that keeps sending)."""
     if hasattr(asyncio, "timeout"):
         async with asyncio.timeout(timeout_s):
-            await coro
-    else:  # Python 3.10
-        await asyncio.wait_for(coro, timeout_s)
+            return await coro
+    return await asyncio.wait_for(coro, timeout_s)  # Python 3.10
 
 
 class StreamState:
@@ -195,14 +204,21 @@ class StreamState:
         self.error: str | None = None
         self.usage_tokens: int | None = None
         self.end: float | None = None
+        self.text = ""  # the answer
+        self.token_ids: list[int] | None = None  # the answer's ids, when the chunks carry them
+        self.prompt_token_ids: list[int] | None = None
 
     def take(self, c: Chunk, now: float, rec: RequestRecord) -> bool:
         """Account one chunk; True when the stream is over."""
         if c.error:
             self.error, self.end = c.error, now
             return False
+        self.text += c.text
+        if c.token_ids is not None:
+            self.token_ids = [*(self.token_ids or []), *c.token_ids]
+        self.prompt_token_ids = c.prompt_token_ids or self.prompt_token_ids
         if c.content:
-            k, by = c.tokens, "logprobs"
+            k, by = c.tokens, c.tokens_from
             if k is None and c.usage and c.usage.get("completion_tokens") is not None:
                 k, by = max(1, int(c.usage["completion_tokens"]) - sum(rec.chunk_tokens)), "usage"
             rec.chunk_s.append(now)

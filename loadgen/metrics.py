@@ -5,6 +5,7 @@
     ITL    gaps between content chunks (a chunk of k tokens: k gaps of gap/k), all requests pooled
     e2e    end of stream - send
     send lag  actual send - scheduled arrival (the client's own delay; large values mean it fell behind)
+    TTFT by turn  multi-turn workloads: TTFT of the first turns and of the turns after the first apart
     throughput   completed requests / duration; output tokens of completed requests / duration
     SLO attainment  fraction of the *sent* requests that succeeded with TTFT <= X and TPOT <= Y
                     (a one-token answer has no TPOT and meets that bound; failed or unfinished
@@ -96,6 +97,8 @@ class Summary:
     goodput: float | None  # requests/s meeting both bounds
     failures: dict[str, int] = field(default_factory=dict)
     tokens_per_chunk_assumed: bool = False  # some chunks counted as one token without evidence
+    ttft_first_turn_ms: Dist | None = None  # multi-turn workloads only: turn 0 of each conversation
+    ttft_later_turns_ms: Dist | None = None  # multi-turn workloads only: every turn after the first
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +116,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None =
         return sum(cond.met(r) for r in sent) / len(sent) if slo.set and sent else None
 
     good = sum(slo.met(r) for r in sent) if slo.set else None
+    turns = any(r.turn is not None for r in records)
     assumed = any(r.chunk_tokens_from == "assumed" and len(r.chunk_s) > 1 and r.chunks_match_usage is not True
                   for r in ok)
     return Summary(
@@ -130,4 +134,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None =
         ttft_attainment=frac(SLO(ttft_ms=slo.ttft_ms)) if slo.ttft_ms is not None else None,
         tpot_attainment=frac(SLO(tpot_ms=slo.tpot_ms)) if slo.tpot_ms is not None else None,
         goodput=good / dur if good is not None else None, failures=dict(failures),
-        tokens_per_chunk_assumed=assumed)
+        tokens_per_chunk_assumed=assumed,
+        ttft_first_turn_ms=Dist.of([t for r in ok if r.turn == 0 and (t := r.ttft) is not None]) if turns else None,
+        ttft_later_turns_ms=Dist.of([t for r in ok if (r.turn or 0) > 0 and (t := r.ttft) is not None])
+        if turns else None)

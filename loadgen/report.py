@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadgen.conversations import ConversationWorkload
 from loadgen.metrics import Dist, Summary
 from loadgen.runner import RunResult
 from loadgen.workload import Workload
@@ -44,11 +45,15 @@ def _pcts(d: Dist, keys: tuple[str, ...] = ("p50", "p90", "p99")) -> str:
 
 
 def result_json(config: dict[str, Any], workload: Workload, runs: list[RunReport]) -> dict[str, Any]:
+    about: dict[str, Any] = {}
+    if isinstance(workload, ConversationWorkload):  # each record carries its conversation and turn
+        about = {"conversations": len(workload.conversations), "think_time": workload.think,
+                 "prompts": "token ids" if workload.token_ids else "text"}
     return {
         "config": config,
         "workload": {"name": workload.name, "path": workload.path, "source": workload.citation,
                      "kind": workload.kind, "selection": workload.selection,
-                     "requests": len(workload.requests),
+                     "requests": len(workload.requests), **about,
                      "tokenizer": workload.tokenizer, "notes": workload.notes},
         "scaling": workload.scaling.to_dict(),
         "runs": [{"label": r.result.label, "url": r.result.url, "model": r.result.model,
@@ -63,19 +68,32 @@ def result_json(config: dict[str, Any], workload: Workload, runs: list[RunReport
 
 _HEAD = ("system", "rate", "ok/sent", "failed", "unfin.", "req/s", "out tok/s", "TTFT p50/p90/p99 ms",
          "TPOT p50/p90/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms", "SLO att.", "goodput")
+_TURNS_HEAD = ("TTFT turn 1 p50/p90/p99 ms", "TTFT turns 2+ p50/p90/p99 ms")
 
 
-def _row(r: RunReport) -> tuple[str, ...]:
+def _turns(runs: list[RunReport]) -> bool:
+    return any(r.summary.ttft_first_turn_ms is not None for r in runs)
+
+
+def _head(runs: list[RunReport]) -> tuple[str, ...]:
+    """The table's columns: multi-turn runs add TTFT of the first turns and of the later ones."""
+    return _HEAD[:8] + _TURNS_HEAD + _HEAD[8:] if _turns(runs) else _HEAD
+
+
+def _row(r: RunReport, turns: bool = False) -> tuple[str, ...]:
     s = r.summary
+    by_turn = tuple(_pcts(d) if d is not None else "-" for d in (s.ttft_first_turn_ms, s.ttft_later_turns_ms))
     return (r.result.label, _rate(r.result.rate), f"{s.completed}/{s.sent}", str(s.failed), str(s.unfinished),
-            f"{s.request_throughput:.2f}", f"{s.output_throughput:.1f}", _pcts(s.ttft_ms), _pcts(s.tpot_ms),
+            f"{s.request_throughput:.2f}", f"{s.output_throughput:.1f}", _pcts(s.ttft_ms),
+            *(by_turn if turns else ()), _pcts(s.tpot_ms),
             _pcts(s.itl_ms, ("p50", "p99")), _pcts(s.e2e_ms, ("p50", "p99")),
             "-" if s.slo_attainment is None else f"{s.slo_attainment:.0%}", _f(s.goodput, ".2f"))
 
 
 def text_table(runs: list[RunReport]) -> str:
-    rows = [_HEAD, *(_row(r) for r in runs)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEAD))]
+    head = _head(runs)
+    rows = [head, *(_row(r, _turns(runs)) for r in runs)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
@@ -118,8 +136,8 @@ def markdown(config: dict[str, Any], workload: Workload, runs: list[RunReport], 
              (f"Arrivals: {config.get('arrival')}; SLO: {slo}; "
               f"time limit {config.get('time_limit_s')} s per run, "
               f"request timeout {config.get('request_timeout_s')} s."), "",
-             "| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
-    lines += ["| " + " | ".join(_row(r)) + " |" for r in runs]
+             "| " + " | ".join(_head(runs)) + " |", "|" + "---|" * len(_head(runs))]
+    lines += ["| " + " | ".join(_row(r, _turns(runs))) + " |" for r in runs]
     fails = failure_lines(runs)
     if fails:
         lines += ["", "Failures:", *[f"- {f}" for f in fails]]

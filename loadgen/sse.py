@@ -39,8 +39,12 @@ class SSEDecoder:
 @dataclass
 class Chunk:
     done: bool = False  # `data: [DONE]`
-    content: bool = False  # carries output text (or token logprobs)
-    tokens: int | None = None  # tokens in this chunk when the chunk says (logprobs); None: unknown
+    content: bool = False  # carries output text (or token logprobs, or token ids)
+    tokens: int | None = None  # tokens in this chunk when the chunk says (logprobs, token ids); None: unknown
+    tokens_from: str = "logprobs"  # logprobs | token_ids: what `tokens` counted
+    text: str = ""
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's output token ids
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the prompt's (the first chunk)
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
     error: str | None = None  # an error object sent in the stream
@@ -60,14 +64,26 @@ def parse_chunk(payload: str) -> Chunk:
         err = body["error"]
         return Chunk(error=str(err.get("message", err) if isinstance(err, dict) else err))
     c = Chunk(usage=body.get("usage") or None)
+    c.prompt_token_ids = _ids(body.get("prompt_token_ids"))  # chat: at the top level
     for choice in body.get("choices") or []:
         text = choice.get("text")
         if text is None:
             text = (choice.get("delta") or {}).get("content")
         lp = choice.get("logprobs") or {}
         n_lp = len(lp.get("tokens") or lp.get("content") or []) if isinstance(lp, dict) else 0
-        if text or n_lp:
+        ids = _ids(choice.get("token_ids"))
+        c.prompt_token_ids = _ids(choice.get("prompt_token_ids")) or c.prompt_token_ids  # completions
+        if text or n_lp or ids:
             c.content = True
             c.tokens = (c.tokens or 0) + n_lp if n_lp else c.tokens
+        if ids is not None:
+            c.token_ids = [*(c.token_ids or []), *ids]
+            if not n_lp:
+                c.tokens, c.tokens_from = len(c.token_ids), "token_ids"
+        c.text += text or ""
         c.finish_reason = choice.get("finish_reason") or c.finish_reason
     return c
+
+
+def _ids(v: Any) -> list[int] | None:
+    return [int(t) for t in v] if isinstance(v, list) and all(type(t) is int for t in v) else None

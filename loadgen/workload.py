@@ -59,12 +59,21 @@ class TraceRow:
 @dataclass
 class Request:
     index: int
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (multi-turn prompts with a tokenizer)
     prompt_len: int  # target prompt tokens (after scaling)
     output_len: int  # max_tokens (after scaling)
     arrival_s: float | None  # the trace's offset from the first selected row; None: synthetic
     prompt_tokens_measured: int | None = None  # with a tokenizer
     hash_ids: list[int] | None = None
+
+
+def spec_numbers(spec: str) -> tuple[str, list[float] | None]:
+    """A distribution spec "KIND:A:B" -> (KIND, [A, B]); the numbers are None when one does not parse."""
+    kind, _, rest = spec.partition(":")
+    try:
+        return kind, [float(x) for x in rest.split(":") if x]
+    except ValueError:
+        return kind, None
 
 
 @dataclass
@@ -77,11 +86,8 @@ class LengthDist:
 
     @classmethod
     def parse(cls, spec: str) -> LengthDist:
-        kind, _, rest = spec.partition(":")
-        try:
-            nums = [float(x) for x in rest.split(":") if x]
-        except ValueError:
-            nums = []
+        kind, nums = spec_numbers(spec)
+        nums = nums or []
         want = {"fixed": 1, "uniform": 2, "lognormal": 2}.get(kind)
         if want is None or len(nums) != want or nums[0] <= 0 or (kind == "uniform" and nums[1] < nums[0]):
             raise ValueError(f"bad length distribution {spec!r}: "
