@@ -59,11 +59,13 @@ class DecodeEngine(LockedEngine):
         on_commit: Callable[[], None] | None = None,
         transfer_id: str | None = None,
         output_offset: int = 0,
+        reuse_prefix: bool = True,
     ) -> TransferTicket | None:
         """Hold blocks for the prompt's KV. None when the cache is too full right now.
         `transfer_id` is minted by the caller (the router) or here; it must be unused.
         `on_commit` is called (from the transfer's thread) once the KV has all arrived.
-        `output_offset`: a resumed request's completion tokens generated before (see Sequence)."""
+        `output_offset`: a resumed request's completion tokens generated before (see Sequence).
+        `reuse_prefix`: share the cached leading blocks (False: all fresh, the whole prompt's KV moves)."""
         seq = self.engine.make_sequence(request_id, token_ids, params, output_offset)
         transfer_id = transfer_id or uuid.uuid4().hex
         with self._lock:
@@ -73,7 +75,10 @@ class DecodeEngine(LockedEngine):
                 return None
             # the prompt's leading blocks this worker holds (an earlier turn of the conversation, a
             # shared prefix) are shared; KV arrives only for the blocks after them
-            cached = self.engine.allocate_cached(seq)
+            if reuse_prefix:
+                cached = self.engine.allocate_cached(seq)
+            else:
+                seq.block_table, cached = self.engine.allocate_blocks(len(token_ids)), 0
             ticket = TransferTicket(
                 transfer_id=transfer_id,
                 kv_endpoint=self.receiver.endpoint,

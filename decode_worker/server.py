@@ -56,7 +56,8 @@ class DecodeWorkerServer(DecodeWorkerService):
         try:
             ticket = self.decode.reserve(rid, ids, params, on_commit=lambda: self._committed(rid),
                                          transfer_id=request.transfer_id or None,
-                                         output_offset=request.resume_offset)
+                                         output_offset=request.resume_offset,
+                                         reuse_prefix=request.reuse_cached_prefix)
         except ValueError:
             self._streams.pop(rid, None)
             raise

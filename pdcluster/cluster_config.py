@@ -113,8 +113,9 @@ class RouterConfig:
     tls_key: Text | None = field(default=None, repr=False)  # its PEM private key (both or neither)
     # disaggregated: prompts up to this long may prefill on their decode worker
     local_prefill_max_tokens: Annotated[StrictInt, Field(ge=0)] = 0
-    # pick workers by what their prefix caches hold (router/prefix_policy.py) as well as by load
-    prefix_routing: StrictBool = True
+    # pick workers by what their prefix caches hold as well as by load (router/prefix_policy.py), and
+    # a decode worker shares the blocks of a prompt it holds; false: by load only, all KV moves
+    prefix_aware: StrictBool = True
     # disaggregated: a prompt whose part not cached on its decode worker is at most this long is
     # prefilled there and no KV moves (conditional disaggregation); 0: always a prefill worker
     local_prefill_uncached_tokens: Annotated[StrictInt, Field(ge=0)] = 0

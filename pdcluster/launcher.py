@@ -115,7 +115,7 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
             max_queued_prompt_tokens=cfg.router.max_queued_prompt_tokens, cluster_secret=secret,
             tls_cert=cfg.router.tls_cert, tls_key=cfg.router.tls_key,
             local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
-            prefix_routing=cfg.router.prefix_routing,
+            prefix_aware=cfg.router.prefix_aware,
             local_prefill_uncached_tokens=cfg.router.local_prefill_uncached_tokens,
         ), log_level, dict(host=cfg.router.host, port=cfg.router.http_port), log_format)
         actors.append(router)

@@ -76,7 +76,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "sampling", "token_ids", "run_prefill", "transfer_id", "resume_offset")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "sampling", "token_ids", "run_prefill", "transfer_id", "resume_offset", "reuse_cached_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class ReserveRequest(_message.Message):
     RUN_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REUSE_CACHED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
@@ -93,7 +94,8 @@ class ReserveRequest(_message.Message):
     run_prefill: bool
     transfer_id: str
     resume_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., run_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+    reuse_cached_prefix: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., run_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., resume_offset: _Optional[int] = ..., reuse_cached_prefix: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("ticket",)

@@ -232,10 +232,11 @@ class HttpApi:
         if where is not None:  # valid JSON ("\ud800"), but no UTF-8 string can carry it on to the router
             raise bad(where or None, "a string holds a lone UTF-16 surrogate escape, which is not a character",
                       code="invalid_json")
+        tokenize = self.tokenizer.encode if self.tokenizer is not None else None  # the router's own encoding
         if chat:
-            req = parse_chat(body, self.model_name, self._render)
+            req = parse_chat(body, self.model_name, self._render, tokenize)
         else:
-            req = parse_completion(body, self.model_name)
+            req = parse_completion(body, self.model_name, tokenize)
         metadata = (("authorization", f"Bearer {key}"),) if key else None
         call = self._stub.Generate(req.grpc, timeout=self.request_timeout_s, metadata=metadata)
         gone = asyncio.Event()

@@ -220,7 +220,8 @@ class Orchestrator:
         role = "colocated" if self.mode == "colocated" else "decode"
         req = wk.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
                                 sampling=sampling_to_proto(params), token_ids=ids, run_prefill=self.mode == "colocated",
-                                transfer_id=f"{rid}-{uuid.uuid4().hex[:12]}", resume_offset=offset)
+                                transfer_id=f"{rid}-{uuid.uuid4().hex[:12]}", resume_offset=offset,
+                                reuse_cached_prefix=self.pool.policy.prefix_aware)
         delay = 0.01
         while True:
             tried: set[str] = set()

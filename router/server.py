@@ -72,14 +72,15 @@ class RouterServer(gen_grpc.PDClusterServicer):
         tls_cert: str | None = None,
         tls_key: str | None = None,
         local_prefill_max_tokens: int = 0,
-        prefix_routing: bool = True,
+        prefix_aware: bool = True,
         local_prefill_uncached_tokens: int = 0,
     ) -> None:
         """`tls_cert` / `tls_key`: PEM files; with both, the public port serves TLS only, and a second,
         plaintext port on 127.0.0.1 (`local_address`) serves the HTTP API in this process.
         `local_prefill_max_tokens` (disaggregated): prompts up to this long may be prefilled on their
         decode worker when the prefill workers are busier (router/local_prefill.py); 0: never.
-        `prefix_routing`: pick workers by what their prefix caches hold as well as by load;
+        `prefix_aware`: pick workers by what their prefix caches hold as well as by load, and let a
+        decode worker share the blocks of a prompt it holds (False: by load only, all KV moves);
         `local_prefill_uncached_tokens` (disaggregated): a prompt whose part its decode worker does
         not hold is at most this long is prefilled there (router/prefix_policy.py); 0: never."""
         path = resolve_model_path(model)
@@ -94,7 +95,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.api_keys = set(api_keys or [])
         self.admission = Admission(AdmissionLimits(max_requests, max_queued_prompt_tokens))
         self.pool = WorkerPool(cluster_secret=cluster_secret, policy=RoutingPolicy(
-            prefix_aware=prefix_routing,
+            prefix_aware=prefix_aware,
             local_prefill_uncached_tokens=local_prefill_uncached_tokens if mode == "disaggregated" else 0))
         self.metrics = RouterMetrics(self.pool.workers, mode)
         self.metrics.watch_admission(self.admission)

@@ -68,16 +68,19 @@ def test_completion_token_ids_equal_the_grpc_api(cluster):
     # a text prompt: the same answer's ids
     text = _post(cluster, "completions", {"prompt": PROMPT, "return_token_ids": True}).json()
     assert text["choices"][0]["token_ids"] == _grpc_ids(cluster, PROMPT) == want
+    assert text["choices"][0]["prompt_token_ids"] == prompt_ids  # tokenized as the router does
 
 
 def test_chat_token_ids_equal_the_grpc_api(cluster):
     messages = [{"role": "user", "content": "Tell me a story"}]
     rendered = cluster.router.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     bos = cluster.router.tokenizer.bos_token
-    want = _grpc_ids(cluster, rendered.removeprefix(bos) if bos else rendered)
+    text = rendered.removeprefix(bos) if bos else rendered
+    want = _grpc_ids(cluster, text)
     r = _post(cluster, "chat/completions", {"messages": messages, "return_token_ids": True})
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["token_ids"] == want and "prompt_token_ids" in r.json()
+    assert r.json()["choices"][0]["token_ids"] == want
+    assert r.json()["prompt_token_ids"] == cluster.router.tokenizer.encode(text)
     chunks = _stream(cluster, "chat/completions", {"messages": messages, "return_token_ids": True})
     assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == want
     assert "prompt_token_ids" in chunks[0] and all("prompt_token_ids" not in c for c in chunks[1:])

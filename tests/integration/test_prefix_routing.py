@@ -100,9 +100,9 @@ def test_a_short_uncached_part_is_prefilled_on_the_decode_worker_token_identical
         assert c.wait_blocks_free()
 
 
-@pytest.mark.parametrize("prefix_routing", [True, False])
-def test_prompts_sharing_a_prefix_go_to_the_prefill_worker_holding_it(path, reference, monkeypatch, prefix_routing):
-    with _cluster(path, num_prefill=2, prefix_routing=prefix_routing) as c:
+@pytest.mark.parametrize("prefix_aware", [True, False])
+def test_prompts_sharing_a_prefix_go_to_the_prefill_worker_holding_it(path, reference, monkeypatch, prefix_aware):
+    with _cluster(path, num_prefill=2, prefix_aware=prefix_aware) as c:
         for p in c.prefill_workers:  # a queue builds up while a prompt is prefilled
             step = p.prefill.step
             monkeypatch.setattr(p.prefill, "step", lambda step=step: (time.sleep(0.03), step())[1])
@@ -122,7 +122,7 @@ def test_prompts_sharing_a_prefix_go_to_the_prefill_worker_holding_it(path, refe
             outs += both(*later)  # by prefix: each to the worker that holds it; by load: the reverse
         assert outs == [reference(p, 8) for p in prompts + later]
         hits = [p.stats().prefix_cache_hit_tokens for p in c.prefill_workers]
-        assert sorted(hits) == ([64, 64] if prefix_routing else [0, 0]), hits
+        assert sorted(hits) == ([64, 64] if prefix_aware else [0, 0]), hits
         assert c.wait_blocks_free()
 
 
