@@ -69,8 +69,8 @@ class DecodeWorkerServer(DecodeWorkerService):
                   ticket.cached_tokens, ticket.transfer_id)
         return wk.ReserveResponse(ticket=ticket.to_proto())
 
-    def _received(self) -> tuple[int, int]:
-        return self.decode.committed_prompt_tokens, self.decode.committed_cached_tokens
+    def _received_held(self) -> int:
+        return self.decode.committed_cached_tokens
 
     def _committed(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

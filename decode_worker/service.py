@@ -227,24 +227,24 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
     def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
         return self.stats(request)
 
-    def _received(self) -> tuple[int, int]:
-        """(prompt tokens, of which this worker held already) of requests whose KV came from prefill
-        workers (none for a role that takes no KV)."""
-        return 0, 0
+    def _received_held(self) -> int:
+        """Prompt tokens of requests whose KV came from prefill workers that this worker held
+        already, so no KV moved for them (none for a role that takes no KV)."""
+        return 0
 
     def stats(self, request: wk.StatsRequest | None = None) -> wk.WorkerStats:
         """Lengths and block counts are read live; the queued-token sum comes from the engine thread.
-        Prompt tokens and prefix-cache hits count every prompt served here: prefilled here, or whose
-        KV arrived (the blocks held already are hits)."""
+        Prompt tokens and prefix-cache hits count the prompts prefilled here, as a prefill worker's
+        do; the blocks of received prompts that were held already count in kv_bytes_not_sent."""
         load = self.engine.load()
-        received, held = self._received()
+        held = self._received_held()
         not_sent = (held // self.engine.block_size + self._local_blocks) * self.engine.kv_bytes_per_block
         return wk.WorkerStats(
             worker_id=self.worker_id, role=self.role, running=load.running,
             queued=load.waiting + self.locked.num_reserved,
             kv_blocks_used=load.blocks_used, kv_blocks_free=load.blocks_free,
-            queued_prefill_tokens=self._queued_tokens, prefix_cache_hit_tokens=self._cached_tokens + held,
-            prompt_tokens=self._prompt_tokens + received, kv_bytes_not_sent=not_sent,
+            queued_prefill_tokens=self._queued_tokens, prefix_cache_hit_tokens=self._cached_tokens,
+            prompt_tokens=self._prompt_tokens, kv_bytes_not_sent=not_sent,
             local_prefills=self._local_prefills, **step_stats_to_proto(self.step_totals),
             **prefix_cache_to_proto(request or wk.StatsRequest(), self.engine.prefix_cache_changes,
                                     self.engine.block_size),

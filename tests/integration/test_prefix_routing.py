@@ -67,12 +67,11 @@ def test_next_turn_reuses_the_decode_workers_blocks_and_sends_only_the_rest(path
             a1 = _turn(client, p1)
             assert a1 == reference(p1, 8)
             sent1 = sum(prefill.stats().kv_bytes_sent.values())
-            held = decode.stats().prefix_cache_hit_tokens
             p2 = p1 + a1 + _prompt(2, 20)  # 98 tokens: the decode worker holds blocks 0..4 (77 computed)
             a2 = _turn(client, p2)
             assert a2 == reference(p2, 8)
         stats = decode.stats()
-        assert stats.prefix_cache_hit_tokens - held == 4 * BS  # 77 computed tokens: four full blocks
+        assert decode.decode.committed_cached_tokens == 4 * BS  # 77 computed tokens: four full blocks
         sent2 = sum(prefill.stats().kv_bytes_sent.values()) - sent1
         per_block = decode.engine.kv_bytes_per_block
         assert sent1 == 5 * per_block  # 70 tokens: five blocks
@@ -91,11 +90,13 @@ def test_a_short_uncached_part_is_prefilled_on_the_decode_worker_token_identical
             a1 = _turn(client, p1)
             p2 = p1 + a1 + _prompt(4, 20)  # 98 - 64 held = 34 > 32: still remote
             a2 = _turn(client, p2)
-            p3 = p2 + a2 + _prompt(5, 10)  # 116 tokens, 112 held (a2's blocks): local
+            p3 = p2 + a2 + _prompt(5, 10)  # 116 tokens, 96 held (105 computed): 20 uncached, local
             a3 = _turn(client, p3)
         assert [a1, a2, a3] == [reference(p, 8) for p in (p1, p2, p3)]
         stats = decode.stats()
         assert stats.local_prefills == 1 == c.router.metrics.local_prefills._value.get()
+        assert (stats.prompt_tokens, stats.prefix_cache_hit_tokens) == (len(p3), 96)  # prefilled here: 20 computed
+        assert stats.kv_bytes_not_sent == (4 + 8) * decode.engine.kv_bytes_per_block  # p2's 4 held, p3's 8 blocks
         assert prefill.stats().prompt_tokens == len(p1) + len(p2)
         assert c.wait_blocks_free()
 
@@ -133,12 +134,12 @@ def test_a_conversation_goes_on_elsewhere_when_its_decode_worker_dies(path, refe
         with c.client() as client:
             p1 = _prompt(12, 70)
             a1 = _turn(client, p1)
-            holder, other = (d0, d1) if d0.stats().prompt_tokens else (d1, d0)
+            holder, other = (d0, d1) if d0.decode.committed_prompt_tokens else (d1, d0)
             holder.stop(grace=0)
             p2 = p1 + a1 + _prompt(13, 20)
             a2 = _turn(client, p2)
         assert [a1, a2] == [reference(p1, 8), reference(p2, 8)]
-        assert other.stats().prompt_tokens == len(p2)
+        assert other.decode.committed_prompt_tokens == len(p2)
         assert other.stats().kv_blocks_used == 0 or c.wait_blocks_free()
 
 
