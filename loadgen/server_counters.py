@@ -2,7 +2,8 @@
 
 The router exports each worker's cumulative counters (router/metrics.py): engine steps by phase
 (engine/step_stats.py: steps, wall seconds, batch sizes, tokens, tokens attended to) and the prompt
-tokens it prefilled with those served from its prefix cache. Read before and after a run, their
+tokens it prefilled with those served from its prefix cache, the KV bytes it sent and those no
+transfer had to move (blocks a decode worker held, prompts it prefilled itself). Read before and after a run, their
 difference is the server's side of that run: mean step time and batch per phase, the prefix cache's
 hit rate; decode steps also per batch-size bucket (phase "decode[4-7]": steps with 4 to 7
 sequences). `bench serve` stores it per run (`server_counters` in result.json) when the endpoint has
@@ -19,7 +20,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 STEP_FIELDS = ("steps", "step_seconds", "step_seqs", "step_tokens", "step_context_tokens")
-PREFIX_FIELDS = ("prompt_tokens", "prefix_cache_hit_tokens")
+# per role, summed over its workers: prompt tokens prefilled and of those served from the prefix
+# cache; KV bytes sent (every backend), KV bytes no transfer had to move, requests a decode worker prefilled
+PREFIX_FIELDS = ("prompt_tokens", "prefix_cache_hit_tokens", "kv_transfer_bytes", "kv_bytes_not_sent",
+                 "local_prefills")
 PREFIX = "prefix"  # the phase key of a role's prefix-cache counters
 BY_BATCH = "_by_batch"  # suffix of the step counters per batch-size bucket (label "batch")
 STATS_LAG_S = 0.7  # the router reads its workers' counters every 0.5 s

@@ -1,0 +1,286 @@
+"""Experiment: KV-cache-centric serving against routing by load only, same cluster, same workload.
+
+    python -m benchmarks.kv_aware_serving                       # all three parts
+    python -m benchmarks.kv_aware_serving --parts chat --repeats 3
+
+Three clusters of the built-in model run side by side on this machine, each a foreground
+`pdcluster up` with its own embedded Ray, each 2 prefill workers + 1 decode worker (one torch
+thread per engine, all on the same two cores):
+
+  by-load    router.prefix_aware: false. Workers picked by load only, and every prompt's whole KV
+             moves to the decode worker (the cluster as it was before prefix-aware serving).
+  prefix     router.prefix_aware: true. Prefill worker by expected cost (uncached + queued prompt
+             tokens), decode worker by the longest prefix it holds, only the blocks it lacks move.
+  kv-aware   the same, and router.local_prefill_uncached_tokens: T (conditional disaggregation: a
+             prompt whose uncached part is at most T tokens is prefilled on its decode worker, no KV
+             moves; a short prompt with nothing cached too).
+
+Each part is one `pdcluster bench serve` run over both endpoints, interleaved per rate, repeated
+`--repeats` times with fresh prompts (no cache carries from one repeat or rate to the next):
+
+  mooncake  the Mooncake conversation trace's first rows (real hash_ids: requests that share
+            leading blocks share prompt text), lengths scaled to fit, a sweep of Poisson rates.
+            Prefix-cache hit tokens (prompt tokens a worker did not compute: the prefill workers',
+            and the decode worker's own prefills') against the bound of an infinite cache shared by
+            every worker on the same requests; TTFT p50; the highest rate meeting the SLO.
+  chat      multi-turn conversations (bench serve --workload multiturn): TTFT p50 of the turns
+            after the first, KV bytes moved per later turn.
+  azure     the Azure conversation trace (no reuse): within noise of routing by load.
+
+Writes OUT/<part>/ (bench serve's result.json, summary.md per repeat) and OUT/summary.json / .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import rate_sweep as sweep
+from benchmarks.local_clusters import REPO, Servers, interrupt, start, two_cpus, warm_up, write_cluster_files
+from pdcluster.cluster_config import PoolConfig, load_cluster_config
+
+SYSTEMS = ("by-load", "prefix", "kv-aware")
+BASELINE = "by-load"
+PARTS = ("mooncake", "chat", "azure")
+
+
+def cluster_files(out: Path, model: str, max_model_len: int, uncached: int) -> dict[str, Path]:
+    """The two deployments, derived from cluster.yaml (SLO, timeouts, KV backend as there)."""
+    base = load_cluster_config(REPO / "cluster.yaml")
+    cpus = two_cpus()
+    half = {"num_cpus": 0.5}  # three workers on two cores
+    common = dict(
+        model=dataclasses.replace(base.model, path=model, max_model_len=max_model_len),
+        engine=dataclasses.replace(base.engine, num_threads=1),
+        pools=(PoolConfig("prefill", "prefill", 2, "cpu", half, cpus),
+               PoolConfig("decode", "decode", 1, "cpu", half, cpus)),
+    )
+    router = dataclasses.replace(base.router, grpc_port=0, http_port=0)
+    systems = {
+        "by-load": dataclasses.replace(base, mode="disaggregated", **common, router=dataclasses.replace(
+            router, prefix_aware=False, local_prefill_uncached_tokens=0)),
+        "prefix": dataclasses.replace(base, mode="disaggregated", **common, router=dataclasses.replace(
+            router, prefix_aware=True, local_prefill_uncached_tokens=0)),
+        "kv-aware": dataclasses.replace(base, mode="disaggregated", **common, router=dataclasses.replace(
+            router, prefix_aware=True, local_prefill_uncached_tokens=uncached)),
+    }
+    return write_cluster_files(out, systems)
+
+
+def part_args(part: str, args: argparse.Namespace, repeat: int) -> list[str]:
+    """bench serve's workload flags for one repeat of a part (each repeat its own prompts)."""
+    common = ["--tokenizer", args.model, "--ignore-eos", "--seed", str(100 * repeat + 1), "--fresh-prompts",
+              "--time-limit-s", str(args.time_limit_s)]
+    if part == "chat":
+        return ["--workload", "multiturn", "--conversations", str(args.conversations), "--turns",
+                f"fixed:{args.turns}", "--first-prompt-len", f"fixed:{args.first_prompt}", "--message-len",
+                f"fixed:{args.message}", "--output-len", f"fixed:{args.output}", "--think-time",
+                f"fixed:{args.think_s}", "--rate", str(args.chat_rate), *common]
+    trace = "mooncake-conv" if part == "mooncake" else "azure-conv"
+    return ["--workload", trace, "--num-requests", str(args.num_requests), "--rates", args.rates,
+            "--max-context", str(args.max_context), "--max-output", str(args.max_output), *common]
+
+
+# ------------------------------------------------------------------------------------- analysis
+def prefix_bound(prompts: list[list[int]], block_size: int) -> int:
+    """Prompt tokens an infinite prefix cache shared by every worker would serve on these requests
+    in this order: each request's leading full blocks (never the block of its last token) that an
+    earlier request computed."""
+    from engine.prefix_hash import block_hashes
+
+    seen: set[bytes] = set()
+    total = 0
+    for ids in prompts:
+        hashes = block_hashes(ids, block_size)
+        usable = (len(ids) - 1) // block_size
+        n = 0
+        while n < usable and hashes[n] in seen:
+            n += 1
+        total += n * block_size
+        seen.update(hashes)
+    return total
+
+
+def _counter(run: dict, role: str, field: str) -> float:
+    return ((run.get("server_counters") or {}).get(f"{role}/prefix") or {}).get(field, 0.0)
+
+
+def run_figures(run: dict) -> dict[str, Any]:
+    """One system's run: latency, SLO and what the workers' caches saved."""
+    s = run["summary"]
+    later = s.get("ttft_later_turns_ms") or {}
+    records = run.get("records", [])
+    later_turns = sum(1 for r in records if (r.get("turn") or 0) > 0)
+    first_prompts = [r["prompt_tokens"] for r in records if (r.get("turn") or 0) == 0 and r.get("prompt_tokens")]
+    return {
+        "ttft_p50": s["ttft_ms"]["p50"], "ttft_later_p50": later.get("p50"), "tpot_p50": s["tpot_ms"]["p50"],
+        "attainment": s.get("slo_attainment"), "failed": s.get("failed", 0),
+        "hit_tokens": _counter(run, "prefill", "prefix_cache_hit_tokens") + _counter(run, "decode",
+                                                                                      "prefix_cache_hit_tokens"),
+        "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in records),
+        "kv_bytes": _counter(run, "prefill", "kv_transfer_bytes"),
+        "local_prefills": _counter(run, "decode", "local_prefills"),
+        "later_turns": later_turns, "first_prompt_tokens": sum(first_prompts),
+    }
+
+
+def analyse(results: list[dict], bound: int | None = None) -> dict[str, Any]:
+    """Per system and rate, the medians over the repeats' results; the goals' ratios."""
+    cells: dict[str, dict[float, list[dict]]] = {}
+    for result in results:
+        for run in result["runs"]:
+            cells.setdefault(run["label"], {}).setdefault(run["rate"], []).append(run_figures(run))
+    table: dict[str, dict[float, dict]] = {}
+    for name, by_rate in cells.items():
+        for rate, rows in by_rate.items():
+            med = {k: _median([r[k] for r in rows]) for k in rows[0]}
+            med["repeats"] = len(rows)
+            if bound:
+                med["hit_of_bound"] = med["hit_tokens"] / bound
+            table.setdefault(name, {})[rate] = med
+    rates = sorted({r for t in table.values() for r in t})
+    out: dict[str, Any] = {"bound_tokens": bound, "rates": rates, "table": table}
+    best = {n: max([r for r in rates if (table[n][r]["attainment"] or 0) >= sweep.ATTAINMENT], default=None)
+            for n in table}
+    out["highest_rate_meeting_slo"] = best
+    if BASELINE in table:  # each system against routing by load: > 1 is better
+        base = table[BASELINE]
+        for n in (n for n in SYSTEMS if n in table and n != BASELINE):
+            t = table[n]
+            out.setdefault("ttft_p50_ratio", {})[n] = {r: _ratio(base[r]["ttft_p50"], t[r]["ttft_p50"]) for r in rates}
+            out.setdefault("ttft_later_p50_ratio", {})[n] = {
+                r: _ratio(base[r]["ttft_later_p50"], t[r]["ttft_later_p50"]) for r in rates}
+            out.setdefault("kv_bytes_ratio", {})[n] = {r: _ratio(base[r]["kv_bytes"], t[r]["kv_bytes"]) for r in rates}
+            out.setdefault("highest_rate_ratio", {})[n] = _ratio(best[n], best[BASELINE])
+    return out
+
+
+def _median(values: list) -> Any:
+    nums = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(nums) if nums else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def report(part: str, a: dict[str, Any]) -> str:
+    lines = [f"## {part}", ""]
+    if a.get("bound_tokens"):
+        lines.append(f"bound (infinite cache shared by every worker): {a['bound_tokens']} prompt tokens")
+    head = ("| rate | system | TTFT p50 ms | later turns TTFT p50 ms | TPOT p50 ms | SLO att. | hit tokens "
+            "| of bound | KV MiB moved | local prefills |")
+    lines += ["", head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for rate in a["rates"]:
+        for name in SYSTEMS:
+            m = a["table"].get(name, {}).get(rate)
+            if m is None:
+                continue
+            lines.append(f"| {rate:g} | {name} | {_f(m['ttft_p50'])} | {_f(m['ttft_later_p50'])} | "
+                         f"{_f(m['tpot_p50'])} | {_f(m['attainment'], '.0%')} | {_f(m['hit_tokens'], '.0f')} | "
+                         f"{_f(m.get('hit_of_bound'), '.0%')} | {_f((m['kv_bytes'] or 0) / 2**20, '.1f')} | "
+                         f"{_f(m['local_prefills'], '.0f')} |")
+    for key, label in (("ttft_p50_ratio", "TTFT p50"), ("ttft_later_p50_ratio", "later turns' TTFT p50"),
+                       ("kv_bytes_ratio", "KV bytes moved")):
+        for n, by_rate in (a.get(key) or {}).items():
+            if any(by_rate.values()):
+                lines.append(f"\n{label}, {BASELINE} / {n}: " + ", ".join(f"{r:g}/s {_f(v, '.2f')}x"
+                                                                        for r, v in by_rate.items()))
+    if a.get("highest_rate_meeting_slo"):
+        lines.append(f"\nhighest rate meeting the SLO: {a['highest_rate_meeting_slo']}")
+    return "\n".join(lines) + "\n"
+
+
+def _f(v: Any, spec: str = ".0f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def workload_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """The token ids of the mooncake part's prompts (first repeat, first rate), as the router tokenizes them."""
+    from loadgen.cli import load_tokenizer
+    from loadgen.workload import WorkloadConfig, load_workload
+
+    tok = load_tokenizer(args.model)
+    w = load_workload(WorkloadConfig("mooncake-conv", args.num_requests, max_context=args.max_context,
+                                     max_output=args.max_output, seed=1), tok)
+    return [tok.encode(r.prompt) for r in w.requests]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--repeats", type=int, default=3, help="each part this many times (medians reported)")
+    p.add_argument("--model", default="builtin:tiny-llama")
+    p.add_argument("--local-prefill-uncached-tokens", type=int, default=256, help="kv-aware's threshold")
+    p.add_argument("--rates", default="2,4,6", help="mooncake and azure: Poisson rates, requests/s")
+    p.add_argument("--num-requests", type=int, default=300, help="mooncake and azure: the trace's first rows")
+    p.add_argument("--max-context", type=int, default=4000,
+                   help="trace lengths scaled to fit this (Mooncake's 512-token block becomes ~17 tokens: one "
+                        "16-token KV block, so shared leading blocks stay shared)")
+    p.add_argument("--max-output", type=int, default=32)
+    p.add_argument("--conversations", type=int, default=16, help="chat: conversations per repeat")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--first-prompt", type=int, default=1024, help="chat: first turn's prompt tokens")
+    p.add_argument("--message", type=int, default=64, help="chat: each later turn's new message, tokens")
+    p.add_argument("--output", type=int, default=64, help="chat: answer tokens")
+    p.add_argument("--think-s", type=float, default=1.0, help="chat: think time between turns, seconds")
+    p.add_argument("--chat-rate", type=float, default=1.0, help="chat: conversations started per second")
+    p.add_argument("--time-limit-s", type=float, default=300.0, help="per run")
+    p.add_argument("--out", default="bench_results/exp_kv_aware_serving")
+    args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    if bad := [x for x in parts if x not in PARTS]:
+        p.error(f"--parts: unknown {bad}; allowed: {', '.join(PARTS)}")
+    signal.signal(signal.SIGTERM, interrupt)  # stop the clusters on a kill too (see Servers)
+    out = (REPO / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    slo = load_cluster_config(REPO / "cluster.yaml").slo
+    slo_args = ["--slo-ttft-ms", str(slo.ttft_ms), "--slo-tpot-ms", str(slo.tpot_ms)]
+    max_len = max(args.max_context + args.max_output, args.first_prompt + args.turns * (args.message + args.output)) + 64
+    systems = [x for x in args.systems.split(",") if x]
+    if bad := [x for x in systems if x not in SYSTEMS]:
+        p.error(f"--systems: unknown {bad}; allowed: {', '.join(SYSTEMS)}")
+    files = {n: f for n, f in cluster_files(out, args.model, max_len, args.local_prefill_uncached_tokens).items()
+             if n in systems}
+    summary: dict[str, Any] = {"argv": argv if argv is not None else sys.argv[1:]}
+    text = f"# KV-aware serving against routing by load\n\nSLO: TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms\n\n"
+    with Servers() as servers:
+        for name, path in files.items():
+            print(f"{name}: {servers.add(name, start(name, path, out))}", flush=True)
+        urls = servers.urls
+        model = httpx.get(f"{next(iter(urls.values()))}/v1/models", timeout=10).json()["data"][0]["id"]
+        for url in urls.values():
+            warm_up(url, model)
+        for part in parts:
+            results = []
+            for repeat in range(args.repeats):
+                run_out = out / part / f"repeat{repeat}"
+                rc = sweep.run_bench_serve(urls, [*part_args(part, args, repeat), *slo_args, "--out", str(run_out)])
+                if rc != 0:
+                    return rc
+                results.append(json.loads((run_out / "result.json").read_text()))
+            bound = None
+            if part == "mooncake":
+                block = load_cluster_config(next(iter(files.values()))).kv_cache.block_size
+                bound = prefix_bound(workload_prompts(args), block)
+            a = analyse(results, bound)
+            summary[part] = a
+            text += report(part, a) + "\n"
+            print(report(part, a), flush=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out / "summary.md").write_text(text)
+    print(f"wrote {out / 'summary.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
