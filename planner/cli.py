@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from loadgen.arrivals import KINDS
+from planner.reuse import add_routing_args, plan_reuse, routing_of
 
 DOC = __doc__
 
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdcluster plan", description=DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _workload_args(p)
+    add_routing_args(p)
     s = p.add_argument_group("SLO and objective")
     s.add_argument("--slo-ttft-ms", type=float, required=True)
     s.add_argument("--slo-tpot-ms", type=float, required=True)
@@ -139,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan(argv: list[str]) -> int:
     from tqdm import tqdm
 
+    from planner.plan import build_cluster
     from planner.report import (
         markdown_table,
         pareto_plot,
@@ -169,7 +172,7 @@ def _plan(argv: list[str]) -> int:
     workload = _workload(args)
     slo = SLOTarget(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile, getattr(args, "slo_criterion", "percentile"))
     space = SearchSpace(pre, dec, modes, args.tp, args.max_num_batched_tokens, args.max_num_seqs, args.max_workers,
-                        caps)
+                        caps, **routing_of(args))
     command = "pdcluster plan " + shlex.join(argv)
     print("\n".join(workload.describe()))
     m = ctx.model
@@ -226,6 +229,9 @@ def _plan(argv: list[str]) -> int:
     if why:
         print(why)
     print(why_mode(result.ranked))
+    if searcher.block_keys is not None:  # what the workload's prefix reuse is worth to the best plan
+        head = workload.head(searcher.requests_at(best.rate))
+        print("\n".join(plan_reuse(build_cluster(best.plan, ctx), head, best.rate, ctx.block_size)))
     print(f"best: {best.plan.label()} -> {yaml_path}")
     print("wrote " + ", ".join(map(str, written)))
     return 0
@@ -245,6 +251,7 @@ def _pool_arg(s: str):
 def _simulate(argv: list[str]) -> int:
     from loadgen.metrics import Dist
     from planner.plan import Plan, build_cluster
+    from planner.reuse import reuse_lines
     from planner.simulator import Simulator
 
     p = argparse.ArgumentParser(prog="pdcluster plan simulate", description="simulate one cluster at one rate")
@@ -255,11 +262,14 @@ def _simulate(argv: list[str]) -> int:
     p.add_argument("--rate", type=float, required=True, help="requests/s")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    add_routing_args(p)
+    p.add_argument("--compare-routing", action="store_true", help="also simulate them routed by load only")
     args = p.parse_args(argv)
     if args.colocated is not None:
-        plan = Plan("colocated", None, args.colocated, args.max_num_batched_tokens, args.max_num_seqs)
+        plan = Plan("colocated", None, args.colocated, args.max_num_batched_tokens, args.max_num_seqs, **routing_of(args))
     elif args.prefill is not None and args.decode is not None:
-        plan = Plan("disaggregated", args.prefill, args.decode, args.max_num_batched_tokens, args.max_num_seqs)
+        plan = Plan("disaggregated", args.prefill, args.decode, args.max_num_batched_tokens, args.max_num_seqs,
+                    **routing_of(args))
     else:
         raise ValueError("give --prefill and --decode, or --colocated")
     ctx = _context(args, [x.hardware for x in plan.pools])
@@ -267,8 +277,8 @@ def _simulate(argv: list[str]) -> int:
     print("\n".join(workload.describe()))
     arrivals = workload.arrivals(args.rate)
     t0 = time.perf_counter()
-    res = Simulator(build_cluster(plan, ctx)).run(arrivals, workload.prompts, workload.outputs,
-                                                  block_keys=workload.block_keys(ctx.block_size))
+    keys = workload.block_keys(ctx.block_size)
+    res = Simulator(build_cluster(plan, ctx)).run(arrivals, workload.prompts, workload.outputs, block_keys=keys)
     wall = time.perf_counter() - t0
     ttft = Dist.of([x for x in res.ttft if not math.isnan(x)])
     tpot = Dist.of([x for x in res.tpot if not math.isnan(x)])
@@ -280,6 +290,9 @@ def _simulate(argv: list[str]) -> int:
           f"({res.finished / max(res.duration_s, 1e-9):.3g} req/s); {res.prefill_steps} prefill and "
           f"{res.decode_steps} decode steps, largest decode batch {res.max_decode_batch}, {res.preemptions} preemptions")
     print(f"simulated  {len(workload)} requests ({res.events} events) in {wall:.2f} s wall time")
+    if keys is not None:
+        print("\n".join(reuse_lines(build_cluster(plan, ctx), arrivals, workload, keys, ctx.block_size, res,
+                                   args.compare_routing)))
     return 0
 
 

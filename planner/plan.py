@@ -45,6 +45,8 @@ class Plan:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     local_prefill_max_tokens: int = 0  # disaggregated: router.local_prefill_max_tokens (0: a fixed split)
+    prefix_aware: bool = True  # router.prefix_aware: workers chosen by their cached prefixes too
+    local_prefill_uncached_tokens: int = 0  # disaggregated: router.local_prefill_uncached_tokens
 
     @property
     def pools(self) -> list[Pool]:
@@ -63,12 +65,13 @@ class Plan:
         if self.mode == "colocated":
             return f"colocated {self.decode}"
         local = f" + local prefill <= {self.local_prefill_max_tokens}" if self.local_prefill_max_tokens else ""
+        if self.local_prefill_uncached_tokens:
+            local += f" + uncached <= {self.local_prefill_uncached_tokens} on D"
         return f"P {self.prefill} | D {self.decode}{local}"
 
     def with_counts(self, n_prefill: int, n_decode: int) -> Plan:
         pre = Pool(self.prefill.hardware, n_prefill, self.prefill.tp) if self.prefill else None
-        return Plan(self.mode, pre, Pool(self.decode.hardware, n_decode, self.decode.tp),
-                    self.max_num_batched_tokens, self.max_num_seqs, self.local_prefill_max_tokens)
+        return dataclasses.replace(self, prefill=pre, decode=Pool(self.decode.hardware, n_decode, self.decode.tp))
 
 
 @dataclass(frozen=True)
@@ -185,13 +188,16 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
     host_cpu = max(0.0, serving.get("cpu_per_token_s", 0.0) - serving.get("decode_token_s", 0.0))
     if cpu and (live_for(ctx.coefficients or {}, plan.mode) or {}).get("source") == "bench":
         host_cpu = 0.0
+    disaggregated = plan.mode == "disaggregated"
+    local_uncached = plan.local_prefill_uncached_tokens if disaggregated else 0
     return ClusterSpec(plan.mode, prefill, decode, o.kv_latency_s, layerwise=not cpu, num_layers=ctx.model.num_layers,
                        router_in_s=o.router_in_s, first_token_out_s=o.first_token_out_s, token_out_s=o.token_out_s,
                        host_cores=serving.get("host_cores"), host_cpu_per_token_s=host_cpu,
                        transfer_in_step=ctx.transfer_in_step(plan),
                        commit_waits_lock=ctx.commit_waits_lock(plan),
-                       local_prefill_max_tokens=plan.local_prefill_max_tokens if plan.mode == "disaggregated" else 0,
-                       mixed_steps=plan.mode == "disaggregated" and plan.local_prefill_max_tokens > 0)
+                       local_prefill_max_tokens=plan.local_prefill_max_tokens if disaggregated else 0,
+                       mixed_steps=disaggregated and (plan.local_prefill_max_tokens or local_uncached) > 0,
+                       prefix_aware=plan.prefix_aware, local_prefill_uncached_tokens=local_uncached)
 
 
 def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:

@@ -137,7 +137,10 @@ def cluster_dict(plan: Plan, ctx: PlanContext, slo: SLOTarget, model_path: str, 
         "mode": plan.mode,
         "router": {"host": "127.0.0.1", "grpc_port": 50051, "http_port": 8000, "api_keys": [],
                    **({"local_prefill_max_tokens": plan.local_prefill_max_tokens}
-                      if plan.local_prefill_max_tokens else {})},
+                      if plan.local_prefill_max_tokens else {}),
+                   "prefix_aware": plan.prefix_aware,
+                   "local_prefill_uncached_tokens": plan.local_prefill_uncached_tokens
+                   if plan.mode == "disaggregated" else 0},
         "pools": pools,
         "kv_cache": {"block_size": ctx.block_size, "num_blocks": "auto", "memory_mb": 512 if all(cpu) else None},
         "engine": {"max_num_batched_tokens": plan.max_num_batched_tokens, "max_num_seqs": plan.max_num_seqs,

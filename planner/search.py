@@ -84,6 +84,8 @@ class SearchSpace:
     # disaggregated plans whose pools are all CPUs of this machine (the phases share its cores) are
     # also tried with local prefill of prompts up to this long (router.local_prefill_max_tokens); 0: not
     cpu_local_prefill_max_tokens: int = 512
+    prefix_aware: bool = True  # every plan's router.prefix_aware
+    local_prefill_uncached_tokens: int = 0  # every disaggregated plan's router.local_prefill_uncached_tokens
 
     def allows(self, plan: Plan) -> bool:
         used: dict[str, int] = {}
@@ -296,7 +298,8 @@ class Searcher:
                     counts = [math.ceil(target / g)] if target else range(1, m + 1)
                     for n in counts:
                         if n <= m:
-                            plan = Plan(mode, None, replace(k[2], count=n), mnbt, mns)
+                            plan = Plan(mode, None, replace(k[2], count=n), mnbt, mns,
+                                        prefix_aware=space.prefix_aware)
                             if space.allows(plan):
                                 out.append(self.estimate(plan, n * g))
             elif phase == "prefill":
@@ -311,7 +314,9 @@ class Searcher:
                             pairs = [(a, b) for a in range(1, m + 1) for b in range(1, m + 1)]
                         for a, b in pairs:
                             if a <= m and b <= m:
-                                plan = Plan(mode, replace(kp[2], count=a), replace(kd[2], count=b), mnbt, mns)
+                                plan = Plan(mode, replace(kp[2], count=a), replace(kd[2], count=b), mnbt, mns,
+                                            prefix_aware=space.prefix_aware,
+                                            local_prefill_uncached_tokens=space.local_prefill_uncached_tokens)
                                 if space.allows(plan):
                                     out.append(self.estimate(plan, min(a * gp, b * gd)))
                                     if space.cpu_local_prefill_max_tokens and all(

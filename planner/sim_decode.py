@@ -7,6 +7,14 @@ its next token. A colocated worker prefills whenever a prompt waits and fits, st
 `mixed_steps` a decode worker runs its prefills (local prompts, recomputed sequences) in the
 running batch's step: the batch's tokens plus prompt chunks in the rest of the token budget.
 
+Prefix cache (with block keys, planner.sim_cache): with `prefix_aware` (ReserveRequest.
+reuse_cached_prefix) a reservation shares the leading prompt blocks this worker holds, and no KV
+moves for them; a prefill here (local, conditional) takes what the cache holds. A committed or
+prefilled prompt's full blocks are held while its sequence is here; when it finishes, its prompt's
+and answer's full blocks (all but the last token's) stay cached, free, least recently used out
+first as free blocks are taken. A colocated worker keeps what its prefills compute, and its
+answers, up to its block count.
+
 The running sequences are kept as aggregates, so a step costs O(log n), not O(batch): with k decode
 steps done, a sequence that joined at step j with c tokens has c + (k - j) now, so
 sum(context) = sum(c - j) + batch * k. Their blocks are estimated as sum(context) / block_size +
@@ -52,6 +60,47 @@ class SimDecodeWorker(SimWorker):
         run = (self.sum_ctx_term + b * self.k) / self.bs + b / 2 if b else 0.0
         return self.reserved + self.prefill_blocks + run
 
+    # ------------------------------------------------------------------ prefix cache
+    def share(self, s: SimRequest) -> int:
+        """`s`'s reservation here shares the leading prompt blocks this worker holds: their tokens."""
+        if self.cache is None or not s.keys or not self.cluster.spec.prefix_aware:
+            return 0
+        n = self.cache.use_prefix(s.keys, (s.prompt - 1) // self.bs)
+        self.cache.hold(s.keys[:n])
+        s.held = n
+        self.cache.trim(int(self.free_blocks()))
+        return n * self.bs
+
+    def remember(self, s: SimRequest) -> None:
+        """`s`'s prompt was computed here: a decode worker holds its full blocks while `s` is here."""
+        if self.role == "decode":
+            self.land(s)
+        else:
+            super().remember(s)
+            s.landed = True
+
+    def land(self, s: SimRequest) -> None:
+        """`s`'s prompt KV is here (committed, or prefilled here)."""
+        s.landed = True
+        if self.cache is not None:
+            end = s.prompt // self.bs
+            self.cache.hold(s.keys[s.held:end])
+            s.held = max(s.held, min(end, len(s.keys)))
+
+    def release(self, s: SimRequest) -> None:
+        """`s` is done here: the blocks it held are freed, and (if its KV got here) its prompt's and
+        answer's full blocks stay cached."""
+        cache = self.cache
+        if cache is None:
+            return
+        if self.role == "decode":
+            cache.release(s.keys[:s.held])
+        s.held = 0
+        if s.landed:
+            end = (s.tokens - 1) // self.bs
+            cache.store(self.block_keys(s, 0, end), self.num_blocks if self.role == "colocated"
+                        else int(self.free_blocks()))
+
     # ------------------------------------------------------------------ requests
     def prefill_here(self, s: SimRequest, now: float) -> None:
         """`s`'s prompt is prefilled on this worker: colocated, or the router's local prefill (then
@@ -75,6 +124,7 @@ class SimDecodeWorker(SimWorker):
         p.committed(s)
         self.cluster.out.first_token(s, now)
         self.reserved -= s.need
+        self.land(s)
         if self.instant:  # an ideal decode worker (the planner's phase-by-phase search): done at once
             self.cluster.router.finish(s, now)
         else:
@@ -133,6 +183,8 @@ class SimDecodeWorker(SimWorker):
             self.join(s)
             joined += 1
         del self.committed[:joined]
+        if self.cache is not None and self.role == "decode":
+            self.cache.trim(int(self.free_blocks()))  # cached free blocks give way to those taken
         dt = None
         if self.mixes and self.running and (self.waiting or self.chunked):
             dt = self.schedule_mixed()

@@ -20,13 +20,17 @@ class SimRequest:
         "arrival",
         "blocks",
         "computed",
+        "counted",
         "ctx_term",
         "d",
+        "dhit",
         "done",
         "first_t",
+        "held",
         "i",
         "join_k",
         "keys",
+        "landed",
         "local",
         "need",
         "out",
@@ -50,7 +54,13 @@ class SimRequest:
         self.p: SimPrefillWorker | None = None
         self.d: SimDecodeWorker | None = None
         self.first_t = NAN
+        # a key per full block of its tokens, prompt first (planner.sim_cache); blocks past the
+        # keys given are its own
         self.keys: Sequence[Hashable] = ()
+        self.counted = 0  # prompt tokens the router counts queued on its prefill worker (uncached there)
+        self.dhit = 0  # prompt tokens its decode worker held at the reservation (shared, no KV sent)
+        self.held = 0  # leading blocks of its keys it holds in its decode worker's cache
+        self.landed = False  # its prompt's KV is on its decode worker (committed or prefilled there)
 
 
 class Outcomes:
@@ -67,6 +77,8 @@ class Outcomes:
         self.stop = False
         self.finished = self.ttft_miss = self.tpot_miss = 0
         self.preemptions = self.prefill_steps = self.decode_steps = self.decode_seqs = self.local_prefills = 0
+        self.local_uncached = 0  # of the local prefills, those by conditional disaggregation
+        self.kv_bytes_sent = self.kv_bytes_held = 0  # KV transferred; not sent: its decode worker held it
         self.decode_step_s = self.prefill_step_s = 0.0
         self.last = 0.0  # the last finish
         self.in_system = 0  # requests arrived and not finished

@@ -1,12 +1,18 @@
 """The simulated router: worker choice, the reservation, local prefill, and the requests waiting
 for KV blocks.
 
-A request reserves blocks on the decode worker with the fewest requests in flight, then the most
-free blocks, under the engine's own fit rule (engine/admission_rule.py); the router counts it on
-that worker as it chooses it (WorkerPool.take). The Reserve completes when the worker's engine lock
-is free. When no decode worker has room, the request waits (FIFO) and is retried as soon as blocks
-are freed. The prompt then goes to the prefill worker with the fewest queued prompt tokens, or, by
-the router's own local-prefill rule (router/local_prefill.py), to its decode worker.
+Workers are chosen by the router's own policy (router/prefix_policy.py, the same object), each
+described by what the simulated workers hold (no lag: the router's picture of a cache is the cache,
+and a prefill worker is expected to hold the prompts sent to it). A request reserves blocks on the
+decode worker the policy picks (the longest cached prefix among the nearly least loaded, then fewer
+requests in flight, then more free blocks) under the engine's own fit rule
+(engine/admission_rule.py); the router counts it on that worker as it chooses it (WorkerPool.take).
+The Reserve completes when the worker's engine lock is free, and shares the prompt's leading blocks
+the worker holds. When no decode worker has room, the request waits (FIFO) and is retried as soon
+as blocks are freed. The prompt is then prefilled on its decode worker when the part of it the
+worker lacks is short (conditional disaggregation) or by the router's local-prefill rule
+(router/local_prefill.py); otherwise it goes to the prefill worker of the least expected cost
+(uncached prompt tokens plus queued ones), counted there by its uncached tokens.
 """
 
 from __future__ import annotations
@@ -17,17 +23,20 @@ from typing import TYPE_CHECKING
 from engine.admission_rule import blocks_needed, prompt_fits
 from planner.sim_request import SimRequest
 from router.local_prefill import LocalPrefillPolicy
+from router.prefix_policy import Candidate, RoutingPolicy
 
 if TYPE_CHECKING:
     from planner.sim_cluster import SimCluster
-    from planner.sim_decode import SimDecodeWorker
 
 
 class SimRouter:
     def __init__(self, cluster: SimCluster) -> None:
         self.cluster = cluster
         self.colocated = cluster.spec.mode == "colocated"
-        self.policy = LocalPrefillPolicy(0 if self.colocated else cluster.spec.local_prefill_max_tokens)
+        spec = cluster.spec
+        self.policy = LocalPrefillPolicy(0 if self.colocated else spec.local_prefill_max_tokens)
+        self.routing = RoutingPolicy(spec.prefix_aware,
+                                     0 if self.colocated else spec.local_prefill_uncached_tokens)
         self.waiting: deque[SimRequest] = deque()  # no decode worker had room, in arrival order
 
     def arrive(self, s: SimRequest, now: float) -> None:
@@ -39,13 +48,14 @@ class SimRouter:
         while self.waiting and self.try_reserve(self.waiting[0], now):
             self.waiting.popleft()
 
-    def decode_choice(self) -> list[SimDecodeWorker]:
-        decode = self.cluster.decode
-        return sorted(decode, key=lambda w: (w.inflight, -w.free_blocks())) if len(decode) > 1 else decode
-
     def try_reserve(self, s: SimRequest, now: float) -> bool:
-        for w in self.decode_choice():
-            if not prompt_fits(s.prompt, w.bs, len(w.running), w.free_blocks()):
+        cands = [Candidate(w, w.held_prefix(s), inflight=w.inflight, free_blocks=w.free_blocks())
+                 for w in self.cluster.decode]
+        while cands:
+            c = self.routing.pick_decode(cands)
+            w = c.worker
+            if not prompt_fits(s.prompt, w.bs, len(w.running), c.free_blocks):
+                cands = [x for x in cands if x is not c]
                 continue
             s.d = w
             w.inflight += 1  # the router counts it on w as it chooses (WorkerPool.take)
@@ -65,14 +75,24 @@ class SimRouter:
         """`s`'s Reserve returned: its prompt goes to a prefill worker, or is prefilled on its
         decode worker."""
         w, prefill = s.d, self.cluster.prefill
-        if self.colocated or (self.policy.enabled and self.policy.local(
-                s.prompt, min(x.inflight_tokens for x in prefill), w.local_tokens)):
+        if self.colocated:
             w.prefill_here(s, now)
             return
-        p = min(prefill, key=lambda x: (x.inflight_tokens, x.inflight)) if len(prefill) > 1 else prefill[0]
-        p.add(s, now)
+        s.dhit = w.share(s)
+        if self.routing.prefill_on_decode(s.prompt, s.dhit):
+            self.cluster.out.local_uncached += 1
+            w.prefill_here(s, now)
+            return
+        if self.policy.enabled and self.policy.local(s.prompt, min(x.inflight_tokens for x in prefill),
+                                                     w.local_tokens):
+            w.prefill_here(s, now)
+            return
+        c = self.routing.pick_prefill(s.prompt, [Candidate(p, p.expected_prefix(s), p.inflight_tokens, p.inflight)
+                                                 for p in prefill])
+        c.worker.add(s, now, self.routing.uncached(s.prompt, c))
 
     def finish(self, s: SimRequest, t: float) -> None:
         """`s`'s last token reaches the client at `t`; it no longer counts on its decode worker."""
         s.d.inflight -= 1
+        s.d.release(s)
         self.cluster.out.finish(s, t)

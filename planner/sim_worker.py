@@ -8,10 +8,11 @@ the other; the Reserves and KV commits that wait for it run between two steps, i
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
+from planner.sim_cache import PrefixCache
 from planner.sim_request import SimRequest
 
 if TYPE_CHECKING:
@@ -42,8 +43,8 @@ class SimWorker:
         self.step_start = 0.0
         self.step_dt = 0.0
         self.busy_s = 0.0
-        self.cache: OrderedDict | None = None  # prefix cache: block key -> None, least recent first
-        self.cached_tokens = 0
+        self.cache: PrefixCache | None = None  # with block keys (planner.sim_cache)
+        self.cached_tokens = 0  # prompt tokens not prefilled: its cache held them
         # its steps are stretched by processor sharing on the host (SimCluster.host_slowdown)
         self.shares_host = bool(cluster.spec.host_cores or spec.prefill_load_slope)
 
@@ -58,27 +59,29 @@ class SimWorker:
     def free_blocks(self) -> float:
         return self.num_blocks - self.used_blocks()
 
-    def cached_prefix(self, s: SimRequest) -> int:
-        """Tokens of `s`'s prompt in this worker's cache (whole blocks, never the last token's)."""
+    def held_prefix(self, s: SimRequest) -> int:
+        """Tokens of `s`'s prompt in this worker's cache (whole blocks, never the last token's), as
+        the router's picture of it (nothing is touched)."""
         if self.cache is None or not s.keys:
             return 0
-        n = 0
-        for key in s.keys[:(s.tokens - 1) // self.bs]:
-            if key not in self.cache:
-                break
-            self.cache.move_to_end(key)
-            n += 1
-        return n * self.bs
+        return self.cache.prefix_blocks(s.keys, (s.prompt - 1) // self.bs) * self.bs
+
+    def cached_prefix(self, s: SimRequest) -> int:
+        """Tokens of `s`'s prompt its prefill here takes from the cache (whole blocks, never the
+        last token's); they become the most recently used."""
+        if self.cache is None or not s.keys:
+            return 0
+        return self.cache.use_prefix(s.keys, (s.tokens - 1) // self.bs) * self.bs
 
     def remember(self, s: SimRequest) -> None:
         """Keep the full blocks of `s`'s computed prompt, least recently used out first."""
-        if self.cache is None:
-            return
-        for key in s.keys[:s.prompt // self.bs]:
-            self.cache[key] = None
-            self.cache.move_to_end(key)
-        while len(self.cache) > self.num_blocks:
-            self.cache.popitem(last=False)
+        if self.cache is not None:
+            self.cache.store(s.keys[:s.prompt // self.bs], self.num_blocks)
+
+    def block_keys(self, s: SimRequest, start: int, end: int) -> list[Hashable]:
+        """The keys of `s`'s blocks start..end-1; past the keys it was given, keys of its own."""
+        keys = list(s.keys[start:end])
+        return keys + [object() for _ in range(max(start, len(s.keys)), end)]
 
     # ------------------------------------------------------------------ steps
     def wake(self, now: float) -> None:

@@ -3,14 +3,17 @@
 It replays requests (arrival time, prompt length, output length) through the same policies as the
 real code, with step times from a cost model (cost_model.py) instead of forward passes:
 
-    arrival (+ router_in_s) -> router: decode worker with the fewest requests in flight, then the
-        most free KV blocks, reserves blocks for the prompt (blocks + running sequences must fit:
-        the engine's rule, engine/admission_rule.py); when no decode worker can, the request
-        waits (FIFO) until blocks are freed -> prefill worker with the fewest queued prompt tokens
+    arrival (+ router_in_s) -> router (router/prefix_policy.py, the same policy): the decode worker
+        holding the longest prefix of the prompt among the nearly least loaded, then the fewest
+        requests in flight, then the most free KV blocks, reserves blocks for the prompt (blocks +
+        running sequences must fit: the engine's rule, engine/admission_rule.py), sharing the
+        leading blocks it holds; when no decode worker can, the request waits (FIFO) until blocks
+        are freed -> the prefill worker of the least expected cost (prompt tokens not cached there
+        plus queued ones); with neither caches nor block keys: the fewest queued prompt tokens
     prefill worker (engine/scheduler.py): one step at a time; unfinished prompt chunks first, then
         FCFS admissions under max_num_batched_tokens and max_num_seqs while blocks allow; a long
         prompt is chunked across steps. Step time = cost.prefill_time(...)
-    KV transfer: prompt_len x KV bytes per token over the link min(prefill, decode worker link);
+    KV transfer: the prompt tokens after those its decode worker holds x KV bytes per token over the link min(prefill, decode worker link);
         each worker's link carries one transfer at a time (contention). Layer-wise: the first
         layer may leave after 1/L of the step, the last one after the step. The prefill worker
         commits each finished prompt's transfer before its next step (PrefillEngine.step does).
@@ -33,6 +36,8 @@ real code, with step times from a cost model (cost_model.py) instead of forward 
         (router/local_prefill.py, the same code) sends a short prompt to its decode worker when the
         least-loaded prefill worker has at least as many prompt tokens queued as the decode worker
         already prefills plus this prompt; it is prefilled there as a preempted sequence is.
+        Conditional disaggregation (`local_prefill_uncached_tokens` > 0): so is a prompt whose part
+        its decode worker does not hold is at most that long (RoutingPolicy.prefill_on_decode).
 
 A decode worker's running sequences are kept as aggregates, so a step costs O(log n), not O(batch):
 with k decode steps done, a sequence that joined at step j with c tokens has c + (k - j) now, so
@@ -45,11 +50,15 @@ streamed token times the tokens per second the decode workers produce at that mo
 step of a worker with a fitted `prefill_load_slope` (live calibration) is stretched by
 (1 + slope x those tokens per second) x max(1, busy engine threads / cores) instead.
 
-Prefix cache (with `block_keys`: per request, a key per full prompt block that stands for the
-whole prefix up to it, as the engine's chained hash): a prefill or colocated worker computes only
-the tokens after its longest cached prefix (never the block of the last token) and keeps the full
-blocks it computed, least recently used first out, up to its block count. With `keep_caches` the
-caches outlive a run (the same cluster replays several runs). Decode workers share no blocks.
+Prefix cache (with `block_keys`: per request, a key per full block of its prompt, and optionally
+of its answer after it, that stands for the whole prefix up to it, as the engine's chained hash;
+planner/sim_cache.py): a prefill or colocated worker computes only the tokens after its longest
+cached prefix (never the block of the last token) and keeps the full blocks it computed, least
+recently used first out, up to its block count. A decode worker shares the cached leading blocks
+at a reservation (no KV moves for them) and keeps a finished request's prompt and answer blocks,
+as free blocks allow. With `keep_caches` the caches outlive a run (the same cluster replays several
+runs). With `prefix_aware` off (router.prefix_aware: false) the router picks workers by load alone
+and a decode worker's reservation shares nothing: every prompt's whole KV moves.
 
 The parts mirror the cluster's, one file each:
 
@@ -68,11 +77,11 @@ their length, as with ignore_eos), failures and timeouts.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from planner.cost_model import CostModel
+from planner.sim_cache import PrefixCache
 from planner.sim_cluster import SimCluster
 from planner.sim_request import NAN, Outcomes, SimRequest
 
@@ -118,6 +127,11 @@ class ClusterSpec:
     # decode workers run their prefills (local prompts, recomputed sequences) in mixed steps: the
     # running batch's tokens plus prompt chunks in the rest of the token budget, one forward pass
     mixed_steps: bool = False
+    # router.prefix_aware: workers chosen by their cached prefixes too, and a decode worker's
+    # reservation shares the blocks it holds (False: by load only, the whole KV moves)
+    prefix_aware: bool = True
+    # disaggregated: router.local_prefill_uncached_tokens (conditional disaggregation; 0: never)
+    local_prefill_uncached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -150,7 +164,7 @@ class Simulator:
     def __init__(self, cluster: ClusterSpec, keep_caches: bool = False) -> None:
         self.c = cluster
         self.keep_caches = keep_caches
-        self._caches: dict[int, OrderedDict] = {}
+        self._caches: dict[int, PrefixCache] = {}
 
     def run(self, arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int],
             slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
@@ -165,8 +179,9 @@ class Simulator:
         out = Outcomes(n, c.first_token_out_s, slo_ttft_s, slo_tpot_s, max_misses, count_from, on_progress)
         cluster = SimCluster(c, out)
         if block_keys is not None:
-            for j, w in enumerate(cluster.prefill + (cluster.decode if c.mode == "colocated" else [])):
-                w.cache = self._caches.setdefault(j, OrderedDict()) if self.keep_caches else OrderedDict()
+            for j, w in enumerate(cluster.workers):
+                w.cache = self._caches.setdefault(j, PrefixCache()) if self.keep_caches else PrefixCache()
+                w.cache.release_all()
         for w in cluster.decode:
             need_max = -(-max(p + o for p, o in zip(prompts, outputs)) // w.bs) if n else 0
             if w.num_blocks < need_max:
@@ -186,4 +201,6 @@ class Simulator:
             {"busy_s": [w.busy_s for w in workers], "kv_blocks": [w.num_blocks for w in workers],
              "in_system_area": out.area, "cached_tokens": [w.cached_tokens for w in workers],
              "decode_step_s": out.decode_step_s, "decode_seqs": out.decode_seqs,
-             "prefill_step_s": out.prefill_step_s, "local_prefills": out.local_prefills})
+             "prefill_step_s": out.prefill_step_s, "local_prefills": out.local_prefills,
+             "local_uncached": out.local_uncached, "kv_bytes_sent": out.kv_bytes_sent,
+             "kv_bytes_held": out.kv_bytes_held, "prompt_tokens": sum(prompts)})
