@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
-from loadgen.server_counters import PREFIX, STEP_FIELDS, delta, is_bucket, scrape_counters
 from common.heap import freeze_startup_heap
+from loadgen.server_counters import PREFIX, STEP_FIELDS, delta, is_bucket, scrape_counters
 from planner.calibrate import fit
 
 LEVELS = (1, 2, 4, 8, 16, 32)
