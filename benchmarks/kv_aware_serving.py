@@ -83,7 +83,7 @@ def part_args(part: str, args: argparse.Namespace, repeat: int) -> list[str]:
         return ["--workload", "multiturn", "--conversations", str(args.conversations), "--turns",
                 f"fixed:{args.turns}", "--first-prompt-len", f"fixed:{args.first_prompt}", "--message-len",
                 f"fixed:{args.message}", "--output-len", f"fixed:{args.output}", "--think-time",
-                f"fixed:{args.think_s}", "--rate", str(args.chat_rate), *common]
+                f"fixed:{args.think_s}", "--rates", args.chat_rates, *common]
     trace = "mooncake-conv" if part == "mooncake" else "azure-conv"
     return ["--workload", trace, "--num-requests", str(args.num_requests), "--rates", args.rates,
             "--max-context", str(args.max_context), "--max-output", str(args.max_output), *common]
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--message", type=int, default=64, help="chat: each later turn's new message, tokens")
     p.add_argument("--output", type=int, default=64, help="chat: answer tokens")
     p.add_argument("--think-s", type=float, default=1.0, help="chat: think time between turns, seconds")
-    p.add_argument("--chat-rate", type=float, default=1.0, help="chat: conversations started per second")
+    p.add_argument("--chat-rates", default="1,2", help="chat: conversations started per second (a sweep)")
     p.add_argument("--time-limit-s", type=float, default=300.0, help="per run")
     p.add_argument("--out", default="bench_results/exp_kv_aware_serving")
     args = p.parse_args(argv)
