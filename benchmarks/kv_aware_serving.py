@@ -113,13 +113,13 @@ def _counter(run: dict, role: str, field: str) -> float:
     return ((run.get("server_counters") or {}).get(f"{role}/prefix") or {}).get(field, 0.0)
 
 
-def run_figures(run: dict) -> dict[str, Any]:
+def run_figures(run: dict, block_size: int = 16) -> dict[str, Any]:
     """One system's run: latency, SLO and what the workers' caches saved."""
     s = run["summary"]
     later = s.get("ttft_later_turns_ms") or {}
     records = run.get("records", [])
     later_turns = sum(1 for r in records if (r.get("turn") or 0) > 0)
-    first_prompts = [r["prompt_tokens"] for r in records if (r.get("turn") or 0) == 0 and r.get("prompt_tokens")]
+    blocks = [(-(-(r.get("prompt_tokens") or 0) // block_size), (r.get("turn") or 0) == 0) for r in records]
     return {
         "ttft_p50": s["ttft_ms"]["p50"], "ttft_later_p50": later.get("p50"), "tpot_p50": s["tpot_ms"]["p50"],
         "attainment": s.get("slo_attainment"), "failed": s.get("failed", 0),
@@ -128,16 +128,25 @@ def run_figures(run: dict) -> dict[str, Any]:
         "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in records),
         "kv_bytes": _counter(run, "prefill", "kv_transfer_bytes"),
         "local_prefills": _counter(run, "decode", "local_prefills"),
-        "later_turns": later_turns, "first_prompt_tokens": sum(first_prompts),
+        "later_turns": later_turns, "blocks": sum(b for b, _ in blocks),
+        "first_turn_blocks": sum(b for b, first in blocks if first),
     }
 
 
-def analyse(results: list[dict], bound: int | None = None) -> dict[str, Any]:
-    """Per system and rate, the medians over the repeats' results; the goals' ratios."""
+def analyse(results: list[dict], bound: int | None = None, block_size: int = 16) -> dict[str, Any]:
+    """Per system and rate, the medians over the repeats' results; the goals' ratios. KV bytes per
+    later turn: what moved less the first turns' whole prompts (nothing is cached for those), at
+    routing by load's bytes per block (it moves every block of every prompt)."""
     cells: dict[str, dict[float, list[dict]]] = {}
     for result in results:
         for run in result["runs"]:
-            cells.setdefault(run["label"], {}).setdefault(run["rate"], []).append(run_figures(run))
+            cells.setdefault(run["label"], {}).setdefault(run["rate"], []).append(run_figures(run, block_size))
+    per_block = _median([f["kv_bytes"] / f["blocks"] for f in (x for r in cells.get(BASELINE, {}).values() for x in r)
+                         if f["blocks"]])
+    for rows in (x for by_rate in cells.values() for x in by_rate.values()):
+        for f in rows:
+            f["kv_bytes_later_turn"] = ((f["kv_bytes"] - f["first_turn_blocks"] * per_block) / f["later_turns"]
+                                        if per_block and f["later_turns"] else None)
     table: dict[str, dict[float, dict]] = {}
     for name, by_rate in cells.items():
         for rate, rows in by_rate.items():
@@ -159,6 +168,9 @@ def analyse(results: list[dict], bound: int | None = None) -> dict[str, Any]:
             out.setdefault("ttft_later_p50_ratio", {})[n] = {
                 r: _ratio(base[r]["ttft_later_p50"], t[r]["ttft_later_p50"]) for r in rates}
             out.setdefault("kv_bytes_ratio", {})[n] = {r: _ratio(base[r]["kv_bytes"], t[r]["kv_bytes"]) for r in rates}
+            out.setdefault("kv_later_turn_ratio", {})[n] = {
+                r: _ratio(base[r]["kv_bytes_later_turn"], max(t[r]["kv_bytes_later_turn"] or 0, 1.0)
+                          if t[r]["kv_bytes_later_turn"] is not None else None) for r in rates}
             out.setdefault("highest_rate_ratio", {})[n] = _ratio(best[n], best[BASELINE])
     return out
 
@@ -177,8 +189,8 @@ def report(part: str, a: dict[str, Any]) -> str:
     if a.get("bound_tokens"):
         lines.append(f"bound (infinite cache shared by every worker): {a['bound_tokens']} prompt tokens")
     head = ("| rate | system | TTFT p50 ms | later turns TTFT p50 ms | TPOT p50 ms | SLO att. | hit tokens "
-            "| of bound | KV MiB moved | local prefills |")
-    lines += ["", head, "|---|---|---|---|---|---|---|---|---|---|"]
+            "| of bound | KV MiB moved | KV MiB per later turn | local prefills |")
+    lines += ["", head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for rate in a["rates"]:
         for name in SYSTEMS:
             m = a["table"].get(name, {}).get(rate)
@@ -187,16 +199,25 @@ def report(part: str, a: dict[str, Any]) -> str:
             lines.append(f"| {rate:g} | {name} | {_f(m['ttft_p50'])} | {_f(m['ttft_later_p50'])} | "
                          f"{_f(m['tpot_p50'])} | {_f(m['attainment'], '.0%')} | {_f(m['hit_tokens'], '.0f')} | "
                          f"{_f(m.get('hit_of_bound'), '.0%')} | {_f((m['kv_bytes'] or 0) / 2**20, '.1f')} | "
-                         f"{_f(m['local_prefills'], '.0f')} |")
+                         f"{_f(_mib(m['kv_bytes_later_turn']), '.2f')} | {_f(m['local_prefills'], '.0f')} |")
     for key, label in (("ttft_p50_ratio", "TTFT p50"), ("ttft_later_p50_ratio", "later turns' TTFT p50"),
-                       ("kv_bytes_ratio", "KV bytes moved")):
+                       ("kv_bytes_ratio", "KV bytes moved"),
+                       ("kv_later_turn_ratio", "KV bytes per later turn (>= 1 byte)")):
         for n, by_rate in (a.get(key) or {}).items():
             if any(by_rate.values()):
-                lines.append(f"\n{label}, {BASELINE} / {n}: " + ", ".join(f"{r:g}/s {_f(v, '.2f')}x"
+                lines.append(f"\n{label}, {BASELINE} / {n}: " + ", ".join(f"{r:g}/s {_times(v)}"
                                                                         for r, v in by_rate.items()))
     if a.get("highest_rate_meeting_slo"):
         lines.append(f"\nhighest rate meeting the SLO: {a['highest_rate_meeting_slo']}")
     return "\n".join(lines) + "\n"
+
+
+def _times(v: float | None) -> str:
+    return "-" if v is None else "> 1000x (none moved)" if v > 1000 else f"{v:.2f}x"
+
+
+def _mib(v: float | None) -> float | None:
+    return None if v is None else max(v, 0.0) / 2**20
 
 
 def _f(v: Any, spec: str = ".0f") -> str:
@@ -236,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-rates", default="1,2", help="chat: conversations started per second (a sweep)")
     p.add_argument("--time-limit-s", type=float, default=300.0, help="per run")
     p.add_argument("--out", default="bench_results/exp_kv_aware_serving")
+    p.add_argument("--analyse-only", action="store_true",
+                   help="start nothing: summarise the result.json files already in OUT (same workload options)")
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     if bad := [x for x in parts if x not in PARTS]:
@@ -251,36 +274,40 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--systems: unknown {bad}; allowed: {', '.join(SYSTEMS)}")
     files = {n: f for n, f in cluster_files(out, args.model, max_len, args.local_prefill_uncached_tokens).items()
              if n in systems}
-    summary: dict[str, Any] = {"argv": argv if argv is not None else sys.argv[1:]}
+    if not args.analyse_only:
+        with Servers() as servers:
+            for name, path in files.items():
+                print(f"{name}: {servers.add(name, start(name, path, out))}", flush=True)
+            urls = servers.urls
+            model = httpx.get(f"{next(iter(urls.values()))}/v1/models", timeout=10).json()["data"][0]["id"]
+            for url in urls.values():
+                warm_up(url, model)
+            for part in parts:
+                for repeat in range(args.repeats):
+                    run_out = out / part / f"repeat{repeat}"
+                    rc = sweep.run_bench_serve(urls, [*part_args(part, args, repeat), *slo_args, "--out", str(run_out)])
+                    if rc != 0:
+                        return rc
+    return write_summary(out, parts, args, slo)
+
+
+def write_summary(out: Path, parts: list[str], args: argparse.Namespace, slo: Any) -> int:
+    """Every repeat's result.json under OUT/<part>/ -> OUT/summary.json and summary.md, printed too."""
+    block = load_cluster_config(REPO / "cluster.yaml").kv_cache.block_size
+    summary: dict[str, Any] = {"args": vars(args)}
     text = f"# KV-aware serving against routing by load\n\nSLO: TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms\n\n"
-    with Servers() as servers:
-        for name, path in files.items():
-            print(f"{name}: {servers.add(name, start(name, path, out))}", flush=True)
-        urls = servers.urls
-        model = httpx.get(f"{next(iter(urls.values()))}/v1/models", timeout=10).json()["data"][0]["id"]
-        for url in urls.values():
-            warm_up(url, model)
-        for part in parts:
-            results = []
-            for repeat in range(args.repeats):
-                run_out = out / part / f"repeat{repeat}"
-                rc = sweep.run_bench_serve(urls, [*part_args(part, args, repeat), *slo_args, "--out", str(run_out)])
-                if rc != 0:
-                    return rc
-                results.append(json.loads((run_out / "result.json").read_text()))
-            bound = None
-            if part == "mooncake":
-                block = load_cluster_config(next(iter(files.values()))).kv_cache.block_size
-                bound = prefix_bound(workload_prompts(args), block)
-            a = analyse(results, bound)
-            summary[part] = a
-            text += report(part, a) + "\n"
-            print(report(part, a), flush=True)
+    for part in parts:
+        results = [json.loads(f.read_text()) for f in sorted((out / part).glob("repeat*/result.json"))]
+        if not results:
+            continue
+        bound = prefix_bound(workload_prompts(args), block) if part == "mooncake" else None
+        a = analyse(results, bound, block)
+        summary[part] = a
+        text += report(part, a) + "\n"
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / "summary.md").write_text(text)
-    print(f"wrote {out / 'summary.md'}")
+    print(text + f"wrote {out / 'summary.md'}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

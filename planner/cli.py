@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdcluster plan", description=DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _workload_args(p)
-    add_routing_args(p)
+    add_routing_args(p, auto=True)
     s = p.add_argument_group("SLO and objective")
     s.add_argument("--slo-ttft-ms", type=float, required=True)
     s.add_argument("--slo-tpot-ms", type=float, required=True)
@@ -262,7 +262,7 @@ def _simulate(argv: list[str]) -> int:
     p.add_argument("--rate", type=float, required=True, help="requests/s")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    add_routing_args(p)
+    add_routing_args(p, auto=False)
     p.add_argument("--compare-routing", action="store_true", help="also simulate them routed by load only")
     args = p.parse_args(argv)
     if args.colocated is not None:

@@ -17,23 +17,74 @@ from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from planner.cost_model import CostModel
+from planner.plan import PlanContext, Pool
 from planner.sim_cache import reuse_bound
 from planner.simulator import ClusterSpec, SimResult, Simulator
 from planner.workload import PlanWorkload
 
 
-def add_routing_args(p: argparse.ArgumentParser) -> None:
+def add_routing_args(p: argparse.ArgumentParser, auto: bool) -> None:
+    """`auto`: the threshold may be (and by default is) `auto`, each plan's from its cost model."""
     g = p.add_argument_group("routing (router/prefix_policy.py)")
     g.add_argument("--prefix-aware", choices=("on", "off"), default="on",
                    help="router.prefix_aware: choose workers by their cached prefixes as well as by load")
-    g.add_argument("--local-prefill-uncached-tokens", type=int, default=0,
+    g.add_argument("--local-prefill-uncached-tokens", type=_threshold if auto else int, default=None if auto else 0,
+                   metavar="N|auto" if auto else "N",
                    help="router.local_prefill_uncached_tokens: a prompt whose part its decode worker does not "
-                        "hold is at most this long is prefilled there (0: always a prefill worker)")
+                        "hold is at most this long is prefilled there (0: always a prefill worker" +
+                        ("; auto, the default: each plan's own, the longest uncached part its decode worker "
+                         "can prefill in one step that still meets the TPOT bound beside 8 running sequences)"
+                         if auto else ")"))
+
+
+def _threshold(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 0 or auto, got {text!r}")
+    return n
 
 
 def routing_of(args: argparse.Namespace) -> dict[str, Any]:
-    """A Plan's (or SearchSpace's) routing fields from those options."""
+    """A Plan's (or SearchSpace's) routing fields from those options (None: auto)."""
     return {"prefix_aware": args.prefix_aware == "on", "local_prefill_uncached_tokens": args.local_prefill_uncached_tokens}
+
+
+AUTO_THRESHOLD_BATCH = 8  # the decode batch `auto` keeps within the TPOT bound while prefilling
+
+
+def plan_threshold(given: int | None, ctx: PlanContext, workload: PlanWorkload, slo: Any, decode: Pool,
+                   mnbt: int) -> int:
+    """A disaggregated plan's router.local_prefill_uncached_tokens: `given`, or for None (`auto`)
+    what the cost model of its decode pool `decode` allows within the TPOT bound (`slo.tpot_ms`) at a
+    batch of AUTO_THRESHOLD_BATCH sequences of the workload's mean context (prompt + half the
+    output), in one step of at most `mnbt` tokens."""
+    if given is not None:
+        return given
+    n = max(1, len(workload.prompts))
+    context = round(sum(p + o / 2 for p, o in zip(workload.prompts, workload.outputs)) / n)
+    return uncached_threshold(ctx.cost(decode, "decode"), slo.tpot_ms / 1e3, ctx.block_size, AUTO_THRESHOLD_BATCH,
+                              context, mnbt)
+
+
+def uncached_threshold(cost: CostModel, tpot_s: float, block_size: int, batch: int, context: int, cap: int) -> int:
+    """The conditional-disaggregation threshold a decode worker's cost model suggests: the longest
+    uncached part (whole blocks, at most `cap`: one step's token budget) that it can prefill in one
+    mixed step beside `batch` running sequences of `context` tokens each while that step still
+    meets the TPOT bound `tpot_s`. 0 when not even one block fits (always a prefill worker)."""
+    decode = cost.decode_time(batch, batch * context)
+    best = 0
+    for u in range(block_size, cap + 1, block_size):
+        attn = u * context + u * (u + 1) // 2  # the new tokens attend to the context and to each other
+        if decode + cost.prefill_time(u, attn, context, 1) > tpot_s:
+            break
+        best = u
+    return best
 
 
 def hit_tokens(res: SimResult) -> int:

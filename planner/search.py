@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from loadgen.metrics import SLO, percentile
 from planner.plan import Plan, PlanContext, Pool, build_cluster, fits
+from planner.reuse import plan_threshold
 from planner.simulator import ClusterSpec, SimResult, Simulator, WorkerSpec
 from planner.workload import PlanWorkload
 
@@ -85,7 +86,7 @@ class SearchSpace:
     # also tried with local prefill of prompts up to this long (router.local_prefill_max_tokens); 0: not
     cpu_local_prefill_max_tokens: int = 512
     prefix_aware: bool = True  # every plan's router.prefix_aware
-    local_prefill_uncached_tokens: int = 0  # every disaggregated plan's router.local_prefill_uncached_tokens
+    local_prefill_uncached_tokens: int | None = 0  # each disaggregated plan's (None: auto, planner/reuse.py)
 
     def allows(self, plan: Plan) -> bool:
         used: dict[str, int] = {}
@@ -316,7 +317,8 @@ class Searcher:
                             if a <= m and b <= m:
                                 plan = Plan(mode, replace(kp[2], count=a), replace(kd[2], count=b), mnbt, mns,
                                             prefix_aware=space.prefix_aware,
-                                            local_prefill_uncached_tokens=space.local_prefill_uncached_tokens)
+                                            local_prefill_uncached_tokens=plan_threshold(
+                                                space.local_prefill_uncached_tokens, self.ctx, self.w, self.slo, kd[2], mnbt))
                                 if space.allows(plan):
                                     out.append(self.estimate(plan, min(a * gp, b * gd)))
                                     if space.cpu_local_prefill_max_tokens and all(

@@ -232,7 +232,8 @@ class HttpApi:
         if where is not None:  # valid JSON ("\ud800"), but no UTF-8 string can carry it on to the router
             raise bad(where or None, "a string holds a lone UTF-16 surrogate escape, which is not a character",
                       code="invalid_json")
-        tokenize = self.tokenizer.encode if self.tokenizer is not None else None  # the router's own encoding
+        # the router's own encoding, for return_token_ids' prompt_token_ids of a text prompt
+        tokenize = (lambda text: self.tokenizer.encode(text)) if self.tokenizer is not None else None
         if chat:
             req = parse_chat(body, self.model_name, self._render, tokenize)
         else:

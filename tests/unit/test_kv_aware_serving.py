@@ -42,6 +42,8 @@ def test_medians_over_repeats_and_ratios_against_routing_by_load():
     assert a["ttft_p50_ratio"]["kv-aware"] == {2.0: 3.0, 4.0: 3.0}
     assert a["ttft_later_p50_ratio"]["kv-aware"] == {2.0: 5.0, 4.0: 8.0}
     assert a["kv_bytes_ratio"]["kv-aware"][2.0] == 8.0
+    # by-load moves every block: 7 + 10 per run, 8e6 bytes; its later turn (10 blocks) is 10/17 of them
+    assert a["table"]["by-load"][2.0]["kv_bytes_later_turn"] == pytest.approx(8e6 * 10 / 17)
     assert a["highest_rate_meeting_slo"] == {"by-load": 2.0, "kv-aware": 4.0}
     assert a["highest_rate_ratio"]["kv-aware"] == 2.0
     text = report("mooncake", a)

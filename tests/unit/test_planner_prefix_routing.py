@@ -196,3 +196,25 @@ def test_plan_simulate_says_what_the_reuse_is_worth(capsys):
     out = capsys.readouterr().out
     assert "prefix     hit " in out and "an infinite cache shared by all workers" in out
     assert "prefix-aware" in out and "load only" in out
+
+
+def test_auto_threshold_is_the_longest_uncached_part_one_step_can_prefill_within_the_tpot_bound():
+    from planner.reuse import uncached_threshold
+
+    cost = _cost()
+    n = uncached_threshold(cost, 0.05, 16, batch=8, context=1000, cap=2048)
+
+    def step(u: int) -> float:
+        return cost.decode_time(8, 8000) + cost.prefill_time(u, u * 1000 + u * (u + 1) // 2, 1000, 1)
+
+    assert n % 16 == 0 and 0 < n < 2048 and step(n) <= 0.05 < step(n + 16)
+    assert uncached_threshold(cost, 0.05, 16, batch=8, context=1000, cap=64) == 64  # one step's token budget
+    assert uncached_threshold(cost, 0.02, 16, batch=8, context=1000, cap=2048) == 0  # the decode step alone is over
+
+
+def test_plan_gives_each_disaggregated_plan_its_own_threshold_by_default(capsys):
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--workload", "azure-conv", "--prefill", "cpu", "--decode", "cpu", "--rate", "1",
+              "--local-prefill-uncached-tokens", "auto"])
+    assert "invalid int value: 'auto'" in capsys.readouterr().err

@@ -203,3 +203,21 @@ def test_the_attainment_criterion_counts_requests_meeting_both_bounds():
     assert not evaluate(res, SLOTarget(1000, 50, 85.0, "attainment"))[0]
     with pytest.raises(ValueError, match="criterion"):
         SLOTarget(1000, 50, 90.0, "mean")
+
+
+def test_auto_gives_each_disaggregated_plan_its_decode_pools_threshold_and_the_yaml_carries_it():
+    from planner.reuse import plan_threshold
+
+    ctx = _cpu_ctx()
+    w = load_plan_workload("synthetic", 600, synthetic_input="lognormal:300:0.5",
+                           synthetic_output="lognormal:40:0.5", seed=1)
+    searcher = Searcher(ctx, w, SLO, min_requests=200, min_span_s=10.0)
+    space = SearchSpace(["cpu"], ["cpu"], ("disaggregated",), tps=(1,), max_workers=1,
+                        cpu_local_prefill_max_tokens=0, local_prefill_uncached_tokens=None)
+    plan = searcher.search(space, verify=1).ranked[0].plan
+    want = plan_threshold(None, ctx, w, SLO, plan.decode, plan.max_num_batched_tokens)
+    assert want > 0 and want % ctx.block_size == 0 and plan.local_prefill_uncached_tokens == want
+    assert build_cluster(plan, ctx).local_prefill_uncached_tokens == want
+    cfg = ClusterConfig.from_dict(cluster_dict(plan, ctx, SLO, "builtin:tiny-llama", 1000))
+    assert cfg.router.local_prefill_uncached_tokens == want
+    assert plan_threshold(0, ctx, w, SLO, plan.decode, 2048) == 0  # a given value is kept
