@@ -92,21 +92,12 @@ def part_args(part: str, args: argparse.Namespace, repeat: int) -> list[str]:
 # ------------------------------------------------------------------------------------- analysis
 def prefix_bound(prompts: list[list[int]], block_size: int) -> int:
     """Prompt tokens an infinite prefix cache shared by every worker would serve on these requests
-    in this order: each request's leading full blocks (never the block of its last token) that an
-    earlier request computed."""
+    in this order (the planner's `reuse_bound`, over the prompts' own block hashes)."""
     from engine.prefix_hash import block_hashes
+    from planner.sim_cache import reuse_bound
 
-    seen: set[bytes] = set()
-    total = 0
-    for ids in prompts:
-        hashes = block_hashes(ids, block_size)
-        usable = (len(ids) - 1) // block_size
-        n = 0
-        while n < usable and hashes[n] in seen:
-            n += 1
-        total += n * block_size
-        seen.update(hashes)
-    return total
+    return reuse_bound(range(len(prompts)), [len(ids) for ids in prompts],
+                       [block_hashes(ids, block_size) for ids in prompts], block_size)
 
 
 def _counter(run: dict, role: str, field: str) -> float:

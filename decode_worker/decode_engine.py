@@ -46,8 +46,7 @@ class DecodeEngine(LockedEngine):
         self._by_request: dict[str, str] = {}  # request id -> transfer id, while reserved
         self._committed: deque[Sequence] = deque()
         self._on_commit: dict[str, Callable[[], None]] = {}
-        self.committed_prompt_tokens = 0  # cumulative, prompts whose KV committed here
-        self.committed_cached_tokens = 0  # of which this worker held already (no KV moved for them)
+        self.committed_cached_tokens = 0  # cumulative: prompt tokens of committed KV held here already
         self.receiver: KVReceiver = create_receiver(backend, self, **receiver_kwargs)
 
     # ------------------------------------------------------------------ reservation
@@ -129,7 +128,6 @@ class DecodeEngine(LockedEngine):
             if seq is None:
                 return
             del self._by_request[seq.request_id]
-            self.committed_prompt_tokens += seq.num_prompt_tokens
             self.committed_cached_tokens += seq.num_cached_tokens
             seq.num_computed_tokens = seq.num_prompt_tokens
             seq.append_token(first_token)

@@ -25,10 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.cache_events import CacheEvents
-from engine.prefix_hash import chain_hash
+from engine.prefix_hash import extend_hashes
 from engine.sequence import Sequence
-
-__all__ = ["Block", "BlockManager", "chain_hash"]
 
 
 @dataclass
@@ -165,12 +163,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        bs = self.block_size
-        hashes = seq.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
-        return hashes
+        return extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, num_blocks)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Enter the sequence's full blocks whose K/V are computed into the prefix cache."""

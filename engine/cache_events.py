@@ -44,9 +44,6 @@ class CacheEvents:
             self._log.append((h, False))
             self._next += 1
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def since(self, cursor: int) -> CacheChanges:
         """The change since `cursor` (0: never read), or a snapshot when the log no longer reaches back."""
         with self._lock:

@@ -20,10 +20,15 @@ def chain_hash(prev: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None) -> list[bytes]:
-    """The chain hashes of the first `num_blocks` full blocks (default: every full block)."""
-    n = len(token_ids) // block_size if num_blocks is None else num_blocks
-    hashes: list[bytes] = []
-    for i in range(n):
+def extend_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
+    """Grow `hashes` (the chain hashes of `token_ids`' first blocks, kept by the caller) in place to
+    its first `num_blocks` full blocks; returns it."""
+    while len(hashes) < num_blocks:
+        i = len(hashes)
         hashes.append(chain_hash(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chain hashes of every full block of `token_ids`."""
+    return extend_hashes([], token_ids, block_size, len(token_ids) // block_size)

@@ -17,6 +17,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from loadgen.metrics import percentile
 from planner.cost_model import CostModel
 from planner.plan import PlanContext, Pool
 from planner.sim_cache import reuse_bound
@@ -97,8 +98,9 @@ def _pct(x: float, total: float) -> float:
 
 
 def _p(xs: list[float], q: float) -> float:
-    xs = sorted(x for x in xs if not math.isnan(x))
-    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else math.nan
+    """The q-quantile of seconds `xs` in ms, as bench serve reports it (loadgen.metrics.percentile)."""
+    v = percentile([x for x in xs if not math.isnan(x)], q * 100)
+    return math.nan if v is None else v * 1e3
 
 
 def reuse_lines(cluster: ClusterSpec, arrivals: Sequence[float], workload: PlanWorkload,

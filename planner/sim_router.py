@@ -89,7 +89,7 @@ class SimRouter:
             return
         c = self.routing.pick_prefill(s.prompt, [Candidate(p, p.expected_prefix(s), p.inflight_tokens, p.inflight)
                                                  for p in prefill])
-        c.worker.add(s, now, self.routing.uncached(s.prompt, c))
+        c.worker.add(s, now, self.routing.uncached(s.prompt, c.cached_tokens))
 
     def finish(self, s: SimRequest, t: float) -> None:
         """`s`'s last token reaches the client at `t`; it no longer counts on its decode worker."""

@@ -216,7 +216,7 @@ class Orchestrator:
         the nearly least loaded), those in `avoid` last; wait (bounded) while all are full. `rid` is
         the request's id on the worker (a retry's differs). The ticket is None when the worker
         prefills the prompt itself (colocated, conditional disaggregation, or a local prefill)."""
-        ids = list(blocks.token_ids)
+        ids = blocks.token_ids
         role = "colocated" if self.mode == "colocated" else "decode"
         req = wk.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
                                 sampling=sampling_to_proto(params), token_ids=ids, run_prefill=self.mode == "colocated",
@@ -226,10 +226,10 @@ class Orchestrator:
         while True:
             tried: set[str] = set()
             full, failed, last = False, [], ""
-            while (w := self.pool.take(role, tried, avoid, prompt=blocks)) is not None:  # counted on w from here
+            while (taken := self.pool.take_for(role, blocks, tried, avoid)) is not None:  # counted on w from here
+                w, cached = taken.worker, taken.cached_tokens
                 tried.add(w.worker_id)
                 pending = 0
-                cached = self.pool.cached_tokens(w, blocks)
                 if self.mode != "colocated":
                     req.run_prefill = self.pool.policy.prefill_on_decode(len(ids), cached) or (
                         self.local_prefill.enabled and self.local_prefill.local(
@@ -338,7 +338,7 @@ class Orchestrator:
                         return "stop", msg
                 if chunk.finish_reason:
                     # its prompt and answer stay in the decode worker's prefix cache (a next turn's prefix)
-                    self.pool.index.expect(decode.worker_id, (run.prompt + run.tokens)[:-1])
+                    self.pool.index.expect(decode.worker_id, blocks.extended(run.tokens[offset:-1]))
                     return chunk.finish_reason, msg or gen.GenerateResponse(request_id=rid)
                 if msg is not None:
                     yield msg
@@ -359,17 +359,16 @@ class Orchestrator:
     def _prefill(self, active: ActiveRequest, rid: str, blocks: PromptBlocks, params: SamplingParams, offset: int,
                  ticket: wk.TransferTicket, deadline: float, avoid: set[str], decode: WorkerHandle,
                  ) -> wk.PrefillResponse:
-        taken = self.pool.take_prefill(blocks, avoid=avoid)
+        taken = self.pool.take_for("prefill", blocks, avoid=avoid)
         if taken is None:
             raise AttemptFailed("no healthy prefill worker", [])
-        prefill, counted = taken
-        ids = list(blocks.token_ids)
-        self.metrics.routed("prefill", len(ids), len(ids) - counted)
+        prefill, ids = taken.worker, blocks.token_ids
+        self.metrics.routed("prefill", len(ids), taken.cached_tokens)
         try:
             self._reached(active, prefill, rid)
             log.debug("prefill on %s (%d prompt tokens expected cached there, %d on the decode worker)",
-                      prefill.worker_id, len(ids) - counted, ticket.cached_tokens)
-            self.pool.index.expect(prefill.worker_id, ids)
+                      prefill.worker_id, taken.cached_tokens, ticket.cached_tokens)
+            self.pool.index.expect(prefill.worker_id, blocks)
             return prefill.stub.Prefill(
                 wk.PrefillRequest(request_id=rid, token_ids=ids, sampling=sampling_to_proto(params), ticket=ticket,
                                   resume_offset=offset),
@@ -380,7 +379,7 @@ class Orchestrator:
             raise self._failure(active, f"prefill on {prefill.worker_id} (KV to {decode.worker_id})", e,
                                 [prefill, decode], deadline) from None
         finally:
-            self.pool.release(prefill, counted)
+            self.pool.release(prefill, taken.counted_tokens)
 
     @staticmethod
     def _failure(active: ActiveRequest, what: str, e: grpc.RpcError, suspects: list[WorkerHandle],

@@ -9,23 +9,26 @@ steers routing. A worker confirms every hit by token ids before it serves one.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
-from engine.prefix_hash import block_hashes
+from engine.prefix_hash import extend_hashes
 from proto import worker_pb2 as wk
 
 
 class PromptBlocks:
-    """A prompt's block hashes, computed once per block size asked for."""
+    """A request's token ids and their block hashes, each computed once per block size asked for
+    (the decode worker's choice, the prefill worker's, the index's expectations reuse them)."""
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: list[int], by_size: dict[int, list[bytes]] | None = None) -> None:
         self.token_ids = token_ids
-        self._by_size: dict[int, list[bytes]] = {}
+        self._by_size = by_size or {}
 
     def hashes(self, block_size: int) -> list[bytes]:
-        if block_size not in self._by_size:
-            self._by_size[block_size] = block_hashes(self.token_ids, block_size)
-        return self._by_size[block_size]
+        return extend_hashes(self._by_size.setdefault(block_size, []), self.token_ids, block_size,
+                             len(self.token_ids) // block_size)
+
+    def extended(self, more: list[int]) -> PromptBlocks:
+        """These tokens followed by `more` (a prompt and its answer), keeping the hashes computed."""
+        return PromptBlocks(self.token_ids + more, {bs: list(h) for bs, h in self._by_size.items()})
 
 
 class PrefixIndex:
@@ -44,12 +47,12 @@ class PrefixIndex:
             held.difference_update(events.removed)
             self._block_size[worker_id] = events.block_size
 
-    def expect(self, worker_id: str, tokens: Sequence[int]) -> None:
-        """`tokens` will be in the worker's cache once computed (full blocks only)."""
+    def expect(self, worker_id: str, blocks: PromptBlocks) -> None:
+        """`blocks`' full blocks will be in the worker's cache once computed."""
         with self._lock:
             bs = self._block_size.get(worker_id)
             if bs:
-                self._held.setdefault(worker_id, set()).update(block_hashes(tokens, bs))
+                self._held.setdefault(worker_id, set()).update(blocks.hashes(bs))
 
     def forget(self, worker_id: str) -> None:
         """The worker is gone or restarted: nothing is known of its cache until its next snapshot."""
@@ -71,7 +74,3 @@ class PrefixIndex:
                     break
                 n += 1
             return n * bs
-
-    def size(self, worker_id: str) -> int:
-        with self._lock:
-            return len(self._held.get(worker_id, ()))

@@ -46,12 +46,13 @@ class RoutingPolicy:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
-    def uncached(self, prompt_tokens: int, c: Candidate) -> int:
-        """Prompt tokens `c` would have to compute (all of them when routing by load)."""
-        return prompt_tokens - (min(c.cached_tokens, prompt_tokens) if self.prefix_aware else 0)
+    def uncached(self, prompt_tokens: int, cached_tokens: int) -> int:
+        """Prompt tokens a worker expected to hold `cached_tokens` of them would have to compute
+        (all of them when routing by load)."""
+        return prompt_tokens - (min(cached_tokens, prompt_tokens) if self.prefix_aware else 0)
 
     def prefill_cost(self, prompt_tokens: int, c: Candidate) -> int:
-        return self.uncached(prompt_tokens, c) + c.queued_tokens
+        return self.uncached(prompt_tokens, c.cached_tokens) + c.queued_tokens
 
     def pick_prefill(self, prompt_tokens: int, candidates: Sequence[Candidate]) -> Candidate | None:
         if not candidates:
@@ -70,5 +71,5 @@ class RoutingPolicy:
     def prefill_on_decode(self, prompt_tokens: int, cached_tokens: int) -> bool:
         """Conditional disaggregation: does the decode worker, expected to hold `cached_tokens` of
         the prompt, prefill the part it lacks itself?"""
-        return (self.local_prefill_uncached_tokens > 0 and prompt_tokens - (
-            min(cached_tokens, prompt_tokens) if self.prefix_aware else 0) <= self.local_prefill_uncached_tokens)
+        limit = self.local_prefill_uncached_tokens
+        return limit > 0 and self.uncached(prompt_tokens, cached_tokens) <= limit

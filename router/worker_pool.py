@@ -48,6 +48,15 @@ class WorkerHandle:
     cache_cursor: int = 0  # where the prefix index stands in the worker's cache change list
 
 
+@dataclass(frozen=True)
+class Taken:
+    """A worker `WorkerPool.take_for` chose, and what it counted there."""
+
+    worker: WorkerHandle
+    cached_tokens: int  # leading prompt tokens its prefix cache is expected to hold
+    counted_tokens: int  # prompt tokens counted on it until `release`
+
+
 class WorkerPool:
     def __init__(self, stats_interval_s: float = 0.5, cluster_secret: str | None = None,
                  connect: Connect | None = None, policy: RoutingPolicy | None = None) -> None:
@@ -95,48 +104,44 @@ class WorkerPool:
             return [w for w in self._workers.values() if role is None or w.role == role]
 
     def take(self, role: str, exclude: set[str] = frozenset(), avoid: set[str] = frozenset(),
-             tokens: int = 0, prompt: PromptBlocks | None = None) -> WorkerHandle | None:
-        """The healthy worker of `role` not in `exclude` that the routing policy picks (those in
-        `avoid` only when no other is left), counted as carrying one more request (and `tokens`
-        prompt tokens) at once, in the same step as the choice and before any RPC to it: a request
-        that arrives while an earlier one still waits for its Reserve or Prefill then sees that
-        one's load instead of the same tie. `prompt`: the request's prompt, for the prefix caches.
+             tokens: int = 0) -> WorkerHandle | None:
+        """`take_for` with no prompt (load only), counted as carrying `tokens` prompt tokens."""
+        taken = self._take(role, None, exclude, avoid, tokens)
+        return taken.worker if taken is not None else None
+
+    def take_for(self, role: str, prompt: PromptBlocks, exclude: set[str] = frozenset(),
+                 avoid: set[str] = frozenset()) -> Taken | None:
+        """The healthy worker of `role` not in `exclude` that the routing policy picks for `prompt`
+        (those in `avoid` only when no other is left), counted as carrying one more request (and, a
+        prefill worker, the prompt tokens it is not expected to hold) at once, in the same step as
+        the choice and before any RPC to it: a request that arrives while an earlier one still
+        waits for its Reserve or Prefill then sees that one's load instead of the same tie.
         Prefill: by expected cost (uncached prompt tokens plus queued ones), then requests in
         flight; decode and colocated: the longest cached prefix among the nearly least loaded, then
         requests in flight, then the most free KV blocks (as of the last Stats poll); a tie left
-        after that goes to the first worker listed. The caller `release`s it, also when the RPC
-        fails."""
-        with self._lock:
-            w = self._pick(role, exclude | avoid, tokens, prompt) or self._pick(role, exclude, tokens, prompt)
-            if w is not None:
-                w.inflight += 1
-                w.inflight_tokens += tokens
-            return w
+        after that goes to the first worker listed. The caller `release`s it with
+        `Taken.counted_tokens`, also when the RPC fails."""
+        return self._take(role, prompt, exclude, avoid, 0)
 
-    def take_prefill(self, prompt: PromptBlocks, avoid: set[str] = frozenset()) -> tuple[WorkerHandle, int] | None:
-        """`take` a prefill worker for `prompt`, counted as carrying the prompt tokens it is not
-        expected to hold; returns it and that count (to `release` it with)."""
-        n = len(prompt.token_ids)
+    def _take(self, role: str, prompt: PromptBlocks | None, exclude: set[str], avoid: set[str],
+              tokens: int) -> Taken | None:
         with self._lock:
-            w = self._pick("prefill", set(avoid), n, prompt) or self._pick("prefill", set(), n, prompt)
-            if w is None:
+            c = self._pick(role, prompt, exclude | avoid, tokens) or self._pick(role, prompt, exclude, tokens)
+            if c is None:
                 return None
-            counted = n - self.index.cached_tokens(w.worker_id, prompt) if self.policy.prefix_aware else n
-            w.inflight += 1
-            w.inflight_tokens += counted
-            return w, counted
+            if prompt is not None and role == "prefill":
+                tokens = self.policy.uncached(len(prompt.token_ids), c.cached_tokens)
+            c.worker.inflight += 1
+            c.worker.inflight_tokens += tokens
+            return Taken(c.worker, c.cached_tokens, tokens)
 
-    def cached_tokens(self, w: WorkerHandle, prompt: PromptBlocks) -> int:
-        """Leading prompt tokens `w`'s prefix cache is expected to hold."""
-        return self.index.cached_tokens(w.worker_id, prompt)
-
-    def _pick(self, role: str, exclude: set[str], tokens: int, prompt: PromptBlocks | None) -> WorkerHandle | None:
-        workers = [w for w in self._workers.values() if w.role == role and w.healthy and w.worker_id not in exclude]
+    def _pick(self, role: str, prompt: PromptBlocks | None, exclude: set[str], tokens: int) -> Candidate | None:
         cands = [Candidate(w, self.index.cached_tokens(w.worker_id, prompt) if prompt is not None else 0,
-                           w.inflight_tokens, w.inflight, w.kv_blocks_free) for w in workers]
-        c = (self.policy.pick_prefill(len(prompt.token_ids) if prompt is not None else tokens, cands)
-             if role == "prefill" else self.policy.pick_decode(cands))
-        return c.worker if c is not None else None
+                           w.inflight_tokens, w.inflight, w.kv_blocks_free)
+                 for w in self._workers.values() if w.role == role and w.healthy and w.worker_id not in exclude]
+        if role != "prefill":
+            return self.policy.pick_decode(cands)
+        return self.policy.pick_prefill(len(prompt.token_ids) if prompt is not None else tokens, cands)
 
     def prefill_queued(self) -> int | None:
         """Prompt tokens queued on the least-loaded healthy prefill worker, with its share of those

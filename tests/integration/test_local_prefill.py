@@ -13,19 +13,8 @@ import pytest
 from engine.config import EngineConfig
 from pdcluster.client import Client
 from pdcluster.local_cluster import LocalCluster
-from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def path(checkpoint):
-    return str(checkpoint("llama-gqa"))
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    return hf_greedy(path)
 
 
 def _cluster(path: str, max_tokens: int):

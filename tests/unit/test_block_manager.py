@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import engine.block_manager as block_manager_module
+import engine.prefix_hash as prefix_hash
 from engine.block_manager import BlockManager
 from tests.unit.block_helpers import BS, allocated, assert_accounting, computed, make_seq
 
@@ -96,7 +96,7 @@ def test_no_hits_when_prefix_caching_disabled():
 
 
 def test_hash_collision_with_different_tokens_is_not_a_hit(monkeypatch):
-    monkeypatch.setattr(block_manager_module, "chain_hash", lambda prev, tokens: b"\x01" * 16)
+    monkeypatch.setattr(prefix_hash, "chain_hash", lambda prev, tokens: b"\x01" * 16)
     bm = BlockManager(16, BS)
     a = computed(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
     assert len(bm.hash_to_block) == 1  # every block hashes the same: one entry
@@ -107,7 +107,7 @@ def test_hash_collision_with_different_tokens_is_not_a_hit(monkeypatch):
 
 
 def test_hash_collision_with_equal_block_tokens_at_another_position_is_not_a_hit(monkeypatch):
-    monkeypatch.setattr(block_manager_module, "chain_hash", lambda prev, tokens: b"\x01" * 16)
+    monkeypatch.setattr(prefix_hash, "chain_hash", lambda prev, tokens: b"\x01" * 16)
     bm = BlockManager(16, BS)
     a = computed(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
     # Block 0 of b rightly hits a's block 0. Block 1 of b holds tokens 1 2 3 4 at positions 4..7

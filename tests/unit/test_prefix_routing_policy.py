@@ -7,7 +7,7 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.cache_events import CacheEvents
-from engine.prefix_hash import block_hashes, chain_hash
+from engine.prefix_hash import block_hashes, chain_hash, extend_hashes
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from proto import worker_pb2 as wk
@@ -100,16 +100,29 @@ def test_the_index_follows_a_block_managers_cache_including_late_evictions():
     assert index.cached_tokens("w", blocks) == 12  # not reported yet: the index is late, not wrong-footed
     index.apply("w", _events(bm.events.since(c.cursor)))
     assert index.cached_tokens("w", blocks) == 0
-    index.expect("w", prompt)  # sent there: expected before the worker reports it
+    index.expect("w", blocks)  # sent there: expected before the worker reports it
     assert index.cached_tokens("w", blocks) == 12
     index.forget("w")
-    assert index.cached_tokens("w", blocks) == 0 and index.size("w") == 0
+    assert index.cached_tokens("w", blocks) == 0
+    index.apply("w", _events(bm.events.since(0)))  # a snapshot replaces what was known
+    index.expect("w", PromptBlocks([9] * 8))  # not in the cache, only expected: gone with the next snapshot
+    index.apply("w", _events(bm.events.since(0)))
+    assert index.cached_tokens("w", PromptBlocks([9] * 9)) == 0
+
+
+def test_a_prompts_hashes_are_computed_once_and_grow_with_its_answer():
+    blocks = PromptBlocks(list(range(20)))
+    first = blocks.hashes(4)
+    assert blocks.hashes(4) is first and len(first) == 5
+    longer = blocks.extended([20, 21, 22, 23])
+    assert longer.hashes(4) == block_hashes(list(range(24)), 4) and len(first) == 5  # the original is kept
 
 
 def test_hashes_are_the_block_managers():
     ids = list(range(40))
     assert block_hashes(ids, 16) == [chain_hash(None, ids[:16]), chain_hash(chain_hash(None, ids[:16]), ids[16:32])]
-    assert block_hashes(ids, 16, 1) == block_hashes(ids, 16)[:1]
+    grown = extend_hashes(block_hashes(ids[:16], 16), ids, 16, 2)  # a sequence's hashes grow as it does
+    assert grown == block_hashes(ids, 16) and extend_hashes(list(grown), ids, 16, 1) == grown
 
 
 def test_status_shows_each_workers_hit_rate():

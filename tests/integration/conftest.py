@@ -1,0 +1,21 @@
+"""Fixtures shared by the integration tests that compare a cluster's output with transformers'."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tests.reference import hf_greedy
+
+
+@pytest.fixture(scope="session")
+def path(checkpoint) -> str:
+    """The GQA parity checkpoint (a module that needs another one defines its own `path`)."""
+    return str(checkpoint("llama-gqa"))
+
+
+@pytest.fixture(scope="session")
+def reference(path: str) -> Callable[[list[int], int], list[int]]:
+    """`reference(ids, n)`: transformers' greedy tokens after `ids` on `path`."""
+    return hf_greedy(path)
