@@ -18,8 +18,10 @@ thread per engine, all on the same two cores):
 Each part is one `pdcluster bench serve` run over both endpoints, interleaved per rate, repeated
 `--repeats` times with fresh prompts (no cache carries from one repeat or rate to the next):
 
-  mooncake  the Mooncake conversation trace's first rows (real hash_ids: requests that share
-            leading blocks share prompt text), lengths scaled to fit, a sweep of Poisson rates.
+  mooncake  the Mooncake conversation trace (real hash_ids: requests that share leading blocks
+            share prompt text): a seeded sample of whole conversations cut at --num-requests rows
+            (`--mooncake-sample conversations`, the default; the trace's first rows hold few
+            continued conversations), lengths scaled to fit, a sweep of Poisson rates.
             Prefix-cache hit tokens (prompt tokens a worker did not compute: the prefill workers',
             and the decode worker's own prefills') against the bound of an infinite cache shared by
             every worker on the same requests; TTFT p50; the highest rate meeting the SLO.
@@ -85,8 +87,10 @@ def part_args(part: str, args: argparse.Namespace, repeat: int) -> list[str]:
                 f"fixed:{args.message}", "--output-len", f"fixed:{args.output}", "--think-time",
                 f"fixed:{args.think_s}", "--rates", args.chat_rates, *common]
     trace = "mooncake-conv" if part == "mooncake" else "azure-conv"
+    sample = (["--sample-seed", str(args.sample_seed), "--sample-unit", "conversations"]
+              if part == "mooncake" and args.mooncake_sample == "conversations" else [])
     return ["--workload", trace, "--num-requests", str(args.num_requests), "--rates", args.rates,
-            "--max-context", str(args.max_context), "--max-output", str(args.max_output), *common]
+            "--max-context", str(args.max_context), "--max-output", str(args.max_output), *sample, *common]
 
 
 # ------------------------------------------------------------------------------------- analysis
@@ -221,7 +225,9 @@ def workload_prompts(args: argparse.Namespace) -> list[list[int]]:
     from loadgen.workload import WorkloadConfig, load_workload
 
     tok = load_tokenizer(args.model)
-    w = load_workload(WorkloadConfig("mooncake-conv", args.num_requests, max_context=args.max_context,
+    by_conv = args.mooncake_sample == "conversations"
+    w = load_workload(WorkloadConfig("mooncake-conv", args.num_requests, args.sample_seed if by_conv else None,
+                                     "conversations" if by_conv else "rows", max_context=args.max_context,
                                      max_output=args.max_output, seed=1), tok)
     return [tok.encode(r.prompt) for r in w.requests]
 
@@ -234,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="builtin:tiny-llama")
     p.add_argument("--local-prefill-uncached-tokens", type=int, default=256, help="kv-aware's threshold")
     p.add_argument("--rates", default="2,4,6", help="mooncake and azure: Poisson rates, requests/s")
-    p.add_argument("--num-requests", type=int, default=300, help="mooncake and azure: the trace's first rows")
+    p.add_argument("--num-requests", type=int, default=300, help="mooncake and azure: trace rows per run")
+    p.add_argument("--mooncake-sample", choices=("conversations", "first-rows"), default="conversations",
+                   help="mooncake: a seeded sample of whole conversations (keeps their reuse) or the first rows")
+    p.add_argument("--sample-seed", type=int, default=0, help="mooncake: the conversation sample's seed")
     p.add_argument("--max-context", type=int, default=4000,
                    help="trace lengths scaled to fit this (Mooncake's 512-token block becomes ~17 tokens: one "
                         "16-token KV block, so shared leading blocks stay shared)")

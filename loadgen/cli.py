@@ -43,7 +43,7 @@ from loadgen.metrics import SLO, summarize
 from loadgen.report import RunReport, failure_lines, run_notes, text_table, write_all
 from loadgen.runner import RunResult, run
 from loadgen.server_counters import counted
-from loadgen.workload import NAMED, Workload, WorkloadConfig, load_workload
+from loadgen.workload import NAMED, SAMPLE_UNITS, Workload, WorkloadConfig, load_workload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--num-requests", type=int, default=100, help="requests per run (the request count limit)")
     w.add_argument("--sample-seed", type=int, default=None,
                    help="a seeded random sample of trace rows (in trace order) instead of the first rows")
+    w.add_argument("--sample-unit", choices=SAMPLE_UNITS, default="rows",
+                   help="with --sample-seed: sample rows, or (a Mooncake trace) whole conversations, cut at "
+                        "--num-requests rows (keeps each conversation's prefix reuse)")
     w.add_argument("--synthetic-input", default="lognormal:512:0.5",
                    help="synthetic prompt lengths: fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA")
     w.add_argument("--synthetic-output", default="lognormal:128:0.5", help="synthetic output lengths (same)")
@@ -229,9 +232,9 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
             return run_conversations(convs, arrivals[rate].offsets, e, e.model or "", args.time_limit_s, maker,
                                      on_done, rate, arrivals[rate].description)
     else:
-        wcfg = WorkloadConfig(args.workload, args.num_requests, args.sample_seed, args.scale_lengths,
-                              args.max_context, args.max_output, args.seed, args.synthetic_input,
-                              args.synthetic_output)
+        wcfg = WorkloadConfig(args.workload, args.num_requests, args.sample_seed, args.sample_unit,
+                              args.scale_lengths, args.max_context, args.max_output, args.seed,
+                              args.synthetic_input, args.synthetic_output)
         workload = load_workload(wcfg, tokenizer, args.tokenizer)
         # per rate: the same requests, or (--fresh-prompts) the same lengths with texts of their own
         requests = {rate: workload.requests if not salts[rate] else load_workload(

@@ -11,12 +11,8 @@ answer's `token_ids` + the new message's ids, so the history is reused exactly (
 tokenizer does not give back the same ids for the decoded text of arbitrary ids). Without one,
 prompts are text: the prompt's text + the answer's text + the message's text (approximate lengths).
 
-From a trace: a Mooncake request continues an earlier one when its hash_ids start with the earlier
-request's *full* blocks (all its ids but the last, whose block is partial unless its input length is
-a multiple of 512: the next turn fills that block, which gives it another hash) and those are at
-least two blocks (the first block is a system prompt that every request of the conversation trace
-shares). The longest such prefix wins, and of the requests holding it the latest. A request is
-continued once; a second continuation starts a conversation of its own (the trace's branches).
+From a trace: its requests are grouped into conversations by hash_ids (workload.trace_conversations:
+a request continues an earlier one whose full blocks its prompt starts with).
 Turn k's message is input_k - (input_{k-1} + output_{k-1}) tokens (at least 1).
 """
 
@@ -38,6 +34,7 @@ from loadgen.workload import (
     read_trace,
     resolve_source,
     spec_numbers,
+    trace_conversations,
 )
 
 PREFIX = "multiturn"  # --workload multiturn (from flags) | multiturn:TRACE (a Mooncake trace's conversations)
@@ -136,28 +133,6 @@ class ConversationWorkload(Workload):
                      "prompts    text (no --tokenizer): the history is the previous prompt's text + the answer's "
                      "text, lengths approximate")
         return lines + [f"note       {n}" for n in self.notes]
-
-
-def grouped(rows: list[TraceRow], block: int = MOONCAKE_BLOCK) -> list[list[int]]:
-    """Row indices of each conversation, conversations in the order of their first row (module doc)."""
-    owner: dict[tuple[int, ...], int] = {}  # full-block prefix of a row -> that row
-    taken: set[int] = set()
-    conv_of: list[int] = []
-    convs: list[list[int]] = []
-    for j, r in enumerate(rows):
-        h = tuple(r.hash_ids or ())
-        parent = next((owner[h[:k]] for k in range(len(h), 1, -1) if h[:k] in owner), None)
-        if parent is not None and parent not in taken:
-            taken.add(parent)
-            conv_of.append(conv_of[parent])
-            convs[conv_of[parent]].append(j)
-        else:
-            conv_of.append(len(convs))
-            convs.append([j])
-        full = len(h) if r.input_len % block == 0 else len(h) - 1
-        if full >= 2:
-            owner[h[:full]] = j
-    return convs
 
 
 def trace_turns(rows: list[TraceRow], members: list[int], think: ThinkTime, rng: random.Random,
@@ -292,7 +267,7 @@ def _from_trace(cfg: ConversationConfig, think: ThinkTime,
         raise ValueError(f"--workload {cfg.source}: conversations come from a Mooncake .jsonl trace (its hash_ids "
                          f"link the turns); {cfg.trace!r} is not one")
     rows = list(it)
-    groups = [g for g in grouped(rows) if len(g) >= cfg.min_turns]
+    groups = [g for g in trace_conversations(rows) if len(g) >= cfg.min_turns]
     if len(groups) < cfg.conversations:
         raise ValueError(f"the trace has only {len(groups)} conversations of at least --min-turns "
                          f"{cfg.min_turns} turns, {cfg.conversations} requested")

@@ -9,7 +9,11 @@ Sources
                      ids share that prompt prefix.
     synthetic        prompt and output lengths drawn from fixed:N, uniform:LO:HI or lognormal:MEDIAN:SIGMA.
 
-Selection: the first N rows, or a seeded random sample of N rows kept in trace order (`sample_seed`).
+Selection: the first N rows, or a seeded random sample of N rows kept in trace order (`sample_seed`),
+or (`sample_unit="conversations"`, Mooncake) a seeded sample of whole conversations: conversations
+drawn at random until they hold N rows, their rows in trace order. A window of the first rows holds
+few continued conversations (their turns are minutes apart); sampling conversations keeps each one's
+reuse, so a short replay sees the whole trace's share of repeated blocks.
 Lengths are then scaled (scaling.py) and prompts built (prompts.py).
 """
 
@@ -110,6 +114,7 @@ class WorkloadConfig:
     source: str  # a name in NAMED, "synthetic", or a path to a .csv / .jsonl trace
     num_requests: int
     sample_seed: int | None = None  # None: the first rows
+    sample_unit: str = "rows"  # rows | conversations (Mooncake: whole conversations, needs sample_seed)
     scale_lengths: float | None = None
     max_context: int | None = None
     max_output: int | None = None
@@ -203,16 +208,62 @@ def read_trace(path: Path) -> tuple[str, Iterator[TraceRow]]:
     raise ValueError(f"{path}: unknown trace format (want .csv Azure or .jsonl Mooncake)")
 
 
-def select_rows(rows: Iterator[TraceRow], n: int, sample_seed: int | None) -> list[TraceRow]:
-    """The first n rows, or a seeded sample of n rows in trace order; offsets restart at the first one."""
+SAMPLE_UNITS = ("rows", "conversations")
+
+
+def select_rows(rows: Iterator[TraceRow], n: int, sample_seed: int | None,
+                unit: str = "rows") -> list[TraceRow]:
+    """The first n rows, or a seeded sample of n rows (or of whole conversations, cut at n rows) in
+    trace order; offsets restart at the first one."""
+    if unit not in SAMPLE_UNITS:
+        raise ValueError(f"sample unit {unit!r}: want one of {', '.join(SAMPLE_UNITS)}")
+    if unit == "conversations" and sample_seed is None:
+        raise ValueError("sampling conversations needs a sample seed (--sample-seed)")
     picked = list(islice(rows, n)) if sample_seed is None else list(rows)
     if sample_seed is not None and n < len(picked):
-        idx = sorted(random.Random(sample_seed).sample(range(len(picked)), n))
+        if unit == "rows":
+            idx = sorted(random.Random(sample_seed).sample(range(len(picked)), n))
+        else:
+            convs = trace_conversations(picked)
+            random.Random(sample_seed).shuffle(convs)
+            idx = []
+            for c in convs:
+                if len(idx) >= n:
+                    break
+                idx += c
+            idx = sorted(idx)[:n]
         picked = [picked[i] for i in idx]
     if len(picked) < n:
         raise ValueError(f"the trace has only {len(picked)} rows, {n} requested")
     t0 = picked[0].timestamp_s if picked else 0.0
     return [TraceRow(r.timestamp_s - t0, r.input_len, r.output_len, r.hash_ids) for r in picked]
+
+
+def trace_conversations(rows: list[TraceRow], block: int = MOONCAKE_BLOCK) -> list[list[int]]:
+    """Row indices of each conversation of a Mooncake trace, conversations in the order of their
+    first row. A row continues an earlier one when its hash_ids start with the earlier row's full
+    blocks (all its ids but the last, whose block is partial unless its input length is a multiple
+    of the block) and those are at least two (the first block is a system prompt every request of
+    the conversation trace shares). The longest such prefix wins, and of the rows holding it the
+    latest. A row is continued once; a second continuation starts a conversation of its own."""
+    owner: dict[tuple[int, ...], int] = {}  # full-block prefix of a row -> that row
+    taken: set[int] = set()
+    conv_of: list[int] = []
+    convs: list[list[int]] = []
+    for j, r in enumerate(rows):
+        h = tuple(r.hash_ids or ())
+        parent = next((owner[h[:k]] for k in range(len(h), 1, -1) if h[:k] in owner), None)
+        if parent is not None and parent not in taken:
+            taken.add(parent)
+            conv_of.append(conv_of[parent])
+            convs[conv_of[parent]].append(j)
+        else:
+            conv_of.append(len(convs))
+            convs.append([j])
+        full = len(h) if r.input_len % block == 0 else len(h) - 1
+        if full >= 2:
+            owner[h[:full]] = j
+    return convs
 
 
 def mooncake_segments(hash_ids: list[int], prompt_len: int, block: int) -> list[tuple[str, int]]:
@@ -236,9 +287,11 @@ def load_workload(cfg: WorkloadConfig, tokenizer: Any | None = None,
         kind, selection = "synthetic", f"prompt {din}, output {dout} (seed {cfg.seed})"
     else:
         kind, it = read_trace(path)
-        rows = select_rows(it, cfg.num_requests, cfg.sample_seed)
+        if cfg.sample_unit == "conversations" and kind != "mooncake":
+            raise ValueError("sampling conversations needs a Mooncake trace (hash_ids)")
+        rows = select_rows(it, cfg.num_requests, cfg.sample_seed, cfg.sample_unit)
         selection = ("first rows" if cfg.sample_seed is None
-                     else f"seeded sample in trace order (seed {cfg.sample_seed})")
+                     else f"seeded sample of {cfg.sample_unit} in trace order (seed {cfg.sample_seed})")
     pairs = [(r.input_len, r.output_len) for r in rows]
     factor, rule = choose_factor(pairs, cfg.max_context, cfg.scale_lengths)
     prompts, outputs = scale_lengths(pairs, factor, cfg.max_output, cfg.max_context)

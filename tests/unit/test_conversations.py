@@ -19,12 +19,12 @@ from loadgen.conversations import (
     MessageMaker,
     ThinkTime,
     Turn,
-    grouped,
     load_conversations,
     synthetic_conversations,
     trace_turns,
 )
 from loadgen.metrics import summarize
+from loadgen.workload import trace_conversations
 from loadgen.report import RunReport, markdown, result_json, text_table
 from loadgen.runner import RunResult
 from loadgen.sse import parse_chunk
@@ -105,7 +105,7 @@ def test_trace_requests_are_grouped_by_their_full_blocks():
             _row(9, 2600, 30, [0, 1, 2, 3, 6]),  # row 2's blocks (all four full): its third turn
             _row(10, 1300, 30, [0, 8, 9]),  # row 3's full blocks (0, 8): its second turn
             _row(11, 1500, 30, [0, 1, 4, 5])]  # (0, 1): the latest request holding them is row 4
-    assert grouped(rows) == [[0, 2, 5], [1], [3, 6], [4, 7]]
+    assert trace_conversations(rows) == [[0, 2, 5], [1], [3, 6], [4, 7]]
 
 
 def test_trace_turns_take_lengths_and_gaps_from_the_rows():

@@ -53,11 +53,16 @@ def test_medians_over_repeats_and_ratios_against_routing_by_load():
 def test_each_part_drives_its_workload_and_each_repeat_its_own_prompts():
     args = argparse.Namespace(model="builtin:tiny-llama", time_limit_s=60.0, conversations=4, turns=3, first_prompt=512,
                               message=32, output=16, think_s=0.5, chat_rates="1,2", num_requests=50, rates="1,2",
-                              max_context=4000, max_output=32)
+                              max_context=4000, max_output=32, mooncake_sample="conversations", sample_seed=7)
     chat = part_args("chat", args, 1)
     assert chat[:2] == ["--workload", "multiturn"] and "--seed" in chat and chat[chat.index("--seed") + 1] == "101"
-    assert part_args("mooncake", args, 0)[:2] == ["--workload", "mooncake-conv"]
-    assert part_args("azure", args, 0)[:2] == ["--workload", "azure-conv"]
+    mooncake = part_args("mooncake", args, 0)
+    assert mooncake[:2] == ["--workload", "mooncake-conv"] and "--sample-unit" in mooncake
+    assert mooncake[mooncake.index("--sample-seed") + 1] == "7"
+    azure = part_args("azure", args, 0)
+    assert azure[:2] == ["--workload", "azure-conv"] and "--sample-unit" not in azure
+    args.mooncake_sample = "first-rows"
+    assert "--sample-unit" not in part_args("mooncake", args, 0)
 
 
 def test_unknown_parts_or_systems_are_refused(capsys):

@@ -97,6 +97,38 @@ def test_a_seeded_sample_is_reproducible_and_in_trace_order():
     assert [r.prompt for r in a.requests] == [r.prompt for r in b.requests]
 
 
+def test_sampling_conversations_keeps_each_conversations_turns(tmp_path):
+    f = tmp_path / "t.jsonl"  # conversations A (rows 0, 2, 4), B (1, 3), C (5): full 512-token blocks
+    rows = [(0, [0, 1, 2]), (1, [0, 7, 8]), (2, [0, 1, 2, 3]), (3, [0, 7, 8, 9]), (4, [0, 1, 2, 3, 4]),
+            (5, [0, 5, 6])]
+    f.write_text("\n".join(json.dumps({"timestamp": t * 1000, "input_length": 512 * len(h), "output_length": 4,
+                                        "hash_ids": h}) for t, h in rows) + "\n")
+    conv = {0: "A", 2: "A", 4: "A", 1: "B", 3: "B", 5: "C"}
+    for seed in range(6):
+        w = load_workload(WorkloadConfig(str(f), 5, sample_seed=seed, sample_unit="conversations"))
+        picked = [rows[[h for _, h in rows].index(r.hash_ids)][0] for r in w.requests]
+        assert picked == sorted(picked) and len(picked) == 5  # trace order, cut at the requested rows
+        cut = [c for c in "ABC" if 0 < sum(conv[i] == c for i in picked) < list(conv.values()).count(c)]
+        assert len(cut) <= 1  # conversations come whole; only the last one drawn may be cut
+    with pytest.raises(ValueError, match="needs a sample seed"):
+        load_workload(WorkloadConfig(str(f), 2, sample_unit="conversations"))
+    with pytest.raises(ValueError, match="needs a Mooncake trace"):
+        load_workload(WorkloadConfig("azure-conv", 2, sample_seed=1, sample_unit="conversations"))
+
+
+def test_a_conversation_sample_of_the_mooncake_trace_repeats_more_than_its_first_rows():
+    def repeated(w: object) -> float:
+        seen, hit, total = set(), 0, 0
+        for r in w.requests:
+            hit += sum(h in seen for h in r.hash_ids)
+            total += len(r.hash_ids)
+            seen.update(r.hash_ids)
+        return hit / total
+    first = repeated(load_workload(WorkloadConfig("mooncake-conv", 200)))
+    sampled = repeated(load_workload(WorkloadConfig("mooncake-conv", 200, sample_seed=0, sample_unit="conversations")))
+    assert first < 0.1 and sampled > 0.25  # the whole trace: 37% of blocks repeat an earlier request's
+
+
 def test_synthetic_length_distributions():
     assert LengthDist.parse("fixed:7").sample(None) == 7  # type: ignore[arg-type]
     w = load_workload(WorkloadConfig("synthetic", 400, synthetic_input="uniform:10:20",
