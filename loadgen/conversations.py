@@ -26,7 +26,6 @@ from typing import Any
 from loadgen.prompts import PromptBuilder
 from loadgen.scaling import LengthStats, Scaling, choose_factor
 from loadgen.workload import (
-    MOONCAKE_BLOCK,
     LengthDist,
     Request,
     TraceRow,

@@ -24,11 +24,10 @@ from loadgen.conversations import (
     trace_turns,
 )
 from loadgen.metrics import summarize
-from loadgen.workload import trace_conversations
 from loadgen.report import RunReport, markdown, result_json, text_table
 from loadgen.runner import RunResult
 from loadgen.sse import parse_chunk
-from loadgen.workload import LengthDist, TraceRow
+from loadgen.workload import LengthDist, TraceRow, trace_conversations
 
 TOKENIZER = "builtin:tiny-llama"
 
