@@ -13,7 +13,8 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str] | None = None,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_ids[-6:])  # a little context so word boundaries decode right
         self.prefix_offset = 0
@@ -23,6 +24,10 @@ class IncrementalDetokenizer:
         self._held = max((len(s) for s in self.stop), default=1) - 1  # chars a stop string could still claim
         self._emitted = 0
         self.stopped = False
+        # stop strings are matched only in the text of completion tokens after the first min_tokens
+        self.min_tokens = min_tokens
+        self._added = 0
+        self._stop_floor = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -32,6 +37,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.append(token_id)
+        self._added += 1
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
@@ -40,8 +46,11 @@ class IncrementalDetokenizer:
         return self._release(final=False)
 
     def _release(self, final: bool) -> str:
-        search_from = max(0, self._emitted - self._held)
-        hits = [at for at in (self.text.find(s, search_from) for s in self.stop) if at != -1]
+        if self._added <= self.min_tokens:
+            self._stop_floor = len(self.text)
+        search_from = max(self._stop_floor, self._emitted - self._held)
+        hits = [] if self._added <= self.min_tokens else [
+            at for at in (self.text.find(s, search_from) for s in self.stop) if at != -1]
         if hits:  # the earliest stop string wins; it and everything after it are dropped
             self.text = self.text[: min(hits)]
             self.stopped = True

@@ -210,5 +210,6 @@ class Engine:
         hook = hook_factory(batch) if hook_factory is not None else None
         logits = self.runner.run(batch, hook)
         completing = [item.seq for item in batch if item.completes]
-        tokens, logprobs = self.sampler(logits, [s.params for s in completing], [s.sample_index for s in completing])
+        tokens, logprobs = self.sampler(logits, [s.params for s in completing], [s.sample_index for s in completing],
+                                        completing)
         return self.scheduler.postprocess(batch, tokens, logprobs)

@@ -1,9 +1,13 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, top-n logprobs."""
+"""Token sampling: the logits adjustments (logits_processors.py), then greedy, temperature, top-k,
+top-p, per-request seeds; top-n logprobs of the raw logits."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 import torch
 
+from engine.logits_processors import History, adjust_logits
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 
@@ -28,7 +32,11 @@ class Sampler:
         logits: torch.Tensor,  # (n, vocab) float32
         params: list[SamplingParams],
         steps: list[int],  # index of the token being sampled for each row (0 = first output token)
+        histories: Seq[History] | None = None,  # each row's tokens so far (penalties, min_tokens)
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        raw = logits
+        if histories is not None:
+            logits = adjust_logits(logits, params, steps, histories)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
@@ -47,7 +55,7 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
-            lp = torch.log_softmax(logits[want], dim=-1)
+            lp = torch.log_softmax(raw[want], dim=-1)
             for j, i in enumerate(want):
                 n = params[i].logprobs or 0
                 top_v, top_i = lp[j].topk(n) if n else (lp[j][:0], lp[j][:0].long())

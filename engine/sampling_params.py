@@ -24,6 +24,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token; None = off
+    # logits adjustments (engine/logits_processors.py; vLLM's semantics)
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    min_tokens: int = 0  # no EOS / stop token / stop string before this many completion tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -40,6 +46,22 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # also refuses NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for tok, bias in self.logit_bias.items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                raise ValueError(f"logit_bias: token ids must be integers >= 0, got {tok!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

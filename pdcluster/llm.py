@@ -150,7 +150,7 @@ class LLM:
             outputs.append(out)
             if p.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, p.stop) if self.tokenizer else None)
+            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, p.stop, p.min_tokens) if self.tokenizer else None)
         bar = tqdm(total=len(outputs), desc="generate", disable=not use_tqdm)
         run = GenerateRun(outputs, detoks, bar, self._abort)
         try:

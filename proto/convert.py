@@ -18,9 +18,11 @@ from proto import worker_pb2 as wk
 def sampling_from_proto(msg: gen.SamplingParams) -> SamplingParams:
     """Unset fields take the engine defaults. Raises ValueError naming a bad field."""
     kwargs: dict = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    kwargs["logit_bias"] = dict(msg.logit_bias)
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
@@ -36,6 +38,11 @@ def sampling_to_proto(p: SamplingParams) -> gen.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                      ("min_tokens", 0)):
+        if getattr(p, name) != off:
+            setattr(msg, name, getattr(p, name))
+    msg.logit_bias.update(p.logit_bias)
     return msg
 
 

@@ -28,10 +28,6 @@ def _zero(v: Any) -> bool:
 
 # Accepted only at their neutral value (anything else would be silently ignored, so it is refused).
 NEUTRAL_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "presence_penalty": (_zero, "0"),
-    "frequency_penalty": (_zero, "0"),
-    "repetition_penalty": (lambda v: v is None or (type(v) in (int, float) and v == 1), "1"),
-    "logit_bias": (lambda v: v is None or v == {}, "null or {}"),
     "tools": (lambda v: v is None or v == [], "null or []"),
     "functions": (lambda v: v is None or v == [], "null or []"),
     "tool_choice": (lambda v: v is None or v == "none", "null or 'none'"),
@@ -49,9 +45,10 @@ NEUTRAL_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
-                           "stop", "logprobs",
-                           "top_k", "ignore_eos", "stop_token_ids",  # these four: vLLM-style extensions
-                           "return_token_ids"})
+                           "stop", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+                           # vLLM's extensions
+                           "top_k", "ignore_eos", "stop_token_ids", "return_token_ids", "repetition_penalty",
+                           "min_tokens"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -210,6 +207,13 @@ def _common(body: dict[str, Any], served_model: str, chat: bool) -> OpenAIReques
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t <= _U32 for t in ids):
             raise bad("stop_token_ids", "expected a list of token ids (integers >= 0)")
         s.stop_token_ids.extend(ids)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if body.get(name) is not None:
+            setattr(s, name, _float(name, body[name]))
+    if body.get("min_tokens") is not None:
+        s.min_tokens = _int("min_tokens", body["min_tokens"], 0, _U32)
+    if body.get("logit_bias") is not None:
+        s.logit_bias.update(_logit_bias(body["logit_bias"]))
     if body.get("ignore_eos") is not None:
         s.ignore_eos = _bool("ignore_eos", body["ignore_eos"])
     if body.get("return_token_ids") is not None:
@@ -270,6 +274,19 @@ def _float(name: str, v: Any) -> float:
     return float(v)
 
 
+def _logit_bias(v: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings), biases in [-100, 100]."""
+    if not isinstance(v, dict):
+        raise bad("logit_bias", f"expected an object mapping token ids to biases, got {type(v).__name__}")
+    out = {}
+    for k, bias in v.items():
+        tok = k if type(k) is int else int(k) if isinstance(k, str) and k.isdigit() else None
+        if tok is None or tok > _U32:
+            raise bad("logit_bias", f"key {k!r} is not a token id (an integer >= 0)")
+        out[tok] = _float("logit_bias", bias)
+    return out
+
+
 def _bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise bad(name, f"expected true or false, got {v!r}")
@@ -291,7 +308,8 @@ _GRPC_STATUS: dict[str, tuple[int, str, str | None]] = {
     "CANCELLED": (499, "invalid_request_error", "request_cancelled"),
 }
 _SAMPLING_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-                   "logprobs")
+                   "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "min_tokens")
 
 
 def grpc_error(code: str, details: str, req: OpenAIRequest | None = None,

@@ -31,7 +31,7 @@ from common.logs import request_context
 from engine.builtin_model import resolve_model_path
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.request_checks import resolve_max_model_len, validate_request
+from engine.request_checks import resolve_max_model_len, validate_request, validate_sampling
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from proto import generate_pb2 as gen
@@ -183,6 +183,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
             ids = list(request.token_ids.ids)
         try:
             params = sampling_from_proto(request.sampling)
+            validate_sampling(params, self.model_cfg.vocab_size)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}") from None
         stop = request.sampling.stop
@@ -269,7 +270,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         """The orchestrator's messages, detokenized here, then the final message with the finish
         reason, usage and timing breakdown."""
         run = Progress(ids, params)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer else None
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.min_tokens) if self.tokenizer else None
         output = functools.partial(self._chunk, active.request_id, detok=detok)
         finish, final = yield from self.orchestrator.run(active, run, output, arrival, deadline)
         timing = run.timing

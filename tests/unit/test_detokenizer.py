@@ -227,3 +227,13 @@ def test_no_stop_strings_hold_nothing_back(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [])
     out = "".join(feed(detok, encode(tokenizer, "plain text")))
     assert out == "plain text" and detok.flush() == ""
+
+
+def test_no_stop_string_matches_in_the_first_min_tokens_tokens(tokenizer):
+    ids = encode(tokenizer, "fox and fox again")
+    first = len(encode(tokenizer, "fox"))
+    detok = IncrementalDetokenizer(tokenizer, [], ["fox"], min_tokens=first)
+    text = "".join(detok.add(t) for t in ids)
+    assert detok.stopped and text == "fox and "  # the first "fox" is inside min_tokens: not a stop
+    plain = IncrementalDetokenizer(tokenizer, [], ["fox"])
+    assert "".join(plain.add(t) for t in ids) == "" and plain.stopped

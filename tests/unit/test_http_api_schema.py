@@ -44,6 +44,16 @@ def test_completion_maps_to_the_grpc_request():
     assert req.stream and req.include_usage and req.logprobs and not req.chat
 
 
+def test_penalties_logit_bias_and_min_tokens_map_to_the_grpc_request():
+    body = {"prompt": "Hi", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.25,
+            "logit_bias": {"5": -100, "7": 2.5}, "min_tokens": 3}
+    s = parse_completion(body, MODEL).grpc.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, -1.0, 1.25, 3)
+    assert dict(s.logit_bias) == {5: -100.0, 7: 2.5}
+    c = _chat(**{k: v for k, v in body.items() if k != "prompt"}).grpc.sampling
+    assert dict(c.logit_bias) == {5: -100.0, 7: 2.5} and c.min_tokens == 3
+
+
 def test_unset_fields_stay_unset_for_the_router_defaults():
     s = parse_completion({"prompt": "Hello", "logprobs": False, "temperature": None}, MODEL).grpc.sampling
     assert not any(s.HasField(f) for f in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"))
@@ -72,9 +82,12 @@ def test_prompt_forms(prompt, text, ids):
     ({"prompt": "a", "n": 2}, "n", "2 is not supported"),
     ({"prompt": "a", "best_of": 3}, "best_of", "not supported"),
     ({"prompt": "a", "echo": True}, "echo", "not supported"),
-    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"prompt": "a", "frequency_penalty": 1}, "frequency_penalty", "not supported"),
-    ({"prompt": "a", "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    ({"prompt": "a", "presence_penalty": "high"}, "presence_penalty", "number"),
+    ({"prompt": "a", "frequency_penalty": float("nan")}, "frequency_penalty", "number"),
+    ({"prompt": "a", "logit_bias": [5, 1]}, "logit_bias", "object"),
+    ({"prompt": "a", "logit_bias": {"x5": 1}}, "logit_bias", "token id"),
+    ({"prompt": "a", "logit_bias": {"5": "up"}}, "logit_bias", "number"),
+    ({"prompt": "a", "min_tokens": -1}, "min_tokens", "integer"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens", "integer"),
     ({"prompt": "a", "max_tokens": "8"}, "max_tokens", "integer"),
     ({"prompt": "a", "temperature": "hot"}, "temperature", "number"),
