@@ -46,11 +46,11 @@ class IncrementalDetokenizer:
         return self._release(final=False)
 
     def _release(self, final: bool) -> str:
-        if self._added <= self.min_tokens:
-            self._stop_floor = len(self.text)
-        search_from = max(self._stop_floor, self._emitted - self._held)
-        hits = [] if self._added <= self.min_tokens else [
-            at for at in (self.text.find(s, search_from) for s in self.stop) if at != -1]
+        if self._added <= self.min_tokens:  # no stop yet, and none later in the text so far
+            self._stop_floor, hits = len(self.text), []
+        else:
+            search_from = max(self._stop_floor, self._emitted - self._held)
+            hits = [at for at in (self.text.find(s, search_from) for s in self.stop) if at != -1]
         if hits:  # the earliest stop string wins; it and everything after it are dropped
             self.text = self.text[: min(hits)]
             self.stopped = True

@@ -230,8 +230,8 @@ def select_rows(rows: Iterator[TraceRow], n: int, sample_seed: int | None,
             for c in convs:
                 if len(idx) >= n:
                     break
-                idx += c
-            idx = sorted(idx)[:n]
+                idx += c[: n - len(idx)]  # only the last one drawn is cut, keeping its first turns
+            idx.sort()
         picked = [picked[i] for i in idx]
     if len(picked) < n:
         raise ValueError(f"the trace has only {len(picked)} rows, {n} requested")

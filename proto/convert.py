@@ -38,10 +38,8 @@ def sampling_to_proto(p: SamplingParams) -> gen.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
-    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                      ("min_tokens", 0)):
-        if getattr(p, name) != off:
-            setattr(msg, name, getattr(p, name))
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        setattr(msg, name, getattr(p, name))
     msg.logit_bias.update(p.logit_bias)
     return msg
 

@@ -74,8 +74,12 @@ def test_the_cluster_equals_the_offline_engine(path, offline, backend):
     kv = {"kv_backend": backend}
     with LocalCluster(cfg, 1, 1, prefill={"kv_timeout_s": 10.0, **kv}, decode=kv,
                       router={"request_timeout_s": 60}) as c, c.client() as client:
-        for name, params in {**CASES, "min_tokens": _greedy(min_tokens=4, stop_token_ids=[3, 4, 5])}.items():
+        firsts = sorted({out[0] for out in _offline(offline["colocated"], _greedy())})
+        held = _greedy(min_tokens=4, stop_token_ids=firsts)  # each prompt's first greedy token would stop it
+        assert all(len(x) == 1 for x in _offline(offline["colocated"], _greedy(stop_token_ids=firsts)))
+        for name, params in {**CASES, "min_tokens": held}.items():
             want = _offline(offline["colocated"], params)
+            assert name != "min_tokens" or all(len(x) >= 4 for x in want)
             got = [client.complete(p, params).token_ids for p in PROMPTS]
             assert got == want, name
         assert c.wait_blocks_free()

@@ -86,6 +86,7 @@ def test_prompt_forms(prompt, text, ids):
     ({"prompt": "a", "frequency_penalty": float("nan")}, "frequency_penalty", "number"),
     ({"prompt": "a", "logit_bias": [5, 1]}, "logit_bias", "object"),
     ({"prompt": "a", "logit_bias": {"x5": 1}}, "logit_bias", "token id"),
+    ({"prompt": "a", "logit_bias": {"\u00b2": 1}}, "logit_bias", "token id"),  # a digit, not an ASCII one
     ({"prompt": "a", "logit_bias": {"5": "up"}}, "logit_bias", "number"),
     ({"prompt": "a", "min_tokens": -1}, "min_tokens", "integer"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens", "integer"),

@@ -98,18 +98,31 @@ def test_a_seeded_sample_is_reproducible_and_in_trace_order():
 
 
 def test_sampling_conversations_keeps_each_conversations_turns(tmp_path):
-    f = tmp_path / "t.jsonl"  # conversations A (rows 0, 2, 4), B (1, 3), C (5): full 512-token blocks
-    rows = [(0, [0, 1, 2]), (1, [0, 7, 8]), (2, [0, 1, 2, 3]), (3, [0, 7, 8, 9]), (4, [0, 1, 2, 3, 4]),
-            (5, [0, 5, 6])]
+    # conversations A (rows 0, 4), B (1, 5), C (2, 3, 6), by their full 512-token blocks; drawing A, B,
+    # then C for 5 rows must cut C alone (to its first turn), not drop the latest rows of B and C
+    chains = {"A": [[0, 1, 2], [0, 1, 2, 3]], "B": [[0, 7, 8], [0, 7, 8, 9]],
+              "C": [[0, 5, 6], [0, 5, 6, 10], [0, 5, 6, 10, 11]]}
+    order = ["A", "B", "C", "C", "A", "B", "C"]
+    turn = {c: 0 for c in chains}
+    rows = []
+    for c in order:
+        rows.append((c, chains[c][turn[c]]))
+        turn[c] += 1
+    f = tmp_path / "t.jsonl"
     f.write_text("\n".join(json.dumps({"timestamp": t * 1000, "input_length": 512 * len(h), "output_length": 4,
-                                        "hash_ids": h}) for t, h in rows) + "\n")
-    conv = {0: "A", 2: "A", 4: "A", 1: "B", 3: "B", 5: "C"}
-    for seed in range(6):
+                                        "hash_ids": h}) for t, (_, h) in enumerate(rows)) + "\n")
+    seen_cut = set()
+    for seed in range(12):
         w = load_workload(WorkloadConfig(str(f), 5, sample_seed=seed, sample_unit="conversations"))
-        picked = [rows[[h for _, h in rows].index(r.hash_ids)][0] for r in w.requests]
-        assert picked == sorted(picked) and len(picked) == 5  # trace order, cut at the requested rows
-        cut = [c for c in "ABC" if 0 < sum(conv[i] == c for i in picked) < list(conv.values()).count(c)]
-        assert len(cut) <= 1  # conversations come whole; only the last one drawn may be cut
+        picked = [next(j for j, (_, h) in enumerate(rows) if h == r.hash_ids) for r in w.requests]
+        assert picked == sorted(picked) and len(picked) == 5  # trace order, the requested rows
+        for c, turns in chains.items():
+            got = [rows[j][1] for j in picked if rows[j][0] == c]
+            assert got == turns[: len(got)]  # a conversation's first turns, never a later one alone
+        cut = {c for c, turns in chains.items() if 0 < sum(rows[j][0] == c for j in picked) < len(turns)}
+        assert len(cut) <= 1  # only the last conversation drawn is cut
+        seen_cut |= cut
+    assert seen_cut  # some draw did have to cut one
     with pytest.raises(ValueError, match="needs a sample seed"):
         load_workload(WorkloadConfig(str(f), 2, sample_unit="conversations"))
     with pytest.raises(ValueError, match="needs a Mooncake trace"):
