@@ -280,7 +280,7 @@ def _logit_bias(v: Any) -> dict[int, float]:
         raise bad("logit_bias", f"expected an object mapping token ids to biases, got {type(v).__name__}")
     out = {}
     for k, bias in v.items():
-        tok = k if type(k) is int else int(k) if isinstance(k, str) and k.isdigit() else None
+        tok = k if type(k) is int else int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else None
         if tok is None or tok > _U32:
             raise bad("logit_bias", f"key {k!r} is not a token id (an integer >= 0)")
         out[tok] = _float("logit_bias", bias)
