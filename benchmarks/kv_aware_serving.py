@@ -15,6 +15,10 @@ thread per engine, all on the same two cores):
              prompt whose uncached part is at most T tokens is prefilled on its decode worker, no KV
              moves; a short prompt with nothing cached too).
 
+--local-prefill-max-tokens N sets router.local_prefill_max_tokens on all three alike (the queue
+rule: a prompt whose part its decode worker would compute is at most N tokens goes there when it
+would queue behind more at the prefill workers).
+
 Each part is one `pdcluster bench serve` run over both endpoints, interleaved per rate, repeated
 `--repeats` times with fresh prompts (no cache carries from one repeat or rate to the next):
 
@@ -54,18 +58,19 @@ BASELINE = "by-load"
 PARTS = ("mooncake", "chat", "azure")
 
 
-def cluster_files(out: Path, model: str, max_model_len: int, uncached: int) -> dict[str, Path]:
-    """The two deployments, derived from cluster.yaml (SLO, timeouts, KV backend as there)."""
+def cluster_files(out: Path, model: str, max_model_len: int, uncached: int, elastic: int = 0) -> dict[str, Path]:
+    """The deployments, derived from cluster.yaml (SLO, timeouts, KV backend as there); `elastic`:
+    every system's router.local_prefill_max_tokens (the queue rule of local prefill)."""
     base = load_cluster_config(REPO / "cluster.yaml")
     cpus = two_cpus()
     half = {"num_cpus": 0.5}  # three workers on two cores
-    common = dict(
-        model=dataclasses.replace(base.model, path=model, max_model_len=max_model_len),
-        engine=dataclasses.replace(base.engine, num_threads=1),
-        pools=(PoolConfig("prefill", "prefill", 2, "cpu", half, cpus),
+    common = {
+        "model": dataclasses.replace(base.model, path=model, max_model_len=max_model_len),
+        "engine": dataclasses.replace(base.engine, num_threads=1),
+        "pools": (PoolConfig("prefill", "prefill", 2, "cpu", half, cpus),
                PoolConfig("decode", "decode", 1, "cpu", half, cpus)),
-    )
-    router = dataclasses.replace(base.router, grpc_port=0, http_port=0)
+    }
+    router = dataclasses.replace(base.router, grpc_port=0, http_port=0, local_prefill_max_tokens=elastic)
     systems = {
         "by-load": dataclasses.replace(base, mode="disaggregated", **common, router=dataclasses.replace(
             router, prefix_aware=False, local_prefill_uncached_tokens=0)),
@@ -239,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="each part this many times (medians reported)")
     p.add_argument("--model", default="builtin:tiny-llama")
     p.add_argument("--local-prefill-uncached-tokens", type=int, default=256, help="kv-aware's threshold")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="every system's router.local_prefill_max_tokens (0: off; the same for all, so the "
+                        "comparison is of prefix awareness alone)")
     p.add_argument("--rates", default="2,4,6", help="mooncake and azure: Poisson rates, requests/s")
     p.add_argument("--num-requests", type=int, default=300, help="mooncake and azure: trace rows per run")
     p.add_argument("--mooncake-sample", choices=("conversations", "first-rows"), default="conversations",
@@ -272,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [x for x in args.systems.split(",") if x]
     if bad := [x for x in systems if x not in SYSTEMS]:
         p.error(f"--systems: unknown {bad}; allowed: {', '.join(SYSTEMS)}")
-    files = {n: f for n, f in cluster_files(out, args.model, max_len, args.local_prefill_uncached_tokens).items()
+    files = {n: f for n, f in cluster_files(out, args.model, max_len, args.local_prefill_uncached_tokens,
+                                                 args.local_prefill_max_tokens).items()
              if n in systems}
     if not args.analyse_only:
         with Servers() as servers:

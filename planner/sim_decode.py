@@ -109,7 +109,7 @@ class SimDecodeWorker(SimWorker):
             self.reserved -= s.need
             s.need = 0
             s.local = True
-            self.local_tokens += s.prompt
+            self.local_tokens += s.prompt - s.dhit  # what it computes
             self.cluster.out.local_prefills += 1
         self.waiting.append(s)
         self.wake(now)
@@ -247,7 +247,7 @@ class SimDecodeWorker(SimWorker):
         if s.done == 1:
             self.cluster.out.first_token(s, now)
             if s.local:
-                self.local_tokens -= s.prompt
+                self.local_tokens -= s.prompt - s.dhit
                 s.local = False
         if s.done >= s.out:
             router.finish(s, (now + c.first_token_out_s) if s.done == 1 else (now + c.token_out_s))

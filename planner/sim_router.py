@@ -83,7 +83,7 @@ class SimRouter:
             self.cluster.out.local_uncached += 1
             w.prefill_here(s, now)
             return
-        if self.policy.enabled and self.policy.local(s.prompt, min(x.inflight_tokens for x in prefill),
+        if self.policy.enabled and self.policy.local(s.prompt - s.dhit, min(x.inflight_tokens for x in prefill),
                                                      w.local_tokens):
             w.prefill_here(s, now)
             return

@@ -11,9 +11,11 @@ The cost is counted in prompt tokens queued (the router's own accounting, no RPC
 
     local  iff  prompt <= max_tokens  and  local_queued + prompt <= prefill_queued
 
+`prompt`: the prompt tokens the decode worker would compute, those its prefix cache is not expected
+to hold (an earlier turn of the conversation: router.prefix_aware); the whole prompt otherwise.
 `prefill_queued`: prompt tokens the router has on the least-loaded prefill worker (the one in
-compute included); `local_queued`: prompt tokens it has sent to the decode worker for local
-prefill and not yet seen a first token of. `max_tokens` = 0 turns it off (always remote).
+compute included); `local_queued`: prompt tokens it has sent to the decode worker to compute locally
+and not yet seen a first token of. `max_tokens` = 0 turns it off (always remote).
 """
 
 from __future__ import annotations

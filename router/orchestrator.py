@@ -211,11 +211,12 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ one attempt
     def _reserve(self, active: ActiveRequest, rid: str, blocks: PromptBlocks, params: SamplingParams,
-                 offset: int, deadline: float, avoid: set[str]) -> tuple[WorkerHandle, wk.TransferTicket | None]:
+                 offset: int, deadline: float, avoid: set[str]) -> tuple[WorkerHandle, wk.TransferTicket | None, int]:
         """Reserve on the decode worker the routing policy picks (the longest cached prefix among
         the nearly least loaded), those in `avoid` last; wait (bounded) while all are full. `rid` is
         the request's id on the worker (a retry's differs). The ticket is None when the worker
-        prefills the prompt itself (colocated, conditional disaggregation, or a local prefill)."""
+        prefills the prompt itself (colocated, conditional disaggregation, or a local prefill); then
+        the last item is the prompt tokens it computes (those its prefix cache is not expected to hold)."""
         ids = blocks.token_ids
         role = "colocated" if self.mode == "colocated" else "decode"
         req = wk.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
@@ -231,16 +232,19 @@ class Orchestrator:
                 tried.add(w.worker_id)
                 pending = 0
                 if self.mode != "colocated":
+                    uncached = self.pool.policy.uncached(len(ids), cached)  # what w computes if local
                     req.run_prefill = self.pool.policy.prefill_on_decode(len(ids), cached) or (
                         self.local_prefill.enabled and self.local_prefill.local(
-                            len(ids), self.pool.prefill_queued(), w.local_tokens))
+                            uncached, self.pool.prefill_queued(), w.local_tokens))
                     if not req.run_prefill:
                         pending = len(ids)
                         self.pool.add_pending_prefill(pending)  # seen by requests arriving meanwhile
                 try:
                     resp = w.stub.Reserve(req, timeout=max(0.1, min(deadline - time.monotonic(), 30.0)))
                     self.metrics.routed(role, len(ids), cached)
-                    return w, resp.ticket if not req.run_prefill else None
+                    if req.run_prefill:
+                        return w, None, max(1, self.pool.policy.uncached(len(ids), cached))  # the last token always
+                    return w, resp.ticket, 0
                 except grpc.RpcError as e:
                     self.pool.release(w)
                     if pending:
@@ -277,13 +281,13 @@ class Orchestrator:
             return "length", gen.GenerateResponse(request_id=rid)
         params = run.params if not offset else dataclasses.replace(run.params, max_tokens=run.params.max_tokens - offset)
         blocks = PromptBlocks(prompt)
-        decode, ticket = self._reserve(active, wrid, blocks, params, offset, deadline, avoid)  # counted on decode
+        decode, ticket, computed = self._reserve(active, wrid, blocks, params, offset, deadline, avoid)  # counted on decode
         local = ticket is None  # the decode worker prefills (colocated, or a local prefill)
         # prompt tokens this attempt has counted in the pool until they are handed on: bound for a
         # prefill worker (counted by _reserve) until _prefill takes one; a local prefill's on the
         # decode worker until its first token
         pending = 0 if local else len(prompt)
-        local_tokens = len(prompt) if local and self.mode != "colocated" else 0
+        local_tokens = computed if local and self.mode != "colocated" else 0
         if local_tokens:
             self.pool.add_local(decode, local_tokens)
             self.metrics.local_prefills.inc()

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from engine.prefix_hash import block_hashes
 from engine.sampling_params import SamplingParams
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
@@ -234,6 +235,26 @@ def test_a_short_prompt_is_prefilled_on_the_decode_worker_when_the_prefill_worke
     assert c.idle()
 
 
+def test_the_local_prefill_rule_counts_only_what_the_decode_worker_lacks(cluster):
+    """A 40-token prompt whose first 32 its decode worker holds (an earlier turn) costs it 8
+    tokens: under local_prefill_max_tokens 16 and behind 20 queued at the prefill workers it
+    goes local, and 8, not 40, are counted on the decode worker until its first token."""
+    c = cluster(workers=("d1", "p1"), local_prefill_max_tokens=16)
+    prompt = tuple(range(5, 45))
+    c.pool.index.apply("d1", wk.PrefixCacheEvents(snapshot=True, block_size=16,
+                                                  stored=block_hashes(list(prompt), 16)[:2]))
+    busy = c.pool.take("prefill", tokens=20)
+    counted, add_local = [], c.pool.add_local
+    c.pool.add_local = lambda w, n: (counted.append(n), add_local(w, n))
+    g, _, run = c.start(max_tokens=2, prompt=prompt)
+    assert list(next(g).token_ids) == [FIRST]
+    assert counted == [8, -8]
+    assert c["d1"].requests["Reserve"][0].run_prefill and c.calls("Prefill") == []
+    assert finish(g)[1] == "length" and run.local
+    c.pool.release(busy, 20)
+    assert c.idle()
+
+
 def test_a_full_decode_worker_passes_the_request_to_the_next_one(cluster):
     c = cluster()
     c["d1"].errors["Reserve"] = [grpc.StatusCode.RESOURCE_EXHAUSTED]
@@ -357,7 +378,7 @@ def test_a_cancel_that_lands_while_reserve_is_in_flight_still_frees_the_reservat
 
 def test_a_stop_string_ends_the_request_and_aborts_it_on_the_workers(cluster):
     c = cluster()
-    g, _, run = c.start(max_tokens=8, stop_at=FIRST + 2)
+    g, _, _ = c.start(max_tokens=8, stop_at=FIRST + 2)
     tokens, reason, final = finish(g)
     assert (tokens, reason, list(final.token_ids)) == ([FIRST, FIRST + 1], "stop", [FIRST + 2])
     assert c.calls("Abort") == [("d1", "Abort", "r"), ("p1", "Abort", "r")] and c.idle()
