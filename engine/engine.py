@@ -7,16 +7,17 @@ keeps generating). Engines in one process may share the same weights (`model=`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from engine.admission_rule import prompt_fits
 from engine.block_manager import BlockManager
-from engine.cache_events import CacheChanges
 from engine.builtin_model import resolve_model_path
+from engine.cache_events import CacheChanges
 from engine.config import EngineConfig, ModelConfig
+from engine.guided import GuidedDecoder
 from engine.model_runner import ModelRunner, ScheduledSeq
 from engine.models.llama import LlamaModel
 from engine.request_checks import validate_request
@@ -58,13 +59,16 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, handoff_after_prefill=role == "prefill"
         )
-        self.sampler = Sampler(self.runner.device, seed)
+        self.sampler = Sampler(self.runner.device, seed,
+                               GuidedDecoder(resolve_model_path(cfg.model), self.model_cfg.vocab_size))
         self.last_step: StepShape | None = None  # the batch the last step() ran (None: it ran none)
 
     # ------------------------------------------------------------------ requests
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the problem with a request."""
         validate_request(token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
+        if params.guided is not None:
+            self.sampler.guided.check(params.guided)
 
     def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       output_offset: int = 0) -> Sequence:

@@ -1,5 +1,6 @@
-"""Token sampling: the logits adjustments (logits_processors.py), then greedy, temperature, top-k,
-top-p, per-request seeds; top-n logprobs of the raw logits."""
+"""Token sampling: the logits adjustments (logits_processors.py), the structured-output masks
+(guided.py), then greedy, temperature, top-k, top-p, per-request seeds; top-n logprobs of the raw
+logits."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from engine.guided import GuidedDecoder
 from engine.logits_processors import History, adjust_logits
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
@@ -22,8 +24,9 @@ def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Gener
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, guided: GuidedDecoder | None = None) -> None:
         self.device = device
+        self.guided = guided  # None: constrained requests are refused upstream (validate_request)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -37,6 +40,9 @@ class Sampler:
         raw = logits
         if histories is not None:
             logits = adjust_logits(logits, params, steps, histories)
+            guided = [i for i, p in enumerate(params) if p.guided is not None]
+            if guided and self.guided is not None:
+                logits = self.guided.mask(logits, guided, histories)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:

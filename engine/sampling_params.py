@@ -2,8 +2,36 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """Structured output (engine/guided.py): what the completion must match.
+
+    json: `spec` is a JSON schema (JSON text); json_object: any JSON object (`spec` empty); regex:
+    `spec` is a regular expression; choice: `spec` is a JSON list of the strings allowed; grammar:
+    `spec` is an EBNF grammar (xgrammar's, GBNF-like; the start rule is `root`)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided: kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}")
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.spec)
+            except ValueError:
+                choices = None
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("guided: a choice needs a JSON list of non-empty strings")
+        elif self.kind != "json_object" and not self.spec:
+            raise ValueError(f"guided: {self.kind} needs its spec")
 
 
 @dataclass
@@ -30,6 +58,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
     min_tokens: int = 0  # no EOS / stop token / stop string before this many completion tokens
+    guided: GuidedDecoding | None = None  # structured output: the completion matches this
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

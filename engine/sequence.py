@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -53,6 +54,7 @@ class Sequence:
     # failure: its prompt is the original prompt + those tokens); the first token sampled here is
     # completion token number `output_offset`, which is what a seeded draw depends on
     output_offset: int = 0
+    guide: Any = None  # structured output: its matcher (engine/guided.py), made at its first sample
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -89,11 +91,9 @@ class Sequence:
         """Append a sampled token and decide whether the sequence is done."""
         self.token_ids.append(token_id)
         p = self.params
-        if not p.ignore_eos and token_id in self.eos_token_ids:
+        # a constrained sequence's EOS (ignore_eos or not): its grammar is complete
+        eos = (not p.ignore_eos or p.guided is not None) and token_id in self.eos_token_ids
+        if eos or token_id in p.stop_token_ids:
             self.finish_reason = "stop"
-        elif token_id in p.stop_token_ids:
-            self.finish_reason = "stop"
-        elif self.num_output_tokens >= p.max_tokens:
-            self.finish_reason = "length"
-        elif len(self.token_ids) >= self.max_model_len:
+        elif self.num_output_tokens >= p.max_tokens or len(self.token_ids) >= self.max_model_len:
             self.finish_reason = "length"

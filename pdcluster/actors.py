@@ -138,6 +138,7 @@ class RouterActor:
                                     api_keys=router_kwargs.get("api_keys"), readiness=router_readiness(self.server),
                                     metrics=router_metrics(self.server),
                                     request_timeout_s=self.server.request_timeout_s + 10,
+                                    max_model_len=self.server.max_model_len,
                                     tls_cert=router_kwargs.get("tls_cert"), tls_key=router_kwargs.get("tls_key"), **http)
                 self.http.start()
             except BaseException:

@@ -63,6 +63,7 @@ class LocalCluster:
             if http is not None:
                 self.http = HttpApi(self.router.local_address, self.router.model_name, self.router.tokenizer,
                                     **{"readiness": router_readiness(self.router),
+                                       "max_model_len": self.router.max_model_len,
                                        "metrics": router_metrics(self.router), **certs, **http})
                 self.http.start()
         except BaseException:

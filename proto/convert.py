@@ -8,7 +8,7 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from engine.cache_events import CacheChanges
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GuidedDecoding, SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.step_stats import PhaseTotals, StepTotals
 from proto import generate_pb2 as gen
@@ -26,6 +26,8 @@ def sampling_from_proto(msg: gen.SamplingParams) -> SamplingParams:
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
+    if msg.HasField("guided"):
+        kwargs["guided"] = GuidedDecoding(msg.guided.kind, msg.guided.spec)
     return SamplingParams(**kwargs)
 
 
@@ -41,6 +43,8 @@ def sampling_to_proto(p: SamplingParams) -> gen.SamplingParams:
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         setattr(msg, name, getattr(p, name))
     msg.logit_bias.update(p.logit_bias)
+    if p.guided is not None:
+        msg.guided.kind, msg.guided.spec = p.guided.kind, p.guided.spec
     return msg
 
 

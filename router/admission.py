@@ -41,7 +41,7 @@ class Refused(Exception):
 class Admitted:
     """One admitted request's place: `started()` at its first token, `release()` when it ends."""
 
-    admission: "Admission"
+    admission: Admission
     prompt_tokens: int
     since: float = 0.0
     waiting: bool = True

@@ -7,6 +7,7 @@ requests, router/openai_responses.py shapes answers, router/http_stream.py relay
 
     POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events)
     GET  /v1/models, /v1/models/{model}          the served model
+    POST /tokenize, /detokenize                  vLLM's shape (router/openai_tokenize.py)
     GET  /health                                 200 {"status": "ok"} / 503 with the reason
     GET  /metrics                                the router's metrics (`metrics=`, e.g. router_metrics(server))
 
@@ -37,9 +38,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from proto import generate_pb2_grpc as gen_grpc
-from router.http_stream import ClientGone, collect, events, relay, unless_disconnected
-from router.openai_protocol import ApiError, bad, parse_chat, parse_completion
-from router.openai_responses import LogprobFormatter, response
+from router.http_choices import ChoiceRun, collect_all
+from router.http_stream import ClientGone, events, unless_disconnected
+from router.openai_choices import answer_choices, usage
+from router.openai_protocol import ApiError, bad, chat_messages, parse_chat, parse_completion
+from router.openai_responses import LogprobFormatter, response_of
+from router.openai_tokenize import detokenize, tokenize
 
 log = logging.getLogger("pdcluster.http")
 MAX_BODY_BYTES = 8 << 20  # the router's gRPC API takes at most 8 MiB per request too
@@ -69,7 +73,7 @@ class HttpApi:
                  host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None,
                  request_timeout_s: float = 600.0, readiness: Readiness | None = None,
                  metrics: Callable[[], tuple[bytes, str]] | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, max_model_len: int | None = None) -> None:
         """`tokenizer`: a Hugging Face tokenizer, or a checkpoint path / "builtin:NAME" to load one from
         (used for chat templates and logprob token strings). `api_keys`: empty = no authentication
         here (the router still checks its own keys: the caller's key is forwarded). `tls_cert` /
@@ -85,6 +89,7 @@ class HttpApi:
         self.api_keys = set(api_keys or [])
         self.request_timeout_s = request_timeout_s
         self.readiness = readiness
+        self.max_model_len = max_model_len  # reported by /tokenize
         self.metrics = metrics  # () -> (body, content type) for /metrics; None: 404
         self.created = int(time.time())
         self._bos = _template_bos(tokenizer)
@@ -171,6 +176,8 @@ class HttpApi:
         app.post("/v1/chat/completions")(chat_completions)
         app.get("/v1/models")(self._models)
         app.get("/v1/models/{model:path}")(self._model)
+        app.post("/tokenize")(self._tokenize)
+        app.post("/detokenize")(self._detokenize)
         app.get("/health")(self._health)
         app.get("/metrics")(self._metrics)
         return app
@@ -199,6 +206,15 @@ class HttpApi:
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdcluster"}
 
+    async def _tokenize(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        render = lambda messages: self._render(chat_messages(messages))
+        return tokenize(await self._json(request), self.tokenizer, render, self.max_model_len)
+
+    async def _detokenize(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        return detokenize(await self._json(request), self.tokenizer)
+
     async def _health(self) -> Response:
         reason = None
         try:
@@ -220,6 +236,41 @@ class HttpApi:
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: Request, chat: bool) -> Response:
         key = self._authorize(request)
+        body = await self._json(request)
+        # the router's own encoding, for return_token_ids' prompt_token_ids of a text prompt
+        tokenize = (lambda text: self.tokenizer.encode(text)) if self.tokenizer is not None else None
+        if chat:
+            req = parse_chat(body, self.model_name, self._render, tokenize)
+        else:
+            req = parse_completion(body, self.model_name, tokenize)
+        if req.echo:  # a token-id prompt's text, for the echo
+            for p in req.prompts:
+                if p.text is None:
+                    p.text = self.tokenizer.decode(p.ids) if self.tokenizer is not None else ""
+        metadata = (("authorization", f"Bearer {key}"),) if key else None
+        gone = asyncio.Event()
+        run = ChoiceRun(self._stub, req, metadata, self.request_timeout_s, gone)
+        fmt = LogprobFormatter(self._token_text)
+        try:
+            if not req.stream:
+                outs = await unless_disconnected(request, collect_all(run))
+                run.cancel()
+                return JSONResponse(response_of(req, answer_choices(req, outs), fmt, usage(req, outs)))
+            messages = run.messages()
+            first = await unless_disconnected(request, anext(messages))
+        except ClientGone:
+            run.cancel()
+            return Response(status_code=499)
+        except BaseException:
+            run.cancel()
+            raise
+        per_choice = None if len(run.calls) == 1 else functools.partial(usage, req)
+        return StreamingResponse(events(request, run, gone, req, fmt, first, messages, per_choice),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _json(self, request: Request) -> Any:
+        """The request body's JSON (400 when it is not JSON, or holds what no UTF-8 string can carry)."""
         raw = await _read_body(request, MAX_BODY_BYTES)
         try:
             body = json.loads(raw)
@@ -232,40 +283,16 @@ class HttpApi:
         if where is not None:  # valid JSON ("\ud800"), but no UTF-8 string can carry it on to the router
             raise bad(where or None, "a string holds a lone UTF-16 surrogate escape, which is not a character",
                       code="invalid_json")
-        # the router's own encoding, for return_token_ids' prompt_token_ids of a text prompt
-        tokenize = (lambda text: self.tokenizer.encode(text)) if self.tokenizer is not None else None
-        if chat:
-            req = parse_chat(body, self.model_name, self._render, tokenize)
-        else:
-            req = parse_completion(body, self.model_name, tokenize)
-        metadata = (("authorization", f"Bearer {key}"),) if key else None
-        call = self._stub.Generate(req.grpc, timeout=self.request_timeout_s, metadata=metadata)
-        gone = asyncio.Event()
-        messages = relay(call, req, gone)
-        fmt = LogprobFormatter(self._token_text)
-        try:
-            if not req.stream:
-                out = await unless_disconnected(request, collect(messages))
-                return JSONResponse(response(req, out, fmt))
-            first = await unless_disconnected(request, anext(messages))
-        except ClientGone:
-            call.cancel()
-            return Response(status_code=499)
-        except BaseException:
-            call.cancel()
-            raise
-        return StreamingResponse(events(request, call, gone, req, fmt, first, messages),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return body
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ApiError(400, f"model {self.model_name!r} has no chat template; use /v1/completions "
                                 "with a prompt", param="messages", code="no_chat_template")
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # a template may refuse an order of roles (raise_exception)
+            text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 (a template may refuse an order of roles: raise_exception)
             raise bad("messages", f"the model's chat template refused these messages: {e}") from None
         if self._bos and text.startswith(self._bos):  # the router's tokenizer adds it again
             text = text[len(self._bos):]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc.aio
@@ -17,7 +17,9 @@ from fastapi import Request
 from proto import generate_pb2 as gen
 from router.admission import RETRY_AFTER_METADATA
 from router.openai_protocol import ApiError, OpenAIRequest, grpc_error
-from router.openai_responses import LogprobFormatter, Output, StreamShaper
+from router.openai_responses import LogprobFormatter, Output, StreamShaper, usage_chunk
+
+UsageOf = Callable[[list[Output]], dict[str, int]]
 
 
 class ClientGone(Exception):
@@ -40,18 +42,14 @@ async def relay(call: Any, req: OpenAIRequest, gone: asyncio.Event) -> AsyncIter
     raise ApiError(502, "the router ended the stream without a final message", type="server_error")
 
 
-async def collect(messages: AsyncIterator[gen.GenerateResponse]) -> Output:
-    """A non-streaming answer: every message, accumulated."""
-    out = Output()
-    async for msg in messages:
-        out.add(msg)
-    return out
-
-
 async def events(request: Request, call: Any, gone: asyncio.Event, req: OpenAIRequest, fmt: LogprobFormatter,
-                 first: gen.GenerateResponse, messages: AsyncIterator[gen.GenerateResponse]) -> AsyncIterator[str]:
-    """The event stream. A watcher cancels the gRPC call as soon as the client disconnects, even
-    while no token is due (Starlette only notices a disconnect on its own schedule)."""
+                 first: tuple[int, gen.GenerateResponse],
+                 messages: AsyncIterator[tuple[int, gen.GenerateResponse]], usage: UsageOf | None = None,
+                 ) -> AsyncIterator[str]:
+    """The event stream of (choice index, message)s. A watcher cancels the gRPC call(s) (`call`:
+    anything with cancel()) as soon as the client disconnects, even while no token is due
+    (Starlette only notices a disconnect on its own schedule). Several choices: `usage` sums
+    their outputs for the one usage chunk at the end."""
     def on_disconnect(task: asyncio.Task) -> None:
         if not task.cancelled():
             gone.set()
@@ -59,13 +57,21 @@ async def events(request: Request, call: Any, gone: asyncio.Event, req: OpenAIRe
 
     watch = asyncio.ensure_future(_disconnected(request))
     watch.add_done_callback(on_disconnect)
-    shaper = StreamShaper(req, fmt)
+    shapers: dict[int, StreamShaper] = {}
+
+    def shaped(index: int, msg: gen.GenerateResponse) -> list[dict[str, Any]]:
+        if index not in shapers:
+            shapers[index] = StreamShaper(req, fmt.fresh() if shapers else fmt, index, usage=usage is None)
+        return shapers[index].chunks(msg)
+
     try:
-        for c in shaper.chunks(first):
+        for c in shaped(*first):
             yield _event(c)
-        async for msg in messages:
-            for c in shaper.chunks(msg):
+        async for index, msg in messages:
+            for c in shaped(index, msg):
                 yield _event(c)
+        if usage is not None and req.include_usage:
+            yield _event(usage_chunk(req, usage([shapers[i].total for i in sorted(shapers)])))
         yield "data: [DONE]\n\n"
     except ApiError as e:
         yield _event(e.body())

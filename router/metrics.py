@@ -94,8 +94,8 @@ _WORKER_GAUGES = (  # (metric suffix, WorkerStats field, help)
 _WORKER_COUNTERS = (
     ("prompt_tokens", "prompt_tokens", "Prompt tokens prefilled by the worker, cached ones included."),
     ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
-    ("kv_bytes_not_sent", "kv_bytes_not_sent", "KV bytes no transfer had to move to the decode worker: "
-     "blocks it held already, and prompts it prefilled itself."),
+    ("kv_bytes_not_sent", "kv_bytes_not_sent", ("KV bytes no transfer had to move to the decode worker: "
+     "blocks it held already, and prompts it prefilled itself.")),
     ("local_prefills", "local_prefills", "Requests the decode worker prefilled itself."),
 )
 

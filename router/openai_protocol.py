@@ -9,11 +9,13 @@ error shape with `param` set to the field, never a 422.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from proto import generate_pb2 as gen
 
@@ -28,31 +30,29 @@ def _zero(v: Any) -> bool:
 
 # Accepted only at their neutral value (anything else would be silently ignored, so it is refused).
 NEUTRAL_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: v is None or v == [], "null or []"),
     "functions": (lambda v: v is None or v == [], "null or []"),
-    "tool_choice": (lambda v: v is None or v == "none", "null or 'none'"),
     "function_call": (lambda v: v is None or v == "none", "null or 'none'"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "null or {'type': 'text'}"),
     "modalities": (lambda v: v is None or v == ["text"], "null or ['text']"),
     "audio": (lambda v: v is None, "null"),
     "prediction": (lambda v: v is None, "null"),
     "web_search_options": (lambda v: v is None, "null"),
     "reasoning_effort": (lambda v: v is None, "null"),
-    "echo": (lambda v: v is None or v is False, "false"),
     "suffix": (lambda v: v is None or v == "", "null"),
-    "best_of": (lambda v: v is None or (type(v) is int and v == 1), "1"),
-    "n": (lambda v: v is None or (type(v) is int and v == 1), "1 (one choice per request)"),
 }
 
 COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
                            "stop", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
                            # vLLM's extensions
                            "top_k", "ignore_eos", "stop_token_ids", "return_token_ids", "repetition_penalty",
-                           "min_tokens"})
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+                           "min_tokens", "n",
+                           # structured output: OpenAI's, vLLM's, and vLLM's older names
+                           "response_format", "structured_outputs", "guided_json", "guided_regex",
+                           "guided_choice", "guided_grammar"})
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "best_of", "echo"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _U32, _U64 = 2**32 - 1, 2**64 - 1
+MAX_CHOICES = 128  # router requests one HTTP request may become: prompts x max(n, best_of)
 
 
 @dataclass(eq=False)
@@ -78,6 +78,20 @@ def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
 
 
 @dataclass
+class Prompt:
+    """One prompt: its text, or its token ids (both when a text was tokenized here; the ids are sent)."""
+
+    text: str | None = None
+    ids: list[int] | None = None
+
+    def set_on(self, g: gen.GenerateRequest) -> None:
+        if self.ids is not None:
+            g.token_ids.ids[:] = self.ids
+        else:
+            g.text = self.text or ""
+
+
+@dataclass
 class OpenAIRequest:
     """A parsed request: the gRPC request to send plus what shaping the answer needs."""
 
@@ -91,7 +105,13 @@ class OpenAIRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     max_tokens_field: str = "max_tokens"  # which OpenAI name the user gave max_tokens under
     return_token_ids: bool = False  # the answer carries the token ids (vLLM's extension)
-    prompt_token_ids: list[int] | None = None  # the prompt's ids, when known here (None: not known)
+    prompt_token_ids: list[int] | None = None  # the (first) prompt's ids, when known here (None: not known)
+    prompts: list[Prompt] = field(default_factory=list)  # every prompt (grpc carries the first)
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # choices generated per prompt, the n of highest cumulative logprob returned
+    echo: bool = False  # completions: each choice's text starts with its prompt
+    guided_field: str | None = None  # the field that set a structured-output constraint
+    tools: Any = None  # chat: router.openai_tools.Tools when the request gives tools
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -106,29 +126,44 @@ def parse_completion(body: Any, served_model: str, tokenize: Tokenize | None = N
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt", "required")
     p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # one prompt in a batch of one
-    if isinstance(p, str):
-        _text_prompt(req, p, tokenize)
-    elif isinstance(p, list) and p and all(type(t) is int and 0 <= t <= _U32 for t in p):
-        req.grpc.token_ids.ids.extend(p)
-        req.prompt_token_ids = list(p)
-    elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise bad("prompt", f"a batch of {len(p)} prompts is not supported; send one prompt per request")
-    else:
-        raise bad("prompt", "expected a string, a list with one string, or a non-empty list of token ids "
-                            "(integers >= 0)")
+    batch = p if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else [p]
+    req.prompts = [_prompt(req, x, tokenize, f"prompt[{i}]" if len(batch) > 1 else "prompt")
+                   for i, x in enumerate(batch)]
+    req.prompts[0].set_on(req.grpc)
+    req.prompt_token_ids = req.prompts[0].ids
     lp = body.get("logprobs")
     if lp is not None and lp is not False:  # false: some clients' way of saying "off"
         req.grpc.sampling.logprobs = _int("logprobs", lp, 0, 20)
         req.logprobs = True
+    if body.get("best_of") is not None:
+        req.best_of = _int("best_of", body["best_of"], 1, MAX_CHOICES)
+        if req.best_of < req.n:
+            raise bad("best_of", f"must be >= n ({req.n}), got {req.best_of}")
+        if req.stream and req.best_of > req.n:
+            raise bad("best_of", "cannot be more than n with stream: true (the best are known only at the end)")
+    if body.get("echo") is not None:
+        req.echo = _bool("echo", body["echo"])
+        if req.echo and req.logprobs:
+            raise bad("echo", "echo with logprobs (the prompt's logprobs) is not supported yet")
+    req.best_of = max(req.best_of, req.n)
+    if len(req.prompts) * req.best_of > MAX_CHOICES:
+        raise bad("prompt", f"{len(req.prompts)} prompts x {req.best_of} choices each is more than "
+                            f"{MAX_CHOICES} generations in one request")
     return req
 
 
-def parse_chat(body: Any, served_model: str, render: Callable[[list[dict[str, str]]], str],
+def _prompt(req: OpenAIRequest, p: Any, tokenize: Tokenize | None, name: str) -> Prompt:
+    if isinstance(p, str):
+        return _text_prompt(req, p, tokenize)
+    if isinstance(p, list) and p and all(type(t) is int and 0 <= t <= _U32 for t in p):
+        return Prompt(ids=list(p))
+    raise bad(name, "expected a string, a non-empty list of token ids (integers >= 0), or a list of those")
+
+
+def parse_chat(body: Any, served_model: str, render: Callable[..., str],
                tokenize: Tokenize | None = None) -> OpenAIRequest:
-    """A /v1/chat/completions body -> the request to send; `render` applies the chat template,
-    `tokenize` as for parse_completion."""
+    """A /v1/chat/completions body -> the request to send; `render(messages[, tools])` applies the
+    chat template, `tokenize` as for parse_completion."""
     body = _check_fields(body, CHAT_FIELDS)
     req = _common(body, served_model, chat=True)
     if body.get("max_completion_tokens") is not None:
@@ -136,7 +171,22 @@ def parse_chat(body: Any, served_model: str, render: Callable[[list[dict[str, st
         req.max_tokens_field = "max_completion_tokens"
     if "messages" not in body or body["messages"] is None:
         raise bad("messages", "required")
-    _text_prompt(req, render(_messages(body["messages"])), tokenize)
+    from router.openai_tools import parse_tools  # it uses this module's errors
+
+    req.tools = parse_tools(body)
+    if req.tools is not None and (forced := req.tools.constraint()) is not None:
+        if req.guided_field is not None:
+            raise bad("tool_choice", f"a forced tool call cannot be combined with {req.guided_field}")
+        req.guided_field = "tool_choice"
+        req.grpc.sampling.guided.kind, req.grpc.sampling.guided.spec = forced
+    msgs = chat_messages(body["messages"])
+    text = render(msgs, req.tools.tools) if req.tools is not None else render(msgs)
+    req.prompts = [_text_prompt(req, text, tokenize)]
+    req.prompts[0].set_on(req.grpc)
+    req.prompt_token_ids = req.prompts[0].ids
+    if req.n * len(req.prompts) > MAX_CHOICES:
+        raise bad("n", f"expected at most {MAX_CHOICES}, got {req.n}")
+    req.best_of = req.n
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if lp is not None and not isinstance(lp, bool):
         raise bad("logprobs", f"expected true or false, got {lp!r}")
@@ -150,16 +200,12 @@ def parse_chat(body: Any, served_model: str, render: Callable[[list[dict[str, st
     return req
 
 
-def _text_prompt(req: OpenAIRequest, text: str, tokenize: Tokenize | None) -> None:
+def _text_prompt(req: OpenAIRequest, text: str, tokenize: Tokenize | None) -> Prompt:
     """A text prompt. With return_token_ids and a tokenizer it is tokenized here and sent as token ids,
     so the prompt_token_ids returned are the ones generated from; an empty text goes on as text (the
     router refuses it)."""
     ids = tokenize(text) if req.return_token_ids and tokenize is not None and text else None
-    if ids:
-        req.grpc.token_ids.ids.extend(ids)
-        req.prompt_token_ids = list(ids)
-    else:
-        req.grpc.text = text
+    return Prompt(text=text, ids=list(ids) if ids else None)
 
 
 def _check_fields(body: Any, known: frozenset[str]) -> dict[str, Any]:
@@ -218,6 +264,11 @@ def _common(body: dict[str, Any], served_model: str, chat: bool) -> OpenAIReques
         s.ignore_eos = _bool("ignore_eos", body["ignore_eos"])
     if body.get("return_token_ids") is not None:
         req.return_token_ids = _bool("return_token_ids", body["return_token_ids"])
+    if body.get("n") is not None:
+        req.n = _int("n", body["n"], 1, MAX_CHOICES)
+    guided = _guided(body)
+    if guided is not None:
+        req.guided_field, (s.guided.kind, s.guided.spec) = guided[0], guided[1:]
     req.stream = _bool("stream", body["stream"]) if body.get("stream") is not None else False
     opts = body.get("stream_options")
     if opts is not None:
@@ -229,7 +280,8 @@ def _common(body: dict[str, Any], served_model: str, chat: bool) -> OpenAIReques
     return req
 
 
-def _messages(v: Any) -> list[dict[str, str]]:
+def chat_messages(v: Any) -> list[dict[str, str]]:
+    """A chat body's messages, checked (400 naming the message and field), as the template takes them."""
     if not isinstance(v, list) or not v:
         raise bad("messages", "expected a non-empty list of messages")
     out = []
@@ -240,8 +292,13 @@ def _messages(v: Any) -> list[dict[str, str]]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise bad(f"{p}.role", f"{role!r} is not supported; allowed: {', '.join(CHAT_ROLES)}")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise bad(f"{p}.tool_calls", "tool calls are not supported by this server")
+        if m.get("function_call"):
+            raise bad(f"{p}.function_call", "the deprecated function_call is not supported; use tool_calls")
+        calls = m.get("tool_calls")
+        if calls is not None and (role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+            raise bad(f"{p}.tool_calls", "expected, on an assistant message, a list of "
+                                         "{'id', 'type': 'function', 'function': {'name', 'arguments'}}")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -256,8 +313,77 @@ def _messages(v: Any) -> list[dict[str, str]]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise bad(f"{p}.content", "expected a string or a list of text parts")
-        out.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            tcid = m.get("tool_call_id")
+            if not isinstance(tcid, str):
+                raise bad(f"{p}.tool_call_id", "a tool message needs the id of the call it answers (a string)")
+            msg["tool_call_id"] = tcid
+        out.append(msg)
     return out
+
+
+_GUIDED_NAMES = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                 "json_object": "json_object"}
+
+
+def _guided(body: dict[str, Any]) -> tuple[str, str, str] | None:
+    """Structured output from response_format, structured_outputs or guided_* -> (field, kind, spec); at
+    most one constraint per request. The grammar itself is checked by the router (its engine's
+    message, naming the field, in a 400)."""
+    found: list[tuple[str, str, str]] = []  # (field, kind, spec)
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad("response_format", "expected {'type': 'text'}, {'type': 'json_object'} or "
+                                         "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+        if rf["type"] == "json_object":
+            found.append(("response_format", "json_object", ""))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise bad("response_format", "json_schema needs {'name': ..., 'schema': {...}} (a JSON schema object)")
+            found.append(("response_format", "json", json.dumps(schema)))
+    so = body.get("structured_outputs")
+    if so is not None:
+        given = {k: v for k, v in so.items() if v is not None and v is not False} if isinstance(so, dict) else None
+        if given is None or len(given) != 1 or next(iter(given)) not in _GUIDED_NAMES:
+            raise bad("structured_outputs", f"expected an object with one of {', '.join(_GUIDED_NAMES)}")
+        (k, v), = given.items()
+        found.append((f"structured_outputs.{k}", k, _guided_spec(f"structured_outputs.{k}", k, v)))
+    for k in ("json", "regex", "choice", "grammar"):
+        v = body.get(f"guided_{k}")
+        if v is not None:
+            found.append((f"guided_{k}", k, _guided_spec(f"guided_{k}", k, v)))
+    if len(found) > 1:
+        raise bad(found[1][0], f"only one structured-output constraint per request (also given: {found[0][0]})")
+    return found[0] if found else None
+
+
+def _guided_spec(name: str, kind: str, v: Any) -> str:
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise bad(name, f"not a JSON schema: {e}") from None
+        if not isinstance(v, dict):
+            raise bad(name, "expected a JSON schema (an object)")
+        return json.dumps(v)
+    if kind == "json_object":
+        if v is not True:
+            raise bad(name, "expected true")
+        return ""
+    if kind == "choice":
+        if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+            raise bad(name, "expected a non-empty list of non-empty strings")
+        return json.dumps(v)
+    if not isinstance(v, str) or not v:
+        raise bad(name, "expected a non-empty string")
+    return v
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> int:
@@ -309,7 +435,7 @@ _GRPC_STATUS: dict[str, tuple[int, str, str | None]] = {
 }
 _SAMPLING_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
                    "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_tokens")
+                   "min_tokens", "guided")
 
 
 def grpc_error(code: str, details: str, req: OpenAIRequest | None = None,
@@ -343,5 +469,7 @@ def _param_of(details: str, req: OpenAIRequest | None) -> str | None:
             return req.max_tokens_field
         if name == "logprobs" and chat:
             return "top_logprobs"
+        if name == "guided":
+            return req.guided_field if req is not None else None
         return name
     return None

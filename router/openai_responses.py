@@ -5,7 +5,11 @@ by router/openai_protocol.py.
 
 With return_token_ids (vLLM's extension, in vLLM's places): each choice carries `token_ids` (a
 stream chunk: that chunk's), and `prompt_token_ids` is on the completion's choice or at the top
-level of a chat completion (a stream: on its first chunk only).
+level of a chat completion (a stream: on each choice's first chunk only).
+
+Several choices (n, best_of, a list of prompts: router/openai_choices.py): answer index i * n + k
+is choice k of prompt i; echo puts a completion's prompt text before its choices' text (a stream:
+as each choice's first chunk).
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ class LogprobFormatter:
         self.token_text = token_text
         self.offset = 0  # completions' text_offset runs on across stream chunks
 
+    def fresh(self) -> LogprobFormatter:
+        """One for another choice (its own text offsets)."""
+        return LogprobFormatter(self.token_text)
+
     def completion(self, lps: list[gen.TokenLogprob]) -> dict[str, Any]:
         tokens = [self.token_text(lp.token_id) for lp in lps]
         offsets = []
@@ -75,28 +83,55 @@ class LogprobFormatter:
 
 
 def response(req: OpenAIRequest, out: Output, fmt: LogprobFormatter) -> dict[str, Any]:
-    """The non-streaming response body."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
-    if req.chat:
-        choice["message"] = {"role": "assistant", "content": out.text, "refusal": None}
-        if req.logprobs:
-            choice["logprobs"] = fmt.chat(out.logprobs)
-    else:
-        choice["text"] = out.text
-        if req.logprobs:
-            choice["logprobs"] = fmt.completion(out.logprobs)
+    """The non-streaming response body of one choice."""
+    return response_of(req, [(0, out)], fmt, out.usage())
+
+
+def response_of(req: OpenAIRequest, outs: list[tuple[int, Output]], fmt: LogprobFormatter,
+                usage: dict[str, int]) -> dict[str, Any]:
+    """The non-streaming response body: the choices (index, output) and the usage."""
+    choices = []
+    for index, out in outs:
+        choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason, "logprobs": None}
+        if req.chat:
+            content, calls = _tool_calls(req, out.text)
+            choice["message"] = {"role": "assistant", "content": content, "refusal": None}
+            if calls:
+                choice["message"]["tool_calls"] = calls
+                if out.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            if req.logprobs:
+                choice["logprobs"] = fmt.fresh().chat(out.logprobs)
+        else:
+            choice["text"] = _echo(req, index) + out.text
+            if req.logprobs:
+                choice["logprobs"] = fmt.fresh().completion(out.logprobs)
+        choices.append(choice)
     body = {"id": req.id, "object": "chat.completion" if req.chat else "text_completion",
-            "created": req.created, "model": req.model, "choices": [choice], "usage": out.usage(),
+            "created": req.created, "model": req.model, "choices": choices, "usage": usage,
             "system_fingerprint": None}
-    _token_ids(req, body, out.token_ids, prompt=True)
+    for k, (index, out) in enumerate(outs):
+        _token_ids(req, body, k, index, out.token_ids, prompt=True)
     return body
 
 
+def _tool_calls(req: OpenAIRequest, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A chat answer's (content, tool_calls) (router/openai_tools.py); without tools: (text, [])."""
+    if req.tools is None or req.tools.choice == "none":
+        return text, []
+    return req.tools.calls(text)
+
+
+def _echo(req: OpenAIRequest, index: int) -> str:
+    return (req.prompts[index // req.n].text or "") if req.echo and req.prompts else ""
+
+
 def chunk(req: OpenAIRequest, out: Output, fmt: LogprobFormatter, role: bool = False,
-          prompt: bool = False) -> dict[str, Any]:
-    """One stream chunk with `out`'s text (and logprobs, finish reason, token ids); `role`: the chat
-    stream's first; `prompt`: the stream's first chunk (it carries prompt_token_ids)."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+          prompt: bool = False, index: int = 0) -> dict[str, Any]:
+    """One stream chunk with `out`'s text (and logprobs, finish reason, token ids) for choice
+    `index`; `role`: the chat stream's first; `prompt`: the choice's first chunk (it carries
+    prompt_token_ids)."""
+    choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": out.finish_reason}
     if req.chat:
         choice["delta"] = {"role": "assistant", "content": out.text} if role else (
             {"content": out.text} if out.text or not out.finish_reason else {})
@@ -107,54 +142,97 @@ def chunk(req: OpenAIRequest, out: Output, fmt: LogprobFormatter, role: bool = F
         if req.logprobs and out.logprobs:
             choice["logprobs"] = fmt.completion(out.logprobs)
     body = _chunk_envelope(req, [choice])
-    _token_ids(req, body, out.token_ids, prompt)
+    _token_ids(req, body, 0, index, out.token_ids, prompt)
     return body
 
 
-def _token_ids(req: OpenAIRequest, body: dict[str, Any], token_ids: list[int], prompt: bool) -> None:
-    """return_token_ids: the choice's token ids and (`prompt`) the prompt's, where vLLM puts them."""
+def _token_ids(req: OpenAIRequest, body: dict[str, Any], k: int, index: int, token_ids: list[int],
+               prompt: bool) -> None:
+    """return_token_ids: choice k's token ids and (`prompt`) its prompt's, where vLLM puts them."""
     if not req.return_token_ids:
         return
-    choice = body["choices"][0]
+    choice = body["choices"][k]
     choice["token_ids"] = list(token_ids)
     if prompt:
-        (body if req.chat else choice)["prompt_token_ids"] = req.prompt_token_ids
+        ids = req.prompts[index // req.n].ids if req.prompts else req.prompt_token_ids
+        (body if req.chat else choice)["prompt_token_ids"] = ids
 
 
-def usage_chunk(req: OpenAIRequest, out: Output) -> dict[str, Any]:
+def usage_chunk(req: OpenAIRequest, usage: dict[str, int]) -> dict[str, Any]:
     """stream_options.include_usage: the last chunk, with no choices and the usage."""
     body = _chunk_envelope(req, [])
-    body["usage"] = out.usage()
+    body["usage"] = usage
     return body
 
 
 class StreamShaper:
-    """The router's messages -> the stream's chunks: the chat stream opens with the assistant role,
-    each message with text (or logprobs; with return_token_ids, token ids) becomes a chunk, the finish
-    reason gets a chunk of its own, then (stream_options.include_usage) the usage chunk."""
+    """The router's messages for choice `index` -> the stream's chunks: the chat stream opens with
+    the assistant role (echo: a completion's with the prompt), each message with text (or logprobs;
+    with return_token_ids, token ids) becomes a chunk, the finish reason gets a chunk of its own,
+    then, with `usage` (one choice) and stream_options.include_usage, the usage chunk.
 
-    def __init__(self, req: OpenAIRequest, fmt: LogprobFormatter) -> None:
-        self.req, self.fmt = req, fmt
+    With tools (router/openai_tools.py), text that is or may become a tool call is held back: all of
+    it for a forced call, and from a possible `<tool_call>` on for "auto". At the end the calls come
+    as one delta (`tool_calls`, each with its index, id, name and complete arguments), or the text
+    held back as content when it holds none. Logprobs come only with the content sent."""
+
+    def __init__(self, req: OpenAIRequest, fmt: LogprobFormatter, index: int = 0, usage: bool = True) -> None:
+        self.req, self.fmt, self.index, self.usage = req, fmt, index, usage
         self.total = Output()
         self._first = True
+        tools = req.tools if req.chat else None
+        self._tools = tools if tools is not None and tools.choice != "none" else None
+        self._sent = 0  # characters of total.text sent as content (with tools)
 
     def chunks(self, msg: gen.GenerateResponse) -> list[dict[str, Any]]:
         req, out = self.req, []
         if req.chat and self._first:
             out.append(self._chunk(Output(), role=True))
+        if self._first and (echo := _echo(req, self.index)):
+            out.append(self._chunk(Output(text=echo)))
         self.total.add(msg)
-        if msg.text or (req.logprobs and msg.logprobs) or (req.return_token_ids and msg.token_ids):
-            out.append(self._chunk(Output(text=msg.text, token_ids=list(msg.token_ids),
-                                          logprobs=list(msg.logprobs))))
+        text = msg.text if self._tools is None else self._releasable()
+        if text or (req.logprobs and msg.logprobs and self._tools is None) or (req.return_token_ids and msg.token_ids):
+            out.append(self._chunk(Output(text=text, token_ids=list(msg.token_ids),
+                                          logprobs=list(msg.logprobs) if text else [])))
         if msg.finish_reason:
-            out.append(self._chunk(Output(finish_reason=msg.finish_reason)))
-            if req.include_usage:
-                out.append(usage_chunk(req, self.total))
+            reason = msg.finish_reason
+            if self._tools is not None:
+                _, calls = self._tools.calls(self.total.text)
+                if calls:
+                    out.append(self._tool_chunk(calls))
+                    reason = "tool_calls" if reason == "stop" else reason
+                elif rest := self.total.text[self._sent:]:
+                    out.append(self._chunk(Output(text=rest)))
+            out.append(self._chunk(Output(finish_reason=reason)))
+            if req.include_usage and self.usage:
+                out.append(usage_chunk(req, self.total.usage()))
         return out
 
     def _chunk(self, out: Output, role: bool = False) -> dict[str, Any]:
         first, self._first = self._first, False
-        return chunk(self.req, out, self.fmt, role=role, prompt=first)
+        return chunk(self.req, out, self.fmt, role=role, prompt=first, index=self.index)
+
+    def _releasable(self) -> str:
+        """With tools: the content that can be sent now (none for a forced call; for "auto", the
+        text before anything that is or may grow into `<tool_call>`)."""
+        from router.openai_tools import OPEN
+
+        if self._tools.choice != "auto":
+            return ""
+        text = self.total.text
+        end = text.find(OPEN)
+        if end < 0:  # hold back a tail that may be the start of the tag
+            end = next((i for i in range(max(0, len(text) - len(OPEN) + 1), len(text))
+                        if OPEN.startswith(text[i:])), len(text))
+        end = max(end, self._sent)
+        out, self._sent = text[self._sent:end], end
+        return out
+
+    def _tool_chunk(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        body = self._chunk(Output())
+        body["choices"][0]["delta"] = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+        return body
 
 
 def _chunk_envelope(req: OpenAIRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from common.logs import request_context
 from engine.builtin_model import resolve_model_path
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.guided import GuidedDecoder
 from engine.request_checks import resolve_max_model_len, validate_request, validate_sampling
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -41,9 +42,9 @@ from proto.serving import Malformed, add_health_and_reflection, add_servicer, bi
 from router import metrics as router_metrics
 from router.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits, Refused
 from router.local_prefill import LocalPrefillPolicy
-from router.prefix_policy import RoutingPolicy
 from router.metrics import RouterMetrics
 from router.orchestrator import ActiveRequest, Orchestrator, Progress, RequestError
+from router.prefix_policy import RoutingPolicy
 from router.worker_pool import WorkerPool
 
 log = logging.getLogger("pdcluster.router")
@@ -87,6 +88,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.model_name = model_name or model
         self.model_cfg = ModelConfig.from_pretrained(path)
         self.tokenizer = load_tokenizer(path)
+        self.guided = GuidedDecoder(path, self.model_cfg.vocab_size)  # checks constraints (grammars cached)
         # no token is longer than this many characters (a byte-level token string has a character per byte)
         self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
         self.max_model_len = resolve_max_model_len(self.model_cfg, max_model_len)
@@ -184,6 +186,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
         try:
             params = sampling_from_proto(request.sampling)
             validate_sampling(params, self.model_cfg.vocab_size)
+            if params.guided is not None:  # the workers would refuse it; say so here, with the reason
+                self.guided.check(params.guided)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}") from None
         stop = request.sampling.stop

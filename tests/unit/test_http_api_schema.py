@@ -76,12 +76,16 @@ def test_prompt_forms(prompt, text, ids):
 
 @pytest.mark.parametrize("body, param, words", [
     ({}, "prompt", "required"),
-    ({"prompt": ["a", "b"]}, "prompt", "batch of 2"),
+    ({"prompt": ["a", 5]}, "prompt", "expected a string"),
+    ({"prompt": ["a", [1, -2]]}, "prompt[1]", "token ids"),
     ({"prompt": 5}, "prompt", "expected a string"),
     ({"prompt": [1, -2]}, "prompt", "token ids"),
-    ({"prompt": "a", "n": 2}, "n", "2 is not supported"),
-    ({"prompt": "a", "best_of": 3}, "best_of", "not supported"),
-    ({"prompt": "a", "echo": True}, "echo", "not supported"),
+    ({"prompt": "a", "n": 0}, "n", "integer in [1, 128]"),
+    ({"prompt": "a", "n": 2, "best_of": 1}, "best_of", ">= n"),
+    ({"prompt": "a", "best_of": 3, "stream": True}, "best_of", "stream"),
+    ({"prompt": ["a"] * 65, "n": 2}, "prompt", "65 prompts x 2"),
+    ({"prompt": "a", "echo": 1}, "echo", "true or false"),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", "not supported yet"),
     ({"prompt": "a", "presence_penalty": "high"}, "presence_penalty", "number"),
     ({"prompt": "a", "frequency_penalty": float("nan")}, "frequency_penalty", "number"),
     ({"prompt": "a", "logit_bias": [5, 1]}, "logit_bias", "object"),
@@ -131,9 +135,8 @@ def test_chat_renders_the_template_and_maps_its_fields():
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
@@ -249,7 +252,7 @@ def test_app_errors_are_openai_shaped(client):
     for raw in (b"{not json", b"", b"\xff\xfe{", b"[" * 100_000):
         e = _error(client.post("/v1/completions", content=raw, headers=auth), 400)
         assert e["code"] == "invalid_json" and "not valid JSON" in e["message"]
-    assert _error(client.post("/v1/completions", json={"prompt": "a", "n": 3}, headers=auth), 400)["param"] == "n"
+    assert _error(client.post("/v1/completions", json={"prompt": "a", "n": 0}, headers=auth), 400)["param"] == "n"
     e = _error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
                            headers=auth), 400)
     assert e["param"] == "messages" and e["code"] == "no_chat_template" and "chat template" in e["message"]

@@ -1,0 +1,118 @@
+"""Tool calls for /v1/chat/completions: `tools` and `tool_choice` read and checked, the constraint a
+forced call generates under, and the model's output turned into OpenAI's `tool_calls`.
+
+- `tool_choice: "none"` (the default without tools): plain text; the tools still reach the chat template.
+- `"auto"` (the default with tools): the model decides. A call is written as the Hermes / Qwen format
+  does, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (several may follow each other);
+  text before the first is the message's content. Output without a well-formed call is content.
+- `"required"`: the output is constrained (structured output, engine/guided.py) to a JSON array of
+  one or more `{"name": <a tool>, "arguments": <its parameters' schema>}`; it always parses.
+- a named function: the output is constrained to that function's parameters' schema: the arguments.
+
+The tools are passed to the chat template (`tools=`), which renders them if it knows how.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.openai_protocol import bad
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+@dataclass
+class Tools:
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the request's, as given (for the template)
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # function name -> parameters schema
+    choice: str = "none"  # none | auto | required | named
+    named: str | None = None  # the function of a named tool_choice
+
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, spec) of the structured output a forced call generates under; None: free text."""
+        if self.choice == "named":
+            return "json", json.dumps(self.params[self.named])
+        if self.choice == "required":
+            calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+                     for n, p in self.params.items()]
+            return "json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        return None
+
+    def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The output -> (content, tool_calls in OpenAI's shape); no calls: (text, [])."""
+        if self.choice == "named":
+            return None, [_call(self.named, _json(text))] if _json(text) is not None else []
+        if self.choice == "required":
+            found = _json(text)
+            if not isinstance(found, list):
+                return text, []
+            return None, [_call(c["name"], c.get("arguments", {})) for c in found
+                          if isinstance(c, dict) and c.get("name") in self.params]
+        if self.choice != "auto" or OPEN not in text:
+            return text, []
+        found = []
+        for m in _CALL.finditer(text):
+            c = _json(m.group(1))
+            if not isinstance(c, dict) or c.get("name") not in self.params:
+                return text, []  # not a well-formed call of a known tool: all of it is content
+            found.append(_call(c["name"], c.get("arguments", c.get("parameters", {}))))
+        if not found:
+            return text, []
+        content = text[:text.index(OPEN)].strip()
+        return content or None, found
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def parse_tools(body: dict[str, Any]) -> Tools | None:
+    """`tools` and `tool_choice` of a chat body -> Tools (None: no tools given). 400s name the field."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", f"{choice!r} needs tools")
+        return None
+    if not isinstance(raw, list):
+        raise bad("tools", "expected a list of {'type': 'function', 'function': {...}}")
+    out = Tools(tools=raw)
+    for i, t in enumerate(raw):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise bad(f"tools[{i}]", "expected {'type': 'function', 'function': {'name': <letters, digits, _ or "
+                                     "-, at most 64>, 'parameters': {...}}}")
+        if name in out.params:
+            raise bad(f"tools[{i}].function.name", f"{name!r} is given twice")
+        params = f.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        elif not isinstance(params, dict):
+            raise bad(f"tools[{i}].function.parameters", "expected a JSON schema (an object)")
+        out.params[name] = params
+    if choice is None or choice in ("none", "auto", "required"):
+        out.choice = choice or "auto"
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in out.params:
+            raise bad("tool_choice", f"function {name!r} is not among the tools")
+        out.choice, out.named = "named", name
+    else:
+        raise bad("tool_choice", "expected 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                                 "{'name': ...}}")
+    return out

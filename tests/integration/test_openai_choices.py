@@ -1,0 +1,141 @@
+"""Several choices in one OpenAI request, end to end through a disaggregated cluster (router, prefill
+and decode worker as gRPC servers, HTTP API, the official `openai` client): a list of prompts, n,
+best_of, echo; each choice equals the request it stands for; the later choices of a prompt reuse
+its KV (prefix-cache hits on both workers, fewer KV bytes moved); a client that leaves mid-stream
+frees every choice's blocks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import openai
+import pytest
+
+from engine.config import EngineConfig
+from pdcluster import LLM, SamplingParams
+from pdcluster.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+MODEL = "builtin:tiny-llama"
+N = 8
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def cluster(builtin_path):
+    cfg = EngineConfig(model=str(builtin_path), num_blocks=256, max_model_len=512, num_threads=1)
+    with LocalCluster(cfg, router={"model": MODEL, "request_timeout_s": 60}, http={}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"http://{cluster.http.address}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm(builtin_path):
+    return LLM(str(builtin_path), max_model_len=512, num_blocks=128)
+
+
+def _greedy(llm: LLM, prompt: str | list[int]) -> str:
+    p = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+    return llm.generate([p], SamplingParams(temperature=0, max_tokens=N), use_tqdm=False)[0].text
+
+
+def _idle(cluster: LocalCluster, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        d, p = cluster.decode_workers[0].stats(), cluster.prefill_workers[0].stats()
+        if d.kv_blocks_used == p.kv_blocks_used == d.running == d.queued == 0 and not cluster.router._active:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"still busy after {timeout}s: {cluster.decode_workers[0].stats()}")
+
+
+def test_a_list_of_prompts_answers_each_as_alone(client, cluster, llm):
+    refs = [_greedy(llm, p) for p in PROMPTS]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=N, temperature=0)
+    assert [(c.index, c.text) for c in r.choices] == list(enumerate(refs))
+    ids = [cluster.router.tokenizer.encode(p) for p in PROMPTS]
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 3 * N
+    chunks = list(client.completions.create(model=MODEL, prompt=[ids[0], ids[2]], max_tokens=N, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = ["", ""]
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [refs[0], refs[2]] and chunks[-1].usage.completion_tokens == 2 * N
+    _idle(cluster)
+
+
+def test_n_choices_are_the_seeded_requests_they_stand_for_and_share_the_prompt_kv(client, cluster):
+    prompt = "In a hole in the ground there lived a hobbit. " * 4  # several full KV blocks
+    alone = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=1.0, seed=11 + k)
+             .choices[0].text for k in range(3)]
+    d0, p0 = cluster.decode_workers[0].stats(), cluster.prefill_workers[0].stats()
+    r = client.completions.create(model=MODEL, prompt=prompt + "Again:", max_tokens=N, temperature=1.0, seed=11, n=3)
+    d1, p1 = cluster.decode_workers[0].stats(), cluster.prefill_workers[0].stats()
+    assert len(r.choices) == 3 and [c.index for c in r.choices] == [0, 1, 2]
+    # the 2nd and 3rd choices found the first's prompt blocks cached (the prefill worker's prefix
+    # cache, the decode worker's shared blocks): the prompt's full blocks are not moved again
+    new_prompt = len(cluster.router.tokenizer.encode(prompt + "Again:"))
+    assert p1.prefix_cache_hit_tokens - p0.prefix_cache_hit_tokens >= 2 * (new_prompt // 16 - 1) * 16
+    assert d1.kv_bytes_not_sent > d0.kv_bytes_not_sent
+    same = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=1.0, seed=11, n=3)
+    assert [c.text for c in same.choices] == alone  # choice k samples as a request with seed 11 + k
+    _idle(cluster)
+
+
+def test_best_of_returns_the_choices_of_highest_cumulative_logprob(client, cluster):
+    kw = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": N, "temperature": 1.0, "seed": 3}
+    all4 = client.completions.create(**kw, n=4, logprobs=0).choices
+    score = {c.text: sum(c.logprobs.token_logprobs) for c in all4}
+    best = client.completions.create(**kw, n=2, best_of=4).choices
+    assert [c.text for c in best] == sorted(score, key=lambda t: -score[t])[:2] and best[0].logprobs is None
+    _idle(cluster)
+
+
+def test_echo_puts_the_prompt_before_the_text(client, cluster, llm):
+    ref = _greedy(llm, PROMPTS[1])
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N, temperature=0, echo=True)
+    assert r.choices[0].text == PROMPTS[1] + ref
+    ids = cluster.router.tokenizer.encode(PROMPTS[1])
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=N, temperature=0, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text == cluster.router.tokenizer.decode(ids)
+    assert "".join(c.choices[0].text for c in chunks[1:]) == ref
+
+
+def test_chat_n_streams_each_choice_with_its_index(client, cluster, llm):
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    text = cluster.router.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ref = _greedy(llm, text)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N, temperature=0, n=2)
+    assert [c.message.content for c in r.choices] == [ref, ref]
+    contents = {0: "", 1: ""}
+    roles = set()
+    for c in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N, temperature=0, n=2,
+                                            stream=True):
+        choice = c.choices[0]
+        if choice.delta.role == "assistant":
+            roles.add(choice.index)
+        contents[choice.index] += choice.delta.content or ""
+    assert contents == {0: ref, 1: ref} and roles == {0, 1}
+
+
+def test_a_client_leaving_mid_stream_frees_every_choice(cluster):
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS, "n": 2, "max_tokens": 400, "ignore_eos": True,
+                       "temperature": 0, "stream": True}).encode()
+    host, port = cluster.http.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    seen = b""
+    while seen.count(b"data: ") < 20:
+        seen += sock.recv(4096)
+    assert cluster.decode_workers[0].stats().running >= 2
+    sock.close()
+    _idle(cluster, timeout=10.0)
