@@ -221,8 +221,8 @@ def test_bad_requests_are_400_naming_the_field(stack):
     url = f"{stack.url}/v1/completions"
     e = _error(httpx.post(url, json={"model": MODEL, "prompt": PROMPT, "temperature": -1}), 400)
     assert e["param"] == "temperature" and "temperature must be" in e["message"]
-    e = _error(httpx.post(url, json={"model": MODEL, "prompt": PROMPT, "n": 2}), 400)
-    assert e["param"] == "n" and "n: 2" in e["message"]
+    e = _error(httpx.post(url, json={"model": MODEL, "prompt": PROMPT, "suffix": "end"}), 400)
+    assert e["param"] == "suffix" and "not supported" in e["message"]
     e = _error(httpx.post(url, content=b'{"model": "x", "prompt": ', headers={"Content-Type": "application/json"}), 400)
     assert e["code"] == "invalid_json" and e["param"] is None
     e = _error(httpx.post(url, json={"model": MODEL}), 400)

@@ -179,3 +179,35 @@ def test_a_decode_worker_stopped_mid_stream_resumes_valid_and_identical(builtin_
         assert c.router.metrics.retries._value.get() >= 1
     values = json.loads(c.router.tokenizer.decode(got, skip_special_tokens=True))
     jsonschema.validate(values, long)
+
+
+# ------------------------------------------------------------------ tool calls
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_always_parse_against_their_schemas(client, stream):
+    params = {WEATHER["function"]["name"]: WEATHER["function"]["parameters"],
+              CLOCK["function"]["name"]: CLOCK["function"]["parameters"]}
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}] * 3):
+        kw = {"model": MODEL, "messages": MSGS, "max_tokens": 160, "temperature": 1.0, "seed": seed,
+              "tools": [WEATHER, CLOCK], "tool_choice": choice}
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        else:
+            chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+            calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+            reason = chunks[-1].choices[0].finish_reason
+            assert all(not c.choices[0].delta.content for c in chunks)
+        assert reason == "tool_calls" and calls
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        if isinstance(choice, dict):
+            assert [c.function.name for c in calls] == ["get_time"]
