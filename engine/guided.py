@@ -19,12 +19,14 @@ import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from engine.logits_processors import History, completion_ids
 from engine.sampling_params import GUIDED_KINDS, GuidedDecoding
+
+if TYPE_CHECKING:  # the router checks constraints without torch
+    import torch
+
+    from engine.logits_processors import History
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ class GuidedDecoder:
         self.compiled(g)
 
     def _guide(self, h: Any) -> _Guide:
+        from engine.logits_processors import completion_ids
+
         if h.guide is None:
             import xgrammar as xgr
 
