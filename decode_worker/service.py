@@ -135,6 +135,8 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
             logprobs=[logprob_to_proto(lp) for lp in lps], finish_reason=seq.finish_reason or "",
             decode_queue_ms=decode_queue_ms,
         )
+        if first == 0 and stream.local:
+            chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in seq.prompt_logprobs)
         stream.queue.put(chunk)
         if seq.finish_reason is not None:
             stream.queue.put(_DONE)

@@ -103,7 +103,7 @@ class BlockManager:
         num_full = (n - 1) // bs  # full blocks that can be hits (never the block holding the last token)
         hashes = self._hashes(seq, num_full)
         table: list[int] = []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.params.prompt_logprobs is None:  # those need every prompt logit
             for i in range(num_full):
                 block_id = self.hash_to_block.get(hashes[i])
                 if block_id is None or not self._confirm(block_id, table, seq.token_ids[i * bs : (i + 1) * bs]):

@@ -16,7 +16,7 @@ from engine.loader import load_model
 from engine.models.llama import LlamaModel
 from engine.native import native_lib
 from engine.request_checks import resolve_max_model_len
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprobs
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 DECODE_PAD_SLACK = 1.3  # padded/real KV blocks allowed within one decode attention group
@@ -136,6 +136,23 @@ class ModelRunner:
             meta.spans = spans
         return input_ids, positions, meta, sample_rows
 
+    def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """For sequences asking for prompt logprobs: the logprob of each prompt token this step's
+        chunk predicts (row p predicts token p + 1), with the top alternatives, onto the sequence."""
+        row = 0
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            n = seq.params.prompt_logprobs
+            end = min(start + item.num_tokens, seq.num_prompt_tokens - 1)  # the last prompt row samples
+            if n is not None and start < end and len(seq.prompt_logprobs) == start:
+                lp = torch.log_softmax(self.model.compute_logits(hidden[row:row + end - start]).float(), dim=-1)
+                targets = seq.token_ids[start + 1:end + 1]
+                picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+                top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
+                seq.prompt_logprobs += [TokenLogprobs(t, v, list(zip(i, vs))) for t, v, i, vs in
+                                        zip(targets, picked, top_i.tolist(), top_v.tolist())]
+            row += item.num_tokens
+
     def _native_decode(self, batch: list[ScheduledSeq], ctx: list[int]) -> NativeDecode:
         width = max(len(item.seq.block_table) for item in batch)
         tables = torch.tensor([item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
@@ -179,6 +196,7 @@ class ModelRunner:
         """One forward pass; returns float32 logits for each item that `completes`, in batch order."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
+        self._prompt_logprobs(batch, hidden)
         if not sample_rows:
             return hidden.new_empty((0, self.model_cfg.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

@@ -59,6 +59,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
     min_tokens: int = 0  # no EOS / stop token / stop string before this many completion tokens
     guided: GuidedDecoding | None = None  # structured output: the completion matches this
+    # each prompt token's logprob (after the first) plus this many top alternatives; None = off.
+    # The prompt is then computed whole (no prefix-cache hits), as its logits are needed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -55,6 +55,7 @@ class Sequence:
     # completion token number `output_offset`, which is what a seeded draw depends on
     output_offset: int = 0
     guide: Any = None  # structured output: its matcher (engine/guided.py), made at its first sample
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
 
     def __len__(self) -> int:
         return len(self.token_ids)

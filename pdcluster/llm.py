@@ -43,6 +43,8 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefill worker's prefix cache
+    # with SamplingParams.prompt_logprobs: prompt tokens 1.. (the first has none), as vLLM's after its None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -187,6 +189,8 @@ class LLM:
                 if out.finish_reason is None:
                     if not out.token_ids:
                         out.num_cached_tokens = seq.num_cached_tokens
+                        if seq.params.prompt_logprobs is not None:
+                            out.prompt_logprobs = list(seq.prompt_logprobs)
                     run.emit(i, [seq.token_ids[-1]], seq.logprobs[-1:], seq.finish_reason)
 
     def _generate_disaggregated(self, run: GenerateRun, params: list[SamplingParams]) -> None:
@@ -209,6 +213,8 @@ class LLM:
                         raise RuntimeError(f"request {r.request_id}: {r.error}")
                     i = run.by_id[r.request_id]
                     outputs[i].num_cached_tokens = r.num_cached_tokens
+                    if params[i].prompt_logprobs is not None:
+                        outputs[i].prompt_logprobs = list(r.prompt_logprobs)
                     run.emit(i, [r.first_token], [r.logprob] if r.logprob else [], r.finish_reason)
             if self.decode.has_work():
                 for seq in self.decode.step():

@@ -11,7 +11,7 @@ blocks are freed (they stay in the prefix cache until evicted).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.engine import Engine
@@ -34,6 +34,7 @@ class PrefillResult:
     commit_ms: float = 0.0
     queue_ms: float = 0.0  # added until first scheduled
     compute_ms: float = 0.0  # first scheduled until the first token was sampled (commit excluded)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # sampling.prompt_logprobs set
 
 
 class PrefillEngine:
@@ -125,5 +126,5 @@ class PrefillEngine:
                 self._safe_abort(ticket, error or "finished at prefill")
             compute_ms = (sampled_at - (seq.first_scheduled_time or seq.arrival_time)) * 1e3
             results.append(PrefillResult(rid, token, lp, seq.finish_reason, seq.num_cached_tokens, error, commit_ms,
-                                         seq.queue_ms, compute_ms))
+                                         seq.queue_ms, compute_ms, seq.prompt_logprobs))
         return results

@@ -182,6 +182,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         )
         if r.logprob is not None:
             response.first_token_logprob.CopyFrom(logprob_to_proto(r.logprob))
+        response.prompt_logprobs.extend(logprob_to_proto(x) for x in r.prompt_logprobs)
         return response
 
     def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:

@@ -19,7 +19,7 @@ def sampling_from_proto(msg: gen.SamplingParams) -> SamplingParams:
     """Unset fields take the engine defaults. Raises ValueError naming a bad field."""
     kwargs: dict = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "min_tokens"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     kwargs["logit_bias"] = dict(msg.logit_bias)
@@ -40,6 +40,8 @@ def sampling_to_proto(p: SamplingParams) -> gen.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         setattr(msg, name, getattr(p, name))
     msg.logit_bias.update(p.logit_bias)

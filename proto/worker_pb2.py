@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import generate_pb2 as proto_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x0cpdcluster.v1\x1a\x14proto/generate.proto\"\xb2\x01\n\x0eTransferTicket\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x63ompat_hash\x18\x04 \x01(\t\x12\x12\n\nauth_token\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12,\n\x06ticket\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.TransferTicket\x12\x15\n\rresume_offset\x18\x05 \x01(\r\"\x8e\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x37\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x18\n\x10prefill_queue_ms\x18\x06 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x07 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x08 \x01(\x01\x12\x15\n\rfinish_reason\x18\t \x01(\t\"\xf4\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x13\n\x0brun_prefill\x18\x06 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x07 \x01(\t\x12\x15\n\rresume_offset\x18\x08 \x01(\r\x12\x1b\n\x13reuse_cached_prefix\x18\t \x01(\x08\"?\n\x0fReserveResponse\x12,\n\x06ticket\x18\x01 \x01(\x0b\x32\x1c.pdcluster.v1.TransferTicket\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xa6\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x06 \x01(\x01\"\x0f\n\rHealthRequest\"\x8b\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12&\n\x04role\x18\x04 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\r\n\x05model\x18\x05 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x06 \x01(\t\"H\n\x0cStatsRequest\x12\x1b\n\x13prefix_cache_events\x18\x01 \x01(\x08\x12\x1b\n\x13prefix_cache_cursor\x18\x02 \x01(\x04\"j\n\x11PrefixCacheEvents\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xb4\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x41\n\rkv_bytes_sent\x18\x08 \x03(\x0b\x32*.pdcluster.v1.WorkerStats.KvBytesSentEntry\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x04\x12\x15\n\rprompt_tokens\x18\n \x01(\x04\x12+\n\x05steps\x18\x0b \x03(\x0b\x32\x1c.pdcluster.v1.StepPhaseStats\x12\x34\n\x0esteps_by_batch\x18\x0c \x03(\x0b\x32\x1c.pdcluster.v1.StepPhaseStats\x12\x35\n\x0cprefix_cache\x18\r \x01(\x0b\x32\x1f.pdcluster.v1.PrefixCacheEvents\x12\x19\n\x11kv_bytes_not_sent\x18\x0e \x01(\x04\x12\x16\n\x0elocal_prefills\x18\x0f \x01(\x04\x1a\x32\n\x10KvBytesSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x88\x01\n\x0eStepPhaseStats\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0c\n\x04seqs\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x63ontext_tokens\x18\x06 \x01(\x04\x12\x11\n\tbatch_min\x18\x07 \x01(\r*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\x9e\x02\n\rPrefillWorker\x12\x46\n\x07Prefill\x12\x1c.pdcluster.v1.PrefillRequest\x1a\x1d.pdcluster.v1.PrefillResponse\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.pdcluster.v1.HealthRequest\x1a\x1c.pdcluster.v1.HealthResponse\x12>\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x19.pdcluster.v1.WorkerStats2\xe0\x02\n\x0c\x44\x65\x63odeWorker\x12\x46\n\x07Reserve\x12\x1c.pdcluster.v1.ReserveRequest\x1a\x1d.pdcluster.v1.ReserveResponse\x12\x41\n\x06Stream\x12\x1b.pdcluster.v1.StreamRequest\x1a\x18.pdcluster.v1.TokenChunk0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.pdcluster.v1.HealthRequest\x1a\x1c.pdcluster.v1.HealthResponse\x12>\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x19.pdcluster.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x0cpdcluster.v1\x1a\x14proto/generate.proto\"\xb2\x01\n\x0eTransferTicket\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x63ompat_hash\x18\x04 \x01(\t\x12\x12\n\nauth_token\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12,\n\x06ticket\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.TransferTicket\x12\x15\n\rresume_offset\x18\x05 \x01(\r\"\xc3\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x37\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x18\n\x10prefill_queue_ms\x18\x06 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x07 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x08 \x01(\x01\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12\x33\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"\xf4\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x13\n\x0brun_prefill\x18\x06 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x07 \x01(\t\x12\x15\n\rresume_offset\x18\x08 \x01(\r\x12\x1b\n\x13reuse_cached_prefix\x18\t \x01(\x08\"?\n\x0fReserveResponse\x12,\n\x06ticket\x18\x01 \x01(\x0b\x32\x1c.pdcluster.v1.TransferTicket\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xdb\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x06 \x01(\x01\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"\x0f\n\rHealthRequest\"\x8b\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12&\n\x04role\x18\x04 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\r\n\x05model\x18\x05 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x06 \x01(\t\"H\n\x0cStatsRequest\x12\x1b\n\x13prefix_cache_events\x18\x01 \x01(\x08\x12\x1b\n\x13prefix_cache_cursor\x18\x02 \x01(\x04\"j\n\x11PrefixCacheEvents\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xb4\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x41\n\rkv_bytes_sent\x18\x08 \x03(\x0b\x32*.pdcluster.v1.WorkerStats.KvBytesSentEntry\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x04\x12\x15\n\rprompt_tokens\x18\n \x01(\x04\x12+\n\x05steps\x18\x0b \x03(\x0b\x32\x1c.pdcluster.v1.StepPhaseStats\x12\x34\n\x0esteps_by_batch\x18\x0c \x03(\x0b\x32\x1c.pdcluster.v1.StepPhaseStats\x12\x35\n\x0cprefix_cache\x18\r \x01(\x0b\x32\x1f.pdcluster.v1.PrefixCacheEvents\x12\x19\n\x11kv_bytes_not_sent\x18\x0e \x01(\x04\x12\x16\n\x0elocal_prefills\x18\x0f \x01(\x04\x1a\x32\n\x10KvBytesSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x88\x01\n\x0eStepPhaseStats\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0c\n\x04seqs\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x63ontext_tokens\x18\x06 \x01(\x04\x12\x11\n\tbatch_min\x18\x07 \x01(\r*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\x9e\x02\n\rPrefillWorker\x12\x46\n\x07Prefill\x12\x1c.pdcluster.v1.PrefillRequest\x1a\x1d.pdcluster.v1.PrefillResponse\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.pdcluster.v1.HealthRequest\x1a\x1c.pdcluster.v1.HealthResponse\x12>\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x19.pdcluster.v1.WorkerStats2\xe0\x02\n\x0c\x44\x65\x63odeWorker\x12\x46\n\x07Reserve\x12\x1c.pdcluster.v1.ReserveRequest\x1a\x1d.pdcluster.v1.ReserveResponse\x12\x41\n\x06Stream\x12\x1b.pdcluster.v1.StreamRequest\x1a\x18.pdcluster.v1.TokenChunk0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.pdcluster.v1.HealthRequest\x1a\x1c.pdcluster.v1.HealthResponse\x12>\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x19.pdcluster.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,38 +34,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSTATS_KVBYTESSENTENTRY']._loaded_options = None
   _globals['_WORKERSTATS_KVBYTESSENTENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=2252
-  _globals['_WORKERROLE']._serialized_end=2369
+  _globals['_WORKERROLE']._serialized_start=2358
+  _globals['_WORKERROLE']._serialized_end=2475
   _globals['_TRANSFERTICKET']._serialized_start=59
   _globals['_TRANSFERTICKET']._serialized_end=237
   _globals['_PREFILLREQUEST']._serialized_start=240
   _globals['_PREFILLREQUEST']._serialized_end=412
   _globals['_PREFILLRESPONSE']._serialized_start=415
-  _globals['_PREFILLRESPONSE']._serialized_end=685
-  _globals['_RESERVEREQUEST']._serialized_start=688
-  _globals['_RESERVEREQUEST']._serialized_end=932
-  _globals['_RESERVERESPONSE']._serialized_start=934
-  _globals['_RESERVERESPONSE']._serialized_end=997
-  _globals['_STREAMREQUEST']._serialized_start=999
-  _globals['_STREAMREQUEST']._serialized_end=1034
-  _globals['_TOKENCHUNK']._serialized_start=1037
-  _globals['_TOKENCHUNK']._serialized_end=1203
-  _globals['_HEALTHREQUEST']._serialized_start=1205
-  _globals['_HEALTHREQUEST']._serialized_end=1220
-  _globals['_HEALTHRESPONSE']._serialized_start=1223
-  _globals['_HEALTHRESPONSE']._serialized_end=1362
-  _globals['_STATSREQUEST']._serialized_start=1364
-  _globals['_STATSREQUEST']._serialized_end=1436
-  _globals['_PREFIXCACHEEVENTS']._serialized_start=1438
-  _globals['_PREFIXCACHEEVENTS']._serialized_end=1544
-  _globals['_WORKERSTATS']._serialized_start=1547
-  _globals['_WORKERSTATS']._serialized_end=2111
-  _globals['_WORKERSTATS_KVBYTESSENTENTRY']._serialized_start=2061
-  _globals['_WORKERSTATS_KVBYTESSENTENTRY']._serialized_end=2111
-  _globals['_STEPPHASESTATS']._serialized_start=2114
-  _globals['_STEPPHASESTATS']._serialized_end=2250
-  _globals['_PREFILLWORKER']._serialized_start=2372
-  _globals['_PREFILLWORKER']._serialized_end=2658
-  _globals['_DECODEWORKER']._serialized_start=2661
-  _globals['_DECODEWORKER']._serialized_end=3013
+  _globals['_PREFILLRESPONSE']._serialized_end=738
+  _globals['_RESERVEREQUEST']._serialized_start=741
+  _globals['_RESERVEREQUEST']._serialized_end=985
+  _globals['_RESERVERESPONSE']._serialized_start=987
+  _globals['_RESERVERESPONSE']._serialized_end=1050
+  _globals['_STREAMREQUEST']._serialized_start=1052
+  _globals['_STREAMREQUEST']._serialized_end=1087
+  _globals['_TOKENCHUNK']._serialized_start=1090
+  _globals['_TOKENCHUNK']._serialized_end=1309
+  _globals['_HEALTHREQUEST']._serialized_start=1311
+  _globals['_HEALTHREQUEST']._serialized_end=1326
+  _globals['_HEALTHRESPONSE']._serialized_start=1329
+  _globals['_HEALTHRESPONSE']._serialized_end=1468
+  _globals['_STATSREQUEST']._serialized_start=1470
+  _globals['_STATSREQUEST']._serialized_end=1542
+  _globals['_PREFIXCACHEEVENTS']._serialized_start=1544
+  _globals['_PREFIXCACHEEVENTS']._serialized_end=1650
+  _globals['_WORKERSTATS']._serialized_start=1653
+  _globals['_WORKERSTATS']._serialized_end=2217
+  _globals['_WORKERSTATS_KVBYTESSENTENTRY']._serialized_start=2167
+  _globals['_WORKERSTATS_KVBYTESSENTENTRY']._serialized_end=2217
+  _globals['_STEPPHASESTATS']._serialized_start=2220
+  _globals['_STEPPHASESTATS']._serialized_end=2356
+  _globals['_PREFILLWORKER']._serialized_start=2478
+  _globals['_PREFILLWORKER']._serialized_end=2764
+  _globals['_DECODEWORKER']._serialized_start=2767
+  _globals['_DECODEWORKER']._serialized_end=3119
 # @@protoc_insertion_point(module_scope)

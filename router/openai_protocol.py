@@ -143,8 +143,12 @@ def parse_completion(body: Any, served_model: str, tokenize: Tokenize | None = N
             raise bad("best_of", "cannot be more than n with stream: true (the best are known only at the end)")
     if body.get("echo") is not None:
         req.echo = _bool("echo", body["echo"])
-        if req.echo and req.logprobs:
-            raise bad("echo", "echo with logprobs (the prompt's logprobs) is not supported yet")
+    if req.echo and req.logprobs:  # the prompt's logprobs too: its tokens must be known here
+        req.grpc.sampling.prompt_logprobs = req.grpc.sampling.logprobs
+        for p in req.prompts:
+            if p.ids is None and tokenize is not None and p.text:
+                p.ids = list(tokenize(p.text))
+        req.prompts[0].set_on(req.grpc)
     req.best_of = max(req.best_of, req.n)
     if len(req.prompts) * req.best_of > MAX_CHOICES:
         raise bad("prompt", f"{len(req.prompts)} prompts x {req.best_of} choices each is more than "

@@ -32,8 +32,10 @@ class Output:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[gen.TokenLogprob] = field(default_factory=list)  # echo with logprobs
 
     def add(self, msg: gen.GenerateResponse) -> None:
+        self.prompt_logprobs.extend(msg.prompt_logprobs)
         self.text += msg.text
         self.token_ids.extend(msg.token_ids)
         self.logprobs.extend(msg.logprobs)
@@ -72,6 +74,16 @@ class LogprobFormatter:
                 "top_logprobs": [{self.token_text(t.token_id): _lp(t.logprob) for t in lp.top} for lp in lps],
                 "text_offset": offsets}
 
+    def echoed(self, first_id: int | None, prompt: list[gen.TokenLogprob], lps: list[gen.TokenLogprob],
+               ) -> dict[str, Any]:
+        """Completions' logprobs with echo: the prompt's tokens first (the first one has no logprob:
+        null, as in vLLM and OpenAI's legacy API), then the completion's."""
+        head = self.completion([gen.TokenLogprob(token_id=first_id)] if first_id is not None else [])
+        if first_id is not None:
+            head["token_logprobs"], head["top_logprobs"] = [None], [None]
+        rest = self.completion(list(prompt) + list(lps))
+        return {k: head[k] + rest[k] for k in rest}
+
     def chat(self, lps: list[gen.TokenLogprob]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             s = self.token_text(token_id)
@@ -104,7 +116,9 @@ def response_of(req: OpenAIRequest, outs: list[tuple[int, Output]], fmt: Logprob
                 choice["logprobs"] = fmt.fresh().chat(out.logprobs)
         else:
             choice["text"] = _echo(req, index) + out.text
-            if req.logprobs:
+            if req.logprobs and req.echo:
+                choice["logprobs"] = fmt.fresh().echoed(_first_id(req, index), out.prompt_logprobs, out.logprobs)
+            elif req.logprobs:
                 choice["logprobs"] = fmt.fresh().completion(out.logprobs)
         choices.append(choice)
     body = {"id": req.id, "object": "chat.completion" if req.chat else "text_completion",
@@ -120,6 +134,11 @@ def _tool_calls(req: OpenAIRequest, text: str) -> tuple[str | None, list[dict[st
     if req.tools is None or req.tools.choice == "none":
         return text, []
     return req.tools.calls(text)
+
+
+def _first_id(req: OpenAIRequest, index: int) -> int | None:
+    ids = req.prompts[index // req.n].ids if req.prompts else None
+    return ids[0] if ids else None
 
 
 def _echo(req: OpenAIRequest, index: int) -> str:
@@ -189,7 +208,12 @@ class StreamShaper:
         if req.chat and self._first:
             out.append(self._chunk(Output(), role=True))
         if self._first and (echo := _echo(req, self.index)):
-            out.append(self._chunk(Output(text=echo)))
+            if req.logprobs:  # the echo chunk carries the prompt's logprobs
+                body = self._chunk(Output(text=echo))
+                body["choices"][0]["logprobs"] = self.fmt.echoed(_first_id(req, self.index), list(msg.prompt_logprobs), [])
+                out.append(body)
+            else:
+                out.append(self._chunk(Output(text=echo)))
         self.total.add(msg)
         text = msg.text if self._tools is None else self._releasable()
         if text or (req.logprobs and msg.logprobs and self._tools is None) or (req.return_token_ids and msg.token_ids):

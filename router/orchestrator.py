@@ -316,7 +316,10 @@ class Orchestrator:
                           first.prefill_compute_ms, first.kv_transfer_ms)
                 seen = 1
                 lps = [first.first_token_logprob] if first.HasField("first_token_logprob") else []
+                opening = not run.tokens  # the client's first message: it carries the prompt's logprobs
                 msg, stopped = self._take(active, run, output, [first.first_token], lps)
+                if opening:
+                    msg.prompt_logprobs.extend(first.prompt_logprobs)
                 finish = "stop" if stopped else first.finish_reason
                 if finish:
                     self.abort(active)
@@ -335,7 +338,10 @@ class Orchestrator:
                 new = list(chunk.token_ids[skip:])
                 msg = None
                 if new:
+                    opening = not run.tokens
                     msg, stopped = self._take(active, run, output, new, list(chunk.logprobs[skip:]))
+                    if opening:
+                        msg.prompt_logprobs.extend(chunk.prompt_logprobs)
                     seen += len(new)
                     if stopped:
                         self.abort(active)

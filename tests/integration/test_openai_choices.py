@@ -139,3 +139,21 @@ def test_a_client_leaving_mid_stream_frees_every_choice(cluster):
     assert cluster.decode_workers[0].stats().running >= 2
     sock.close()
     _idle(cluster, timeout=10.0)
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_first(client, cluster, llm):
+    ids = cluster.router.tokenizer.encode(PROMPTS[2])
+    ref = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=N, logprobs=2, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=N, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    tok = cluster.router.tokenizer
+    assert lp.tokens == [tok.decode([t]) for t in ids + ref.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [x.logprob for x in ref.prompt_logprobs] + [x.logprob for x in ref.logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-3)
+    assert r.choices[0].text == PROMPTS[2] + ref.text and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=N, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    head = chunks[0].choices[0]
+    assert head.text == PROMPTS[2] and head.logprobs.token_logprobs[1:] == pytest.approx(want[:len(ids) - 1], abs=1e-3)

@@ -85,7 +85,6 @@ def test_prompt_forms(prompt, text, ids):
     ({"prompt": "a", "best_of": 3, "stream": True}, "best_of", "stream"),
     ({"prompt": ["a"] * 65, "n": 2}, "prompt", "65 prompts x 2"),
     ({"prompt": "a", "echo": 1}, "echo", "true or false"),
-    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", "not supported yet"),
     ({"prompt": "a", "presence_penalty": "high"}, "presence_penalty", "number"),
     ({"prompt": "a", "frequency_penalty": float("nan")}, "frequency_penalty", "number"),
     ({"prompt": "a", "logit_bias": [5, 1]}, "logit_bias", "object"),
