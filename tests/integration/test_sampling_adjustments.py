@@ -83,3 +83,22 @@ def test_the_cluster_equals_the_offline_engine(path, offline, backend):
             got = [client.complete(p, params).token_ids for p in PROMPTS]
             assert got == want, name
         assert c.wait_blocks_free()
+
+
+def test_a_request_resumed_on_another_decode_worker_is_penalised_as_if_it_had_not_failed(path, offline):
+    """The decode worker serving a penalised request is stopped mid-stream: the router resumes it on
+    the other one from the tokens streamed, which count as completion there (frequency, presence,
+    repetition and min_tokens see them), so the output equals the uninterrupted one."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.8, presence_penalty=0.4, logit_bias={9: 2.0})
+    want = _offline(offline["colocated"], params)[2]
+    cfg = EngineConfig(model=path, num_blocks=128, block_size=16, max_model_len=256, num_threads=1, dtype="float32")
+    with LocalCluster(cfg, 1, 2, router={"request_timeout_s": 60, "max_retries": 2}) as c, c.client() as client:
+        got, stopped = [], False
+        for chunk in client.stream(list(PROMPTS[2]), params):
+            got += chunk.token_ids
+            if len(got) >= 8 and not stopped:
+                next(w for w in c.decode_workers if w.stats().running).stop()
+                stopped = True
+        assert stopped and got == want
+        assert c.router.metrics.retries._value.get() >= 1
