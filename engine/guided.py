@@ -57,7 +57,10 @@ class GuidedDecoder:
 
             from engine.tokenizer import load_tokenizer
 
-            info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(self.model_path), vocab_size=self.vocab_size)
+            tok = load_tokenizer(self.model_path)
+            if tok is None:
+                raise GuidedError("guided: structured output needs the model's tokenizer; this checkpoint has none")
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
@@ -71,7 +74,8 @@ class GuidedDecoder:
             if g.kind == "regex":
                 return c.compile_regex(g.spec)
             if g.kind == "choice":
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in json.loads(g.spec)))
+                choices = (json.dumps(x, ensure_ascii=False) for x in json.loads(g.spec))  # no surrogate pairs
+                return c.compile_grammar("root ::= " + " | ".join(choices))
             if g.kind == "grammar":
                 return c.compile_grammar(g.spec)
         except (ValueError, TypeError, RuntimeError) as e:
@@ -114,5 +118,5 @@ class GuidedDecoder:
                 masked.append(i)
         out = logits.clone()
         if masked:
-            xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=logits.shape[1], indices=masked)
+            xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=logits.shape[1], indices=masked)
         return out

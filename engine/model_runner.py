@@ -144,9 +144,11 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             n = seq.params.prompt_logprobs
             end = min(start + item.num_tokens, seq.num_prompt_tokens - 1)  # the last prompt row samples
-            if n is not None and start < end and len(seq.prompt_logprobs) == start:
-                lp = torch.log_softmax(self.model.compute_logits(hidden[row:row + end - start]).float(), dim=-1)
-                targets = seq.token_ids[start + 1:end + 1]
+            have = len(seq.prompt_logprobs)  # a preempted prompt is recomputed: its chunks may differ
+            if n is not None and start <= have < end:
+                first = row + have - start
+                lp = torch.log_softmax(self.model.compute_logits(hidden[first:first + end - have]).float(), dim=-1)
+                targets = seq.token_ids[have + 1:end + 1]
                 picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
                 top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
                 seq.prompt_logprobs += [TokenLogprobs(t, v, list(zip(i, vs))) for t, v, i, vs in

@@ -92,6 +92,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.min_tokens and self.guided is not None:  # the grammar's end allows EOS alone
+            raise ValueError("min_tokens cannot be combined with structured output (guided): the output ends "
+                             "where its grammar does")
 
     @property
     def penalized(self) -> bool:

@@ -150,7 +150,9 @@ class HttpApi:
 
     @asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self._channel = grpc.aio.insecure_channel(self.router_address)  # bound to this thread's loop
+        # bound to this thread's loop; takes what the router may send (a first message with prompt logprobs)
+        self._channel = grpc.aio.insecure_channel(self.router_address, options=[
+            ("grpc.max_receive_message_length", MAX_BODY_BYTES)])
         self._stub = gen_grpc.PDClusterStub(self._channel)
         try:
             yield

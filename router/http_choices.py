@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from proto import generate_pb2 as gen
-from router.http_stream import relay
+from router.http_stream import ClientGone, relay
 from router.openai_choices import ChoiceCall, choice_calls
 from router.openai_protocol import OpenAIRequest
 from router.openai_responses import Output
@@ -63,6 +63,7 @@ class ChoiceRun:
             yield slot, msg
 
     async def _pump(self, c: ChoiceCall, gate: asyncio.Event | None, first: asyncio.Event | None) -> None:
+        ended = False  # a terminal item is in the queue (each pump puts exactly one)
         try:
             if gate is not None:
                 await gate.wait()
@@ -70,14 +71,18 @@ class ChoiceRun:
                 if first is not None:
                     first.set()
                 await self._queue.put((c.slot, msg, None))
-            await self._queue.put((c.slot, None, None))
+            self._queue.put_nowait((c.slot, None, None))
+            ended = True
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 (ApiError, ClientGone, any other): the reader raises it
-            await self._queue.put((c.slot, None, e))
+            self._queue.put_nowait((c.slot, None, e))
+            ended = True
         finally:
             if first is not None:
                 first.set()  # the prompt's other calls go on whatever became of the leader
+            if not ended:  # cancelled: a reader still waiting must not wait for this call forever
+                self._queue.put_nowait((c.slot, None, ClientGone()))
 
 
 async def collect_all(run: ChoiceRun) -> list[Output]:

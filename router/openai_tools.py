@@ -39,22 +39,24 @@ class Tools:
         if self.choice == "named":
             return "json", json.dumps(self.params[self.named])
         if self.choice == "required":
-            calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+            defs: dict[str, Any] = {}
+            calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _hoist(n, p, defs)},
                       "required": ["name", "arguments"], "additionalProperties": False}
                      for n, p in self.params.items()]
-            return "json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            return "json", json.dumps({**schema, "$defs": defs} if defs else schema)
         return None
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The output -> (content, tool_calls in OpenAI's shape); no calls: (text, [])."""
-        if self.choice == "named":
-            return None, [_call(self.named, _json(text))] if _json(text) is not None else []
+        if self.choice == "named":  # unparsed (cut by max_tokens): the text stays the content
+            args = _json(text)
+            return (None, [_call(self.named, args)]) if args is not None else (text, [])
         if self.choice == "required":
             found = _json(text)
-            if not isinstance(found, list):
-                return text, []
-            return None, [_call(c["name"], c.get("arguments", {})) for c in found
-                          if isinstance(c, dict) and c.get("name") in self.params]
+            calls = [_call(c["name"], c.get("arguments", {})) for c in found
+                     if isinstance(c, dict) and c.get("name") in self.params] if isinstance(found, list) else []
+            return (None, calls) if calls else (text, [])
         if self.choice != "auto" or OPEN not in text:
             return text, []
         found = []
@@ -67,6 +69,28 @@ class Tools:
             return text, []
         content = text[:text.index(OPEN)].strip()
         return content or None, found
+
+
+def _hoist(tool: str, schema: dict[str, Any], defs: dict[str, Any]) -> Any:
+    """A tool's parameters schema nested in the `required` schema: its own `$defs` (pydantic's nested
+    models) move to the root under `<tool>.<name>`, and its references follow them."""
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not own:
+        return schema
+    for name, d in own.items():
+        defs[f"{tool}.{name}"] = None  # reserved first: a definition may refer to itself
+    renamed = {f"#/$defs/{k}": f"#/$defs/{tool}.{k}" for k in own} | {
+        f"#/definitions/{k}": f"#/$defs/{tool}.{k}" for k in own}
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: (renamed.get(x, x) if k == "$ref" and isinstance(x, str) else walk(x)) for k, x in v.items()
+                    if k not in ("$defs", "definitions")}
+        return [walk(x) for x in v] if isinstance(v, list) else v
+
+    for name, d in own.items():
+        defs[f"{tool}.{name}"] = walk(d)
+    return walk(schema)
 
 
 def _json(text: str) -> Any:

@@ -279,7 +279,9 @@ class Orchestrator:
         prompt = run.prompt + run.tokens
         if offset >= run.params.max_tokens or len(prompt) >= self.max_model_len:  # nothing left to generate
             return "length", gen.GenerateResponse(request_id=rid)
-        params = run.params if not offset else dataclasses.replace(run.params, max_tokens=run.params.max_tokens - offset)
+        # a resume: the client has the prompt's logprobs already (and the prompt may use the prefix cache)
+        params = run.params if not offset else dataclasses.replace(run.params, max_tokens=run.params.max_tokens - offset,
+                                                                   prompt_logprobs=None)
         blocks = PromptBlocks(prompt)
         decode, ticket, computed = self._reserve(active, wrid, blocks, params, offset, deadline, avoid)  # counted on decode
         local = ticket is None  # the decode worker prefills (colocated, or a local prefill)

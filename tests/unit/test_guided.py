@@ -97,3 +97,14 @@ def test_guided_decoding_checks_its_fields():
         GuidedDecoding("choice", '["a", ""]')
     with pytest.raises(ValueError, match="needs its spec"):
         GuidedDecoding("regex")
+
+
+def test_min_tokens_with_a_constraint_is_refused():
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, guided=GuidedDecoding("json_object"))
+
+
+def test_a_choice_outside_the_basic_plane_can_be_produced(engine):
+    ids, reason = _run(engine, SamplingParams(max_tokens=32, temperature=0.0,
+                                              guided=GuidedDecoding("choice", json.dumps(["😀 ok"]))))
+    assert reason == "stop" and _text(engine, ids) == "😀 ok"

@@ -128,3 +128,20 @@ def test_a_tool_round_trip_history_is_accepted():
                lambda m, t=None: seen.append(m) or "p")
     assert seen[0][1]["tool_calls"][0]["id"] == "call_1" and seen[0][2] == {
         "role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def test_required_keeps_each_tools_own_definitions_resolvable():
+    nested = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"guest": {"$ref": "#/$defs/Guest"}}, "required": ["guest"],
+        "$defs": {"Guest": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}}}
+    schema = json.loads(_chat(tools=[nested, TIME], tool_choice="required").grpc.sampling.guided.spec)
+    jsonschema.validate([{"name": "book", "arguments": {"guest": {"name": "Ada"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "book", "arguments": {"guest": {}}}], schema)
+
+
+def test_a_forced_call_cut_short_keeps_its_text_as_content():
+    req = _chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = _answer(req, '{"city": "Par', reason="length")
+    assert c["message"]["content"] == '{"city": "Par' and "tool_calls" not in c["message"]
+    assert c["finish_reason"] == "length"

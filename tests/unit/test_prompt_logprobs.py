@@ -43,3 +43,22 @@ def test_prompt_logprobs_equal_transformers(want, mode, chunk):
 def test_unset_means_none(want):
     llm = LLM(want[0], dtype="float32", max_model_len=256, num_blocks=64)
     assert llm.generate([PROMPT], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_a_prompt_preempted_mid_prefill_still_gets_every_logprob(want):
+    """The prompt is recomputed in other chunks after a preemption: the rows not yet taken are taken."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    path, lp = want
+    engine = Engine(EngineConfig(model=path, dtype="float32", num_blocks=64, max_model_len=256, num_threads=1,
+                                 max_num_batched_tokens=16, max_num_seqs=8))
+    seq = engine.add_request("p", PROMPT, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0))
+    engine.step()  # the first 16-token chunk
+    assert len(seq.prompt_logprobs) == 16
+    engine.scheduler._preempt(seq)  # what the scheduler does when decode rows need its blocks
+    engine.scheduler.max_num_batched_tokens = 10  # other chunk boundaries on the recompute
+    while seq.finish_reason is None:
+        engine.step()
+    ref = lp[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
+    assert torch.allclose(torch.tensor([x.logprob for x in seq.prompt_logprobs]), ref, atol=1e-4)
