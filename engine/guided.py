@@ -87,20 +87,20 @@ class GuidedDecoder:
         self.compiled(g)
 
     def _guide(self, h: Any) -> _Guide:
-        from engine.logits_processors import completion_ids
+        from engine.logits_processors import completion_start
 
         if h.guide is None:
             import xgrammar as xgr
 
             h.guide = _Guide(xgr.GrammarMatcher(self.compiled(h.params.guided)))
         guide: _Guide = h.guide
-        done = completion_ids(h)
-        for t in done[guide.consumed:]:
+        start = completion_start(h) + guide.consumed  # only the tokens it has not taken (per step: one)
+        for t in h.token_ids[start:]:
             if not guide.broken and not guide.matcher.accept_token(t):
                 guide.broken = True
                 log.warning("request %s: token %d breaks its constraint; unconstrained from here",
                             getattr(h, "request_id", "?"), t)
-        guide.consumed = len(done)
+        guide.consumed += len(h.token_ids) - start
         return guide
 
     def mask(self, logits: torch.Tensor, rows: Seq[int], histories: Seq[History]) -> torch.Tensor:

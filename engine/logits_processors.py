@@ -33,8 +33,13 @@ class History(Protocol):
     eos_token_ids: frozenset[int]
 
 
+def completion_start(h: History) -> int:
+    """Where the completion starts in `h.token_ids` (before the prompt's end on a resumed request)."""
+    return h.num_prompt_tokens - h.output_offset
+
+
 def completion_ids(h: History) -> list[int]:
-    return h.token_ids[h.num_prompt_tokens - h.output_offset :]
+    return h.token_ids[completion_start(h) :]
 
 
 def needs_adjusting(p: SamplingParams) -> bool:

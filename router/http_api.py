@@ -266,8 +266,7 @@ class HttpApi:
         except BaseException:
             run.cancel()
             raise
-        per_choice = None if len(run.calls) == 1 else functools.partial(usage, req)
-        return StreamingResponse(events(request, run, gone, req, fmt, first, messages, per_choice),
+        return StreamingResponse(events(request, run, gone, req, fmt, first, messages),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

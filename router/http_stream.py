@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import grpc.aio
@@ -16,10 +16,9 @@ from fastapi import Request
 
 from proto import generate_pb2 as gen
 from router.admission import RETRY_AFTER_METADATA
+from router.openai_choices import usage
 from router.openai_protocol import ApiError, OpenAIRequest, grpc_error
-from router.openai_responses import LogprobFormatter, Output, StreamShaper, usage_chunk
-
-UsageOf = Callable[[list[Output]], dict[str, int]]
+from router.openai_responses import LogprobFormatter, StreamShaper, usage_chunk
 
 
 class ClientGone(Exception):
@@ -44,12 +43,11 @@ async def relay(call: Any, req: OpenAIRequest, gone: asyncio.Event) -> AsyncIter
 
 async def events(request: Request, call: Any, gone: asyncio.Event, req: OpenAIRequest, fmt: LogprobFormatter,
                  first: tuple[int, gen.GenerateResponse],
-                 messages: AsyncIterator[tuple[int, gen.GenerateResponse]], usage: UsageOf | None = None,
-                 ) -> AsyncIterator[str]:
-    """The event stream of (choice index, message)s. A watcher cancels the gRPC call(s) (`call`:
-    anything with cancel()) as soon as the client disconnects, even while no token is due
-    (Starlette only notices a disconnect on its own schedule). Several choices: `usage` sums
-    their outputs for the one usage chunk at the end."""
+                 messages: AsyncIterator[tuple[int, gen.GenerateResponse]]) -> AsyncIterator[str]:
+    """The event stream of (choice index, message)s, then (stream_options.include_usage) one usage
+    chunk over every choice. A watcher cancels the gRPC call(s) (`call`: anything with cancel()) as
+    soon as the client disconnects, even while no token is due (Starlette only notices a
+    disconnect on its own schedule)."""
     def on_disconnect(task: asyncio.Task) -> None:
         if not task.cancelled():
             gone.set()
@@ -61,7 +59,7 @@ async def events(request: Request, call: Any, gone: asyncio.Event, req: OpenAIRe
 
     def shaped(index: int, msg: gen.GenerateResponse) -> list[dict[str, Any]]:
         if index not in shapers:
-            shapers[index] = StreamShaper(req, fmt.fresh() if shapers else fmt, index, usage=usage is None)
+            shapers[index] = StreamShaper(req, fmt.fresh() if shapers else fmt, index)
         return shapers[index].chunks(msg)
 
     try:
@@ -70,8 +68,8 @@ async def events(request: Request, call: Any, gone: asyncio.Event, req: OpenAIRe
         async for index, msg in messages:
             for c in shaped(index, msg):
                 yield _event(c)
-        if usage is not None and req.include_usage:
-            yield _event(usage_chunk(req, usage([shapers[i].total for i in sorted(shapers)])))
+        if req.include_usage:
+            yield _event(usage_chunk(req, usage(req, [shapers[i].total for i in sorted(shapers)])))
         yield "data: [DONE]\n\n"
     except ApiError as e:
         yield _event(e.body())

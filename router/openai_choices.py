@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proto import generate_pb2 as gen
-from router.openai_protocol import OpenAIRequest, Prompt
+from router.openai_protocol import OpenAIRequest
 from router.openai_responses import Output
 
 
@@ -32,16 +32,14 @@ class ChoiceCall:
 
 
 def choice_calls(req: OpenAIRequest) -> list[ChoiceCall]:
-    """The router requests `req` becomes, in slot order."""
-    prompts = req.prompts or [Prompt()]
-    single = len(prompts) == 1 and req.best_of == 1
+    """The router requests `req` becomes, in slot order (the template carries the first prompt)."""
+    single = len(req.prompts) == 1 and req.best_of == 1
     calls = []
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(req.prompts):
         for k in range(req.best_of):
             g = gen.GenerateRequest()
             g.CopyFrom(req.grpc)
-            if req.prompts:
-                g.ClearField("prompt")
+            if i:
                 prompt.set_on(g)
             if not single:
                 g.request_id = f"{req.id}-{i}-{k}"

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sampling_params import GUIDED_KINDS
 from proto import generate_pb2 as gen
 
 # Accepted and ignored: they do not change what is generated.
@@ -105,13 +106,26 @@ class OpenAIRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     max_tokens_field: str = "max_tokens"  # which OpenAI name the user gave max_tokens under
     return_token_ids: bool = False  # the answer carries the token ids (vLLM's extension)
-    prompt_token_ids: list[int] | None = None  # the (first) prompt's ids, when known here (None: not known)
     prompts: list[Prompt] = field(default_factory=list)  # every prompt (grpc carries the first)
     n: int = 1  # choices returned per prompt
     best_of: int = 1  # choices generated per prompt, the n of highest cumulative logprob returned
     echo: bool = False  # completions: each choice's text starts with its prompt
     guided_field: str | None = None  # the field that set a structured-output constraint
     tools: Any = None  # chat: router.openai_tools.Tools when the request gives tools
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """The first prompt's ids, when known here (None: not known)."""
+        return self.prompts[0].ids if self.prompts else None
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        """The ids of answer choice `index`'s prompt, when known here."""
+        return self.prompts[index // self.n].ids
+
+    def set_prompts(self, prompts: list[Prompt]) -> None:
+        """The request's prompts; the gRPC template carries the first."""
+        self.prompts = prompts
+        prompts[0].set_on(self.grpc)
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -125,12 +139,6 @@ def parse_completion(body: Any, served_model: str, tokenize: Tokenize | None = N
     req = _common(body, served_model, chat=False)
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt", "required")
-    p = body["prompt"]
-    batch = p if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else [p]
-    req.prompts = [_prompt(req, x, tokenize, f"prompt[{i}]" if len(batch) > 1 else "prompt")
-                   for i, x in enumerate(batch)]
-    req.prompts[0].set_on(req.grpc)
-    req.prompt_token_ids = req.prompts[0].ids
     lp = body.get("logprobs")
     if lp is not None and lp is not False:  # false: some clients' way of saying "off"
         req.grpc.sampling.logprobs = _int("logprobs", lp, 0, 20)
@@ -145,10 +153,10 @@ def parse_completion(body: Any, served_model: str, tokenize: Tokenize | None = N
         req.echo = _bool("echo", body["echo"])
     if req.echo and req.logprobs:  # the prompt's logprobs too: its tokens must be known here
         req.grpc.sampling.prompt_logprobs = req.grpc.sampling.logprobs
-        for p in req.prompts:
-            if p.ids is None and tokenize is not None and p.text:
-                p.ids = list(tokenize(p.text))
-        req.prompts[0].set_on(req.grpc)
+    p = body["prompt"]
+    batch = p if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else [p]
+    req.set_prompts([_prompt(req, x, tokenize, f"prompt[{i}]" if len(batch) > 1 else "prompt")
+                     for i, x in enumerate(batch)])
     req.best_of = max(req.best_of, req.n)
     if len(req.prompts) * req.best_of > MAX_CHOICES:
         raise bad("prompt", f"{len(req.prompts)} prompts x {req.best_of} choices each is more than "
@@ -184,12 +192,8 @@ def parse_chat(body: Any, served_model: str, render: Callable[..., str],
         req.guided_field = "tool_choice"
         req.grpc.sampling.guided.kind, req.grpc.sampling.guided.spec = forced
     msgs = chat_messages(body["messages"])
-    text = render(msgs, req.tools.tools) if req.tools is not None else render(msgs)
-    req.prompts = [_text_prompt(req, text, tokenize)]
-    req.prompts[0].set_on(req.grpc)
-    req.prompt_token_ids = req.prompts[0].ids
-    if req.n * len(req.prompts) > MAX_CHOICES:
-        raise bad("n", f"expected at most {MAX_CHOICES}, got {req.n}")
+    req.set_prompts([_text_prompt(req, render(msgs, req.tools.tools) if req.tools is not None else render(msgs),
+                                  tokenize)])
     req.best_of = req.n
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if lp is not None and not isinstance(lp, bool):
@@ -205,10 +209,11 @@ def parse_chat(body: Any, served_model: str, render: Callable[..., str],
 
 
 def _text_prompt(req: OpenAIRequest, text: str, tokenize: Tokenize | None) -> Prompt:
-    """A text prompt. With return_token_ids and a tokenizer it is tokenized here and sent as token ids,
-    so the prompt_token_ids returned are the ones generated from; an empty text goes on as text (the
-    router refuses it)."""
-    ids = tokenize(text) if req.return_token_ids and tokenize is not None and text else None
+    """A text prompt. With return_token_ids (or echo with prompt logprobs, which need its first token)
+    and a tokenizer it is tokenized here and sent as token ids, so the ids returned are the ones
+    generated from; an empty text goes on as text (the router refuses it)."""
+    known = req.return_token_ids or req.grpc.sampling.HasField("prompt_logprobs")
+    ids = tokenize(text) if known and tokenize is not None and text else None
     return Prompt(text=text, ids=list(ids) if ids else None)
 
 
@@ -329,10 +334,6 @@ def chat_messages(v: Any) -> list[dict[str, str]]:
     return out
 
 
-_GUIDED_NAMES = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                 "json_object": "json_object"}
-
-
 def _guided(body: dict[str, Any]) -> tuple[str, str, str] | None:
     """Structured output from response_format, structured_outputs or guided_* -> (field, kind, spec); at
     most one constraint per request. The grammar itself is checked by the router (its engine's
@@ -354,8 +355,8 @@ def _guided(body: dict[str, Any]) -> tuple[str, str, str] | None:
     so = body.get("structured_outputs")
     if so is not None:
         given = {k: v for k, v in so.items() if v is not None and v is not False} if isinstance(so, dict) else None
-        if given is None or len(given) != 1 or next(iter(given)) not in _GUIDED_NAMES:
-            raise bad("structured_outputs", f"expected an object with one of {', '.join(_GUIDED_NAMES)}")
+        if given is None or len(given) != 1 or next(iter(given)) not in GUIDED_KINDS:
+            raise bad("structured_outputs", f"expected an object with one of {', '.join(GUIDED_KINDS)}")
         (k, v), = given.items()
         found.append((f"structured_outputs.{k}", k, _guided_spec(f"structured_outputs.{k}", k, v)))
     for k in ("json", "regex", "choice", "grammar"):

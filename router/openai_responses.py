@@ -129,15 +129,19 @@ def response_of(req: OpenAIRequest, outs: list[tuple[int, Output]], fmt: Logprob
     return body
 
 
+def _tools(req: OpenAIRequest) -> Any:
+    """The chat request's tools when the answer may hold calls (router/openai_tools.py), else None."""
+    return req.tools if req.chat and req.tools is not None and req.tools.choice != "none" else None
+
+
 def _tool_calls(req: OpenAIRequest, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A chat answer's (content, tool_calls) (router/openai_tools.py); without tools: (text, [])."""
-    if req.tools is None or req.tools.choice == "none":
-        return text, []
-    return req.tools.calls(text)
+    """A chat answer's (content, tool_calls); without tools: (text, [])."""
+    tools = _tools(req)
+    return tools.calls(text) if tools is not None else (text, [])
 
 
 def _first_id(req: OpenAIRequest, index: int) -> int | None:
-    ids = req.prompts[index // req.n].ids if req.prompts else None
+    ids = req.prompt_ids(index)
     return ids[0] if ids else None
 
 
@@ -173,8 +177,7 @@ def _token_ids(req: OpenAIRequest, body: dict[str, Any], k: int, index: int, tok
     choice = body["choices"][k]
     choice["token_ids"] = list(token_ids)
     if prompt:
-        ids = req.prompts[index // req.n].ids if req.prompts else req.prompt_token_ids
-        (body if req.chat else choice)["prompt_token_ids"] = ids
+        (body if req.chat else choice)["prompt_token_ids"] = req.prompt_ids(index)
 
 
 def usage_chunk(req: OpenAIRequest, usage: dict[str, int]) -> dict[str, Any]:
@@ -187,21 +190,21 @@ def usage_chunk(req: OpenAIRequest, usage: dict[str, int]) -> dict[str, Any]:
 class StreamShaper:
     """The router's messages for choice `index` -> the stream's chunks: the chat stream opens with
     the assistant role (echo: a completion's with the prompt), each message with text (or logprobs;
-    with return_token_ids, token ids) becomes a chunk, the finish reason gets a chunk of its own,
-    then, with `usage` (one choice) and stream_options.include_usage, the usage chunk.
+    with return_token_ids, token ids) becomes a chunk, the finish reason gets a chunk of its own
+    (the usage chunk, over every choice, is router/http_stream.py's).
 
     With tools (router/openai_tools.py), text that is or may become a tool call is held back: all of
     it for a forced call, and from a possible `<tool_call>` on for "auto". At the end the calls come
     as one delta (`tool_calls`, each with its index, id, name and complete arguments), or the text
     held back as content when it holds none. Logprobs come only with the content sent."""
 
-    def __init__(self, req: OpenAIRequest, fmt: LogprobFormatter, index: int = 0, usage: bool = True) -> None:
-        self.req, self.fmt, self.index, self.usage = req, fmt, index, usage
+    def __init__(self, req: OpenAIRequest, fmt: LogprobFormatter, index: int = 0) -> None:
+        self.req, self.fmt, self.index = req, fmt, index
         self.total = Output()
         self._first = True
-        tools = req.tools if req.chat else None
-        self._tools = tools if tools is not None and tools.choice != "none" else None
+        self._tools = _tools(req)
         self._sent = 0  # characters of total.text sent as content (with tools)
+        self._held = False  # a `<tool_call>` began: the rest waits for the end
 
     def chunks(self, msg: gen.GenerateResponse) -> list[dict[str, Any]]:
         req, out = self.req, []
@@ -229,8 +232,6 @@ class StreamShaper:
                 elif rest := self.total.text[self._sent:]:
                     out.append(self._chunk(Output(text=rest)))
             out.append(self._chunk(Output(finish_reason=reason)))
-            if req.include_usage and self.usage:
-                out.append(usage_chunk(req, self.total.usage()))
         return out
 
     def _chunk(self, out: Output, role: bool = False) -> dict[str, Any]:
@@ -242,14 +243,14 @@ class StreamShaper:
         text before anything that is or may grow into `<tool_call>`)."""
         from router.openai_tools import OPEN
 
-        if self._tools.choice != "auto":
+        if self._tools.choice != "auto" or self._held:
             return ""
         text = self.total.text
-        end = text.find(OPEN)
+        end = text.find(OPEN, self._sent)  # the text before _sent holds no tag (nor its start)
+        self._held = end >= 0
         if end < 0:  # hold back a tail that may be the start of the tag
-            end = next((i for i in range(max(0, len(text) - len(OPEN) + 1), len(text))
+            end = next((i for i in range(max(self._sent, len(text) - len(OPEN) + 1), len(text))
                         if OPEN.startswith(text[i:])), len(text))
-        end = max(end, self._sent)
         out, self._sent = text[self._sent:end], end
         return out
 

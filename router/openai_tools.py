@@ -77,8 +77,6 @@ def _hoist(tool: str, schema: dict[str, Any], defs: dict[str, Any]) -> Any:
     own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
     if not own:
         return schema
-    for name, d in own.items():
-        defs[f"{tool}.{name}"] = None  # reserved first: a definition may refer to itself
     renamed = {f"#/$defs/{k}": f"#/$defs/{tool}.{k}" for k in own} | {
         f"#/definitions/{k}": f"#/$defs/{tool}.{k}" for k in own}
 

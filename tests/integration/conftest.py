@@ -15,6 +15,14 @@ def path(checkpoint) -> str:
     return str(checkpoint("llama-gqa"))
 
 
+@pytest.fixture(scope="module")
+def builtin_llm(builtin_path):
+    """The offline engine on the built-in model (what the OpenAI-client tests compare with)."""
+    from pdcluster import LLM
+
+    return LLM(str(builtin_path), max_model_len=512, num_blocks=128)
+
+
 @pytest.fixture(scope="session")
 def reference(path: str) -> Callable[[list[int], int], list[int]]:
     """`reference(ids, n)`: transformers' greedy tokens after `ids` on `path`."""

@@ -7,14 +7,12 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from engine.config import EngineConfig
-from pdcluster import LLM, SamplingParams
-from pdcluster.local_cluster import LocalCluster
+from pdcluster import SamplingParams
+from tests.integration.openai_helpers import MODEL, base_url, serve_openai
 
 langchain_openai = pytest.importorskip("langchain_openai")
 pytestmark = pytest.mark.slow
 
-MODEL = "builtin:tiny-llama"
 CITY = {"title": "City", "description": "A city.", "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 8}, "population": {"type": "integer", "minimum": 0,
                                                                                  "maximum": 99999}},
@@ -23,22 +21,20 @@ CITY = {"title": "City", "description": "A city.", "type": "object",
 
 @pytest.fixture(scope="module")
 def cluster(builtin_path):
-    cfg = EngineConfig(model=str(builtin_path), num_blocks=256, max_model_len=512, num_threads=1)
-    with LocalCluster(cfg, router={"model": MODEL, "request_timeout_s": 60}, http={}) as c:
+    with serve_openai(builtin_path) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def chat(cluster):
-    return langchain_openai.ChatOpenAI(base_url=f"http://{cluster.http.address}/v1", api_key="unused", model=MODEL,
-                                       temperature=0, max_tokens=12, max_retries=0, timeout=60)
+    return langchain_openai.ChatOpenAI(base_url=base_url(cluster), api_key="unused", model=MODEL, temperature=0,
+                                       max_tokens=12, max_retries=0, timeout=60)
 
 
-def test_invoke_and_stream_equal_the_offline_engine(chat, cluster, builtin_path):
+def test_invoke_and_stream_equal_the_offline_engine(chat, cluster, builtin_llm):
     text = cluster.router.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False,
                                                         add_generation_prompt=True)
-    ref = LLM(str(builtin_path), max_model_len=512, num_blocks=64).generate(
-        [text], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].text
+    ref = builtin_llm.generate([text], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].text
     assert chat.invoke("Hello there").content == ref
     assert "".join(c.content for c in chat.stream("Hello there")) == ref
 

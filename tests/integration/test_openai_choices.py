@@ -10,35 +10,32 @@ import json
 import socket
 import time
 
-import openai
 import pytest
 
-from engine.config import EngineConfig
 from pdcluster import LLM, SamplingParams
 from pdcluster.local_cluster import LocalCluster
+from tests.integration.openai_helpers import MODEL, openai_client, serve_openai
 
 pytestmark = pytest.mark.slow
 
-MODEL = "builtin:tiny-llama"
 N = 8
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
 def cluster(builtin_path):
-    cfg = EngineConfig(model=str(builtin_path), num_blocks=256, max_model_len=512, num_threads=1)
-    with LocalCluster(cfg, router={"model": MODEL, "request_timeout_s": 60}, http={}) as c:
+    with serve_openai(builtin_path) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"http://{cluster.http.address}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(cluster)
 
 
 @pytest.fixture(scope="module")
-def llm(builtin_path):
-    return LLM(str(builtin_path), max_model_len=512, num_blocks=128)
+def llm(builtin_llm):
+    return builtin_llm
 
 
 def _greedy(llm: LLM, prompt: str | list[int]) -> str:

@@ -14,19 +14,16 @@ import threading
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
 from engine.sampling_params import GuidedDecoding, SamplingParams
-from pdcluster import LLM
 from pdcluster.local_cluster import LocalCluster
+from tests.integration.openai_helpers import MODEL, builtin_engine, openai_client, serve_openai
 
 pytestmark = pytest.mark.slow
 
-MODEL = "builtin:tiny-llama"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "pop": {"type": "integer", "minimum": 0, "maximum": 9999},
                                             "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
@@ -34,24 +31,20 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 MSGS = [{"role": "user", "content": "Describe a city as JSON."}]
 
 
-def _cfg(path) -> EngineConfig:
-    return EngineConfig(model=str(path), num_blocks=256, max_model_len=512, num_threads=1)
-
-
 @pytest.fixture(scope="module")
 def cluster(builtin_path):
-    with LocalCluster(_cfg(builtin_path), 1, 2, router={"model": MODEL, "request_timeout_s": 60}, http={}) as c:
+    with serve_openai(builtin_path, num_decode=2) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"http://{cluster.http.address}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(cluster)
 
 
 @pytest.fixture(scope="module")
-def llm(builtin_path):
-    return LLM(str(builtin_path), max_model_len=512, num_blocks=128)
+def llm(builtin_llm):
+    return builtin_llm
 
 
 def test_response_format_json_schema_chat_and_completions_stream_or_not(client):
@@ -151,7 +144,7 @@ def test_every_kv_backend_equals_the_offline_engine(builtin_path, llm, backend):
     prompts = [[1, 450, 4996, 1735 + i, 1701] for i in range(3)]
     want = [o.token_ids for o in llm.generate(prompts, _guided(), use_tqdm=False)]
     kv = {"kv_backend": backend}
-    with LocalCluster(_cfg(builtin_path), 1, 1, prefill={"kv_timeout_s": 10.0, **kv}, decode=kv,
+    with LocalCluster(builtin_engine(builtin_path), 1, 1, prefill={"kv_timeout_s": 10.0, **kv}, decode=kv,
                       router={"request_timeout_s": 60}) as c, c.client() as client:
         got = [client.complete(p, _guided()).token_ids for p in prompts]
     assert got == want
@@ -166,7 +159,7 @@ def test_a_decode_worker_stopped_mid_stream_resumes_valid_and_identical(builtin_
     params = SamplingParams(max_tokens=200, temperature=0.0, guided=GuidedDecoding("json", json.dumps(long)))
     prompt = [1, 450, 4996, 1735, 1701]
     want = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
-    with LocalCluster(_cfg(builtin_path), 1, 2, router={"request_timeout_s": 60, "max_retries": 2}) as c, \
+    with LocalCluster(builtin_engine(builtin_path), 1, 2, router={"request_timeout_s": 60, "max_retries": 2}) as c, \
             c.client() as client:
         got, stopped = [], threading.Event()
         for chunk in client.stream(prompt, params):

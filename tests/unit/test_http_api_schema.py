@@ -12,8 +12,9 @@ from starlette.testclient import TestClient
 
 from proto import generate_pb2 as gen
 from router.http_api import HttpApi
+from router.openai_choices import usage
 from router.openai_protocol import ApiError, grpc_error, parse_chat, parse_completion
-from router.openai_responses import LogprobFormatter, Output, StreamShaper, response
+from router.openai_responses import LogprobFormatter, Output, StreamShaper, response, usage_chunk
 
 MODEL = "builtin:tiny-llama"
 
@@ -210,6 +211,7 @@ def test_chat_stream_opens_with_the_role_and_ends_with_finish_and_usage():
     chunks += shaper.chunks(gen.GenerateResponse(text="", token_ids=[2]))  # text held back: no chunk
     chunks += shaper.chunks(gen.GenerateResponse(text="llo", token_ids=[3], finish_reason="stop",
                                                  usage=gen.Usage(prompt_tokens=4, completion_tokens=3)))
+    chunks.append(usage_chunk(req, usage(req, [shaper.total])))  # what the event stream ends with
     assert [c["object"] for c in chunks] == ["chat.completion.chunk"] * 5
     deltas = [c["choices"][0]["delta"] if c["choices"] else None for c in chunks]
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "He"}, {"content": "llo"}, {}, None]

@@ -66,7 +66,7 @@ def test_chat_n_and_each_streamed_choice_opens_with_its_role():
                      lambda m: "Hi")
     assert len(choice_calls(req)) == 2
     for index in (0, 1):
-        chunks = StreamShaper(req, FMT, index, usage=False).chunks(gen.GenerateResponse(text="o", finish_reason="stop"))
+        chunks = StreamShaper(req, FMT, index).chunks(gen.GenerateResponse(text="o", finish_reason="stop"))
         assert [c["choices"][0]["index"] for c in chunks] == [index] * 3
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
 

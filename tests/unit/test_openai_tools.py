@@ -145,3 +145,14 @@ def test_a_forced_call_cut_short_keeps_its_text_as_content():
     c = _answer(req, '{"city": "Par', reason="length")
     assert c["message"]["content"] == '{"city": "Par' and "tool_calls" not in c["message"]
     assert c["finish_reason"] == "length"
+
+
+def test_streamed_auto_sends_a_false_start_then_holds_the_real_call():
+    shaper = StreamShaper(_chat(tools=[WEATHER], stream=True), FMT)
+    pieces = ["a <to", "y> b ", '<tool_call>{"name": "get_weather", "arguments": {"city": "X"}}', "</tool_call> tail"]
+    chunks = []
+    for i, p in enumerate(pieces):
+        chunks += shaper.chunks(gen.GenerateResponse(text=p, finish_reason="stop" if i == len(pieces) - 1 else ""))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert [d.get("content") for d in deltas if d.get("content")] == ["a ", "<toy> b "]
+    assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["get_weather"]
