@@ -80,12 +80,15 @@ def test_required_is_constrained_to_a_list_of_calls_of_the_tools():
     assert [x["function"]["name"] for x in c["message"]["tool_calls"]] == ["get_weather", "get_time"]
 
 
-def test_streamed_auto_holds_back_a_call_and_sends_it_as_one_delta():
+def _streamed(pieces: list[str]) -> list[dict]:
+    """The chunks of an auto-tools chat stream whose messages carry `pieces` (the last one finishing)."""
     shaper = StreamShaper(_chat(tools=[WEATHER], stream=True), FMT)
-    pieces = ["Sure", " <tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Lima"}}</tool_call>']
-    chunks = []
-    for i, p in enumerate(pieces):
-        chunks += shaper.chunks(gen.GenerateResponse(text=p, finish_reason="stop" if i == len(pieces) - 1 else ""))
+    return [c for i, p in enumerate(pieces) for c in shaper.chunks(
+        gen.GenerateResponse(text=p, finish_reason="stop" if i == len(pieces) - 1 else ""))]
+
+
+def test_streamed_auto_holds_back_a_call_and_sends_it_as_one_delta():
+    chunks = _streamed(["Sure", " <tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Lima"}}</tool_call>'])
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content") or "" for d in deltas) == "Sure "
     (tc,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
@@ -148,11 +151,8 @@ def test_a_forced_call_cut_short_keeps_its_text_as_content():
 
 
 def test_streamed_auto_sends_a_false_start_then_holds_the_real_call():
-    shaper = StreamShaper(_chat(tools=[WEATHER], stream=True), FMT)
-    pieces = ["a <to", "y> b ", '<tool_call>{"name": "get_weather", "arguments": {"city": "X"}}', "</tool_call> tail"]
-    chunks = []
-    for i, p in enumerate(pieces):
-        chunks += shaper.chunks(gen.GenerateResponse(text=p, finish_reason="stop" if i == len(pieces) - 1 else ""))
+    chunks = _streamed(["a <to", "y> b ", '<tool_call>{"name": "get_weather", "arguments": {"city": "X"}}',
+                        "</tool_call> tail"])
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert [d.get("content") for d in deltas if d.get("content")] == ["a ", "<toy> b "]
     assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["get_weather"]
