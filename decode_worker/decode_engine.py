@@ -150,7 +150,11 @@ class DecodeEngine(LockedEngine):
                 self.engine.free(seq)
 
     # ------------------------------------------------------------------ requests
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, index: int | None = None) -> bool:
+        """Drop the request (or only its running choice `index`: one still on its way runs on, as the
+        other choices fork from it) and free its blocks; whether it was here."""
+        if index is not None:
+            return super().abort_request(request_id, index)
         with self._lock:
             transfer_id = self._by_request.get(request_id)
             if transfer_id is not None:

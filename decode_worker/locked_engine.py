@@ -44,10 +44,10 @@ class LockedEngine:
         with self._lock:
             return self.engine.step()
 
-    def abort_request(self, request_id: str) -> bool:
-        """Drop the request and free its blocks; whether it was here."""
+    def abort_request(self, request_id: str, index: int | None = None) -> bool:
+        """Drop the request (or its choice `index`) and free its blocks; whether it was here."""
         with self._lock:
-            return self.engine.abort(request_id) is not None
+            return self.engine.abort(request_id, index) is not None
 
     def close(self) -> None:
         """Release what the engine's transport holds (nothing here)."""

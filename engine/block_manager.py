@@ -138,6 +138,27 @@ class BlockManager:
             raise RuntimeError(f"not enough free KV blocks for {num_tokens} tokens")
         return sorted(self._take_free() for _ in range(self.blocks_needed(num_tokens)))
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (another choice of `parent`'s prompt) the parent's prompt KV: the blocks
+        before the one holding the prompt's last token are shared (ref count + 1, never written
+        again: both sequences write only after the prompt), that block is copied into a fresh one,
+        as both will write their own next tokens into it (copy-on-write, done at once because the
+        next step writes). The child recomputes the prompt's last token, for its own first sample.
+        Returns (source, copy) for the caller to copy the KV of; None, and nothing taken, when no
+        block is free."""
+        last = (parent.num_prompt_tokens - 1) // self.block_size
+        if not self._free:
+            return None
+        shared = parent.block_table[:last]
+        for block_id in shared:
+            self._acquire(block_id)
+        copy = self._take_free()
+        child.block_table = [*shared, copy]
+        child.num_registered_blocks = min(parent.num_registered_blocks, last)
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_computed_tokens = parent.num_prompt_tokens - 1
+        return parent.block_table[last], copy
+
     def free_blocks(self, block_ids: list[int]) -> None:
         # Release in reverse so a sequence's head blocks (most shareable) are evicted last.
         for block_id in reversed(block_ids):

@@ -57,7 +57,8 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, handoff_after_prefill=role == "prefill"
+            self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, handoff_after_prefill=role == "prefill",
+            copy_blocks=self.runner.copy_blocks,
         )
         self.sampler = Sampler(self.runner.device, seed,
                                GuidedDecoder(resolve_model_path(cfg.model), self.model_cfg.vocab_size))
@@ -102,8 +103,9 @@ class Engine:
         self.add_request(request_id, token_ids, params, output_offset)
         return True
 
-    def abort(self, request_id: str) -> Sequence | None:
-        return self.scheduler.abort(request_id)
+    def abort(self, request_id: str, index: int | None = None) -> Sequence | None:
+        """Drop the request (every choice, or choice `index`) and free its blocks."""
+        return self.scheduler.abort(request_id, index)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

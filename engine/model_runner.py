@@ -192,6 +192,14 @@ class ModelRunner:
             out.append(DecodeGroup(torch.tensor(rows, device=dev), tables, mask))
         return out
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's K and V, in every layer (a forked choice's copy)."""
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:

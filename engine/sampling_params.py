@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_CHOICES = 128  # n / best_of of one request
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,10 @@ class SamplingParams:
     # each prompt token's logprob (after the first) plus this many top alternatives; None = off.
     # The prompt is then computed whole (no prefix-cache hits), as its logits are needed.
     prompt_logprobs: int | None = None
+    # several choices from one prompt: `best_of` (None: n) are generated, the n of highest cumulative
+    # logprob are returned. Choice k samples as a request with n = 1 and seed + k would (choice_params).
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,9 +98,25 @@ class SamplingParams:
                 raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or not self.n <= self.best_of <= MAX_CHOICES):
+            raise ValueError(f"best_of must be an integer in [n, {MAX_CHOICES}] (n is {self.n}), got {self.best_of!r}")
         if self.min_tokens and self.guided is not None:  # the grammar's end allows EOS alone
             raise ValueError("min_tokens cannot be combined with structured output (guided): the output ends "
                              "where its grammar does")
+
+    @property
+    def num_choices(self) -> int:
+        """Choices generated (best_of, or n)."""
+        return self.best_of or self.n
+
+    def choice_params(self, k: int) -> SamplingParams:
+        """Choice k's own parameters: one choice, seed + k (choice 0 samples as the request with
+        n = 1 would), no prompt logprobs after the first (the prompt is the same)."""
+        seed = None if self.seed is None else (self.seed + k) % 2**64
+        return dataclasses.replace(self, n=1, best_of=None, seed=seed,
+                                   prompt_logprobs=self.prompt_logprobs if k == 0 else None)
 
     @property
     def penalized(self) -> bool:

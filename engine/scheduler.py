@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from engine.block_manager import BlockManager
 from engine.model_runner import ScheduledSeq
@@ -38,6 +39,7 @@ class Scheduler:
         max_num_seqs: int,
         handoff_after_prefill: bool = False,
         mixed: bool = True,
+        copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -45,6 +47,7 @@ class Scheduler:
         # Prefill role: a sequence leaves (and frees its blocks) once its first token is sampled.
         self.handoff_after_prefill = handoff_after_prefill
         self.mixed = mixed
+        self.copy_blocks = copy_blocks  # (source, destination) block pairs whose KV to copy (forks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,6 +61,31 @@ class Scheduler:
         """A sequence that already holds blocks with its K/V computed (remote prefill)."""
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        if seq.forks and not self.handoff_after_prefill:
+            self._fork(seq)
+
+    def _fork(self, seq: Sequence) -> None:
+        """The other choices of `seq`'s request (SamplingParams.n / best_of), once its prompt is
+        computed: each shares the prompt's blocks (BlockManager.fork) and joins the running batch,
+        where it recomputes the prompt's last token and samples its own first token. One without a
+        free block or a place in the batch waits, and is prefilled as a preempted sequence is."""
+        seq.forked = True
+        copies: list[tuple[int, int]] = []
+        waiting: list[Sequence] = []
+        for k in range(1, seq.params.num_choices):
+            child = seq.fork(k)
+            pair = self.bm.fork(seq, child) if len(self.running) < self.max_num_seqs else None
+            if pair is None:
+                child.status = SeqStatus.WAITING
+                waiting.append(child)
+                continue
+            copies.append(pair)
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+        self.waiting.extendleft(reversed(waiting))  # ahead of new requests: theirs is admitted
+        if copies:
+            assert self.copy_blocks is not None, "forking needs the engine's copy_blocks"
+            self.copy_blocks(copies)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -71,13 +99,14 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    def abort(self, request_id: str) -> Sequence | None:
-        for seq in (*self.running, *self.waiting):
-            if seq.request_id == request_id:
-                seq.finish_reason = seq.finish_reason or "abort"
-                self.finish(seq)
-                return seq
-        return None
+    def abort(self, request_id: str, index: int | None = None) -> Sequence | None:
+        """Finish the request's sequences (all its choices, or choice `index`); returns the first, or None."""
+        found = [seq for seq in (*self.running, *self.waiting)
+                 if seq.request_id == request_id and index in (None, seq.index)]
+        for seq in found:
+            seq.finish_reason = seq.finish_reason or "abort"
+            self.finish(seq)
+        return found[0] if found else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -154,6 +183,8 @@ class Scheduler:
                 self.bm.cache_full_blocks(seq)
                 continue
             token, lp = next(samples)
+            if seq.forks and not self.handoff_after_prefill:
+                self._fork(seq)  # before its first token: the choices start from the prompt
             seq.append_token(token)
             if lp is not None:
                 seq.logprobs.append(lp)

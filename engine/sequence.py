@@ -56,6 +56,23 @@ class Sequence:
     output_offset: int = 0
     guide: Any = None  # structured output: its matcher (engine/guided.py), made at its first sample
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
+    index: int = 0  # which choice of its request (SamplingParams.n / best_of); choice k > 0 is forked from 0
+    forked: bool = False  # choice 0 of several: the other choices have been made
+
+    def fork(self, index: int) -> Sequence:
+        """Choice `index` of this sequence's request: its prompt and its own parameters, no blocks
+        yet (BlockManager.fork shares the prompt's)."""
+        return Sequence(
+            request_id=self.request_id, token_ids=self.token_ids[: self.num_prompt_tokens],
+            num_prompt_tokens=self.num_prompt_tokens, params=self.params.choice_params(index),
+            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time, index=index,
+        )
+
+    @property
+    def forks(self) -> bool:
+        """Whether the other choices of its request are still to be forked from this one."""
+        return self.index == 0 and self.params.num_choices > 1 and self.output_offset == 0 and not self.forked
 
     def __len__(self) -> int:
         return len(self.token_ids)

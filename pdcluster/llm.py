@@ -10,6 +10,7 @@ prefill pushes layers -> commit with the first token -> decode loop. Both give t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,21 +35,52 @@ MODES = ("colocated", "disaggregated")
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One choice of a request (SamplingParams.n / best_of)."""
+
+    index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs or best_of)
+
+
+@dataclass
+class RequestOutput:
+    """A prompt's answer: `outputs` holds its n choices (vLLM's shape); `token_ids`, `text`,
+    `finish_reason` and `logprobs` are the first choice's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput(0)])
     num_cached_tokens: int = 0  # prompt tokens served from the prefill worker's prefix cache
     # with SamplingParams.prompt_logprobs: prompt tokens 1.. (the first has none), as vLLM's after its None
     prompt_logprobs: list[TokenLogprobs] | None = None
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
+
 
 class LLM:
-    """`LLM(model).generate(prompts, SamplingParams(...))` -> one `RequestOutput` per prompt."""
+    """`LLM(model).generate(prompts, SamplingParams(...))` -> one `RequestOutput` per prompt.
+
+    With `SamplingParams.n` / `best_of`, a prompt is prefilled once and its choices fork from it in
+    the engine (the prompt's KV blocks shared, the last one copied: engine/scheduler.py `_fork`)."""
 
     def __init__(
         self,
@@ -143,38 +175,44 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        outputs, detoks = [], []
+        outputs = []
         for prompt, p in zip(prompts, params):
             ids = self.encode(prompt)
             self.engines[0].validate(ids, p)  # every request is checked before any work starts
-            out = RequestOutput(f"req-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids)
-            out.logprobs = [] if p.logprobs is not None else None
-            outputs.append(out)
             if p.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, p.stop, p.min_tokens) if self.tokenizer else None)
-        bar = tqdm(total=len(outputs), desc="generate", disable=not use_tqdm)
-        run = GenerateRun(outputs, detoks, bar, self._abort)
+            want_logprobs = p.logprobs is not None
+            out = RequestOutput(f"req-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids,
+                                [CompletionOutput(k, logprobs=[] if want_logprobs else None)
+                                 for k in range(p.num_choices)])
+            outputs.append(out)
+        shown = [p.logprobs is not None for p in params]  # else computed only to rank best_of's choices
+        # best_of ranks the choices by the sampled tokens' logprobs: the engine computes those
+        params = [dataclasses.replace(p, logprobs=0) if p.num_choices > p.n and p.logprobs is None else p
+                  for p in params]
+        bar = tqdm(total=sum(len(o.outputs) for o in outputs), desc="generate", disable=not use_tqdm)
+        run = GenerateRun(outputs, params, shown, self.tokenizer, bar, self._abort)
         try:
             if self.engine is not None:
                 self._generate_colocated(run, params)
             else:
                 self._generate_disaggregated(run, params)
-        except BaseException:  # free what the unfinished requests hold; the LLM stays usable
+        finally:  # free what unfinished requests hold (an error, a choice's stop string); the LLM stays usable
             for out in outputs:
-                if out.finish_reason is None:
-                    self._abort(out.request_id)
-            raise
-        finally:
+                self._abort(out.request_id)
             bar.close()
+        for out, p in zip(outputs, params):
+            out.outputs = best_choices(out.outputs, p.n)
         return outputs
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, index: int | None = None) -> None:
+        """Drop the request (or its choice `index`) wherever it is."""
         if self.engine is not None:
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, index)
         else:
-            self.prefill.abort(request_id)
-            self.decode.abort_request(request_id)
+            if index is None:
+                self.prefill.abort(request_id)
+            self.decode.abort_request(request_id, index)
 
     def _generate_colocated(self, run: GenerateRun, params: list[SamplingParams]) -> None:
         engine = self.engine
@@ -186,12 +224,11 @@ class LLM:
             for seq in engine.step():
                 i = run.by_id[seq.request_id]
                 out = run.outputs[i]
-                if out.finish_reason is None:
-                    if not out.token_ids:
-                        out.num_cached_tokens = seq.num_cached_tokens
-                        if seq.params.prompt_logprobs is not None:
-                            out.prompt_logprobs = list(seq.prompt_logprobs)
-                    run.emit(i, [seq.token_ids[-1]], seq.logprobs[-1:], seq.finish_reason)
+                if seq.index == 0 and seq.num_output_tokens == 1:
+                    out.num_cached_tokens = seq.num_cached_tokens
+                    if seq.params.prompt_logprobs is not None:
+                        out.prompt_logprobs = list(seq.prompt_logprobs)
+                run.emit(i, seq.index, [seq.token_ids[-1]], seq.logprobs[-1:], seq.finish_reason)
 
     def _generate_disaggregated(self, run: GenerateRun, params: list[SamplingParams]) -> None:
         outputs = run.outputs
@@ -215,31 +252,44 @@ class LLM:
                     outputs[i].num_cached_tokens = r.num_cached_tokens
                     if params[i].prompt_logprobs is not None:
                         outputs[i].prompt_logprobs = list(r.prompt_logprobs)
-                    run.emit(i, [r.first_token], [r.logprob] if r.logprob else [], r.finish_reason)
+                    run.emit(i, 0, [r.first_token], [r.logprob] if r.logprob else [], r.finish_reason)
             if self.decode.has_work():
                 for seq in self.decode.step():
                     progressed = True
-                    i = run.by_id[seq.request_id]
-                    if outputs[i].finish_reason is None:
-                        run.emit(i, [seq.token_ids[-1]], seq.logprobs[-1:], seq.finish_reason)
+                    run.emit(run.by_id[seq.request_id], seq.index, [seq.token_ids[-1]], seq.logprobs[-1:],
+                             seq.finish_reason)
             if not progressed and not self.prefill.has_work() and not self.decode.has_work() and run.remaining:
                 raise RuntimeError("no progress possible: the decode KV cache cannot hold the next prompt")
 
 
-class GenerateRun:
-    """One `generate` call's outputs as tokens arrive: text, stop strings, logprobs, the progress bar."""
+def best_choices(choices: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The n choices to return: all (n of n), or the n of highest cumulative logprob of best_of,
+    in that order (ties: the lower index first), renumbered 0.. ."""
+    if len(choices) == n:
+        return choices
+    best = sorted(choices, key=lambda c: (-(c.cumulative_logprob or 0.0), c.index))[:n]
+    return [dataclasses.replace(c, index=j) for j, c in enumerate(best)]
 
-    def __init__(self, outputs: list[RequestOutput], detoks: list[IncrementalDetokenizer | None], bar: tqdm,
-                 abort: Callable[[str], None]) -> None:
+
+class GenerateRun:
+    """One `generate` call's outputs as tokens arrive: each choice's text, stop strings, logprobs,
+    the progress bar (one step per choice)."""
+
+    def __init__(self, outputs: list[RequestOutput], params: list[SamplingParams], shown: list[bool],
+                 tokenizer: object, bar: tqdm, abort: Callable[[str, int], None]) -> None:
         self.outputs = outputs
-        self.detoks = detoks
+        self.detoks = [[IncrementalDetokenizer(tokenizer, o.prompt_token_ids, p.stop, p.min_tokens)
+                        if tokenizer else None for _ in o.outputs] for o, p in zip(outputs, params)]
+        self.shown = shown  # per request: logprobs asked for (else computed only to rank best_of's choices)
         self.bar = bar
         self.abort = abort
         self.by_id = {o.request_id: i for i, o in enumerate(outputs)}
-        self.remaining = len(outputs)
+        self.remaining = sum(len(o.outputs) for o in outputs)
 
-    def emit(self, i: int, tokens: list[int], logprobs: list[TokenLogprobs], finish: str | None) -> None:
-        out, detok = self.outputs[i], self.detoks[i]
+    def emit(self, i: int, index: int, tokens: list[int], logprobs: list[TokenLogprobs], finish: str | None) -> None:
+        out, detok = self.outputs[i].outputs[index], self.detoks[i][index]
+        if out.finish_reason is not None:  # a stop string ended it; the engine's sequence runs on
+            return
         for t in tokens:
             out.token_ids.append(t)
             if detok is None:
@@ -247,12 +297,18 @@ class GenerateRun:
             out.text += detok.add(t)
             if detok.stopped:
                 finish = "stop"
-                self.abort(out.request_id)
+                self.abort(self.outputs[i].request_id, index)
                 break
+        if logprobs and out.logprobs is None and not self.shown[i]:
+            out.logprobs = []
         if out.logprobs is not None:
             out.logprobs.extend(logprobs[: len(out.token_ids) - len(out.logprobs)])
         if finish is not None:
             out.text += detok.flush() if detok else ""
             out.finish_reason = finish
+            if out.logprobs is not None:
+                out.cumulative_logprob = sum(lp.logprob for lp in out.logprobs)
+                if not self.shown[i]:
+                    out.logprobs = None
             self.remaining -= 1
             self.bar.update(1)
