@@ -130,6 +130,7 @@ class DecodeEngine(LockedEngine):
             del self._by_request[seq.request_id]
             self.committed_cached_tokens += seq.num_cached_tokens
             seq.num_computed_tokens = seq.num_prompt_tokens
+            self.engine.cache_computed(seq)  # its prompt's full blocks: a prefix for what comes next
             seq.append_token(first_token)
             if logprob is not None:
                 seq.logprobs.append(logprob)

@@ -32,7 +32,7 @@ from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import server_interceptors
-from proto.convert import logprob_to_proto, prefix_cache_to_proto, sampling_from_proto, step_stats_to_proto
+from proto.convert import logprob_to_proto, choice_sampling_from_proto, prefix_cache_to_proto, step_stats_to_proto
 from proto.serving import add_health_and_reflection, bind_server, in_request_context
 
 log = logging.getLogger("pdcluster.decode")
@@ -160,7 +160,7 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
     def Reserve(self, request: wk.ReserveRequest, context: grpc.ServicerContext) -> wk.ReserveResponse:
         rid, ids = request.request_id, list(request.token_ids)
         try:
-            params = sampling_from_proto(request.sampling)
+            params = choice_sampling_from_proto(request.sampling)
             with self._streams_lock:
                 if rid in self._streams:
                     raise ValueError(f"request id {rid!r} is already active on this worker")

@@ -167,6 +167,10 @@ class Engine:
         """What the prefix cache stored and evicted since `cursor` (engine/cache_events.py)."""
         return self.block_manager.events.since(cursor)
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Enter `seq`'s full blocks whose K/V are computed (or arrived) into the prefix cache."""
+        self.block_manager.cache_full_blocks(seq)
+
     def free(self, seq: Sequence) -> None:
         """Give back a sequence's blocks (one the scheduler does not hold)."""
         self.block_manager.free(seq)

@@ -149,10 +149,11 @@ class ModelRunner:
                 first = row + have - start
                 lp = torch.log_softmax(self.model.compute_logits(hidden[first:first + end - have]).float(), dim=-1)
                 targets = seq.token_ids[have + 1:end + 1]
-                picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+                picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+                ranks = ((lp > picked).sum(dim=-1) + 1).tolist()
                 top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
-                seq.prompt_logprobs += [TokenLogprobs(t, v, list(zip(i, vs))) for t, v, i, vs in
-                                        zip(targets, picked, top_i.tolist(), top_v.tolist())]
+                seq.prompt_logprobs += [TokenLogprobs(t, v, list(zip(i, vs)), r) for t, v, i, vs, r in
+                                        zip(targets, picked[:, 0].tolist(), top_i.tolist(), top_v.tolist(), ranks)]
             row += item.num_tokens
 
     def _native_decode(self, batch: list[ScheduledSeq], ctx: list[int]) -> NativeDecode:

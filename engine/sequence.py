@@ -30,6 +30,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # the token's place in the vocabulary by logprob (1 = most likely); prompt tokens only
 
 
 @dataclass

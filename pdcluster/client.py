@@ -18,6 +18,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 @dataclass
 class Completion:
     request_id: str
+    index: int = 0  # which choice (SamplingParams.n / best_of)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
@@ -77,9 +78,15 @@ class Client:
 
     def complete(self, prompt: str | list[int], params: SamplingParams | None = None,
                  request_id: str | None = None, **kwargs: object) -> Completion:
-        out = Completion(request_id or "")
+        """The answer (its first choice: see `complete_choices` for n > 1)."""
+        return self.complete_choices(prompt, params, request_id, **kwargs)[0]
+
+    def complete_choices(self, prompt: str | list[int], params: SamplingParams | None = None,
+                         request_id: str | None = None, **kwargs: object) -> list[Completion]:
+        """Every choice of the answer (SamplingParams.n), by index."""
+        outs: dict[int, Completion] = {}
         for chunk in self.stream(prompt, params, request_id, **kwargs):
-            out.request_id = chunk.request_id
+            out = outs.setdefault(chunk.index, Completion(chunk.request_id, chunk.index))
             out.token_ids.extend(chunk.token_ids)
             out.text += chunk.text
             if chunk.finish_reason:
@@ -87,7 +94,7 @@ class Client:
                 out.prompt_tokens = chunk.usage.prompt_tokens
                 out.completion_tokens = chunk.usage.completion_tokens
                 out.timing = {f.name: v for f, v in chunk.timing.ListFields()}
-        return out
+        return [outs[k] for k in sorted(outs)] or [Completion(request_id or "")]
 
     def abort(self, request_id: str) -> bool:
         return self._stub.Abort(gen.AbortRequest(request_id=request_id), timeout=10,

@@ -29,7 +29,7 @@ from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import CarrySecret, server_interceptors
-from proto.convert import logprob_to_proto, prefix_cache_to_proto, sampling_from_proto, step_stats_to_proto
+from proto.convert import logprob_to_proto, choice_sampling_from_proto, prefix_cache_to_proto, step_stats_to_proto
 from proto.serving import add_health_and_reflection, bind_server, in_request_context
 
 log = logging.getLogger("pdcluster.prefill")
@@ -150,7 +150,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
     def Prefill(self, request: wk.PrefillRequest, context: grpc.ServicerContext) -> wk.PrefillResponse:
         rid = request.request_id
         try:
-            params = sampling_from_proto(request.sampling)
+            params = choice_sampling_from_proto(request.sampling)
             ids = list(request.token_ids)
             self.engine.validate(ids, params)
         except ValueError as e:

@@ -19,7 +19,7 @@ def sampling_from_proto(msg: gen.SamplingParams) -> SamplingParams:
     """Unset fields take the engine defaults. Raises ValueError naming a bad field."""
     kwargs: dict = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs", "n", "best_of"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     kwargs["logit_bias"] = dict(msg.logit_bias)
@@ -29,6 +29,14 @@ def sampling_from_proto(msg: gen.SamplingParams) -> SamplingParams:
     if msg.HasField("guided"):
         kwargs["guided"] = GuidedDecoding(msg.guided.kind, msg.guided.spec)
     return SamplingParams(**kwargs)
+
+
+def choice_sampling_from_proto(msg: gen.SamplingParams) -> SamplingParams:
+    """A worker's sampling parameters: one choice (the router splits a request's n / best_of)."""
+    params = sampling_from_proto(msg)
+    if params.num_choices > 1:
+        raise ValueError("sampling.n / best_of: a worker runs one choice; the router splits a request's choices")
+    return params
 
 
 def sampling_to_proto(p: SamplingParams) -> gen.SamplingParams:
@@ -42,6 +50,10 @@ def sampling_to_proto(p: SamplingParams) -> gen.SamplingParams:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.n != 1:
+        msg.n = p.n
+    if p.best_of is not None:
+        msg.best_of = p.best_of
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         setattr(msg, name, getattr(p, name))
     msg.logit_bias.update(p.logit_bias)
@@ -52,12 +64,14 @@ def sampling_to_proto(p: SamplingParams) -> gen.SamplingParams:
 
 def logprob_to_proto(lp: TokenLogprobs) -> gen.TokenLogprob:
     return gen.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob, top=[gen.Logprob(token_id=t, logprob=v) for t, v in lp.top]
+        token_id=lp.token_id, logprob=lp.logprob, top=[gen.Logprob(token_id=t, logprob=v) for t, v in lp.top],
+        rank=lp.rank,
     )
 
 
 def logprob_from_proto(msg: gen.TokenLogprob) -> TokenLogprobs:
-    return TokenLogprobs(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])
+    return TokenLogprobs(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top],
+                         msg.rank if msg.HasField("rank") else None)
 
 
 def unknown_fields(msg: Message, path: str = "") -> list[str]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/generate.proto\x12\x0cpdcluster.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb5\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.pdcluster.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\t\x88\x01\x01\x12,\n\x06guided\x18\x0f \x01(\x0b\x32\x1c.pdcluster.v1.GuidedDecoding\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\",\n\x0eGuidedDecoding\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xbf\x01\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06promptB\r\n\x0b_request_id\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xaf\x01\n\x06Timing\x12\x17\n\x0frouter_queue_ms\x18\x01 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x02 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x03 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x14\n\x0cmean_tpot_ms\x18\x07 \x01(\x01\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.pdcluster.v1.Logprob\"\x8b\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.pdcluster.v1.Timing\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x9a\x01\n\tPDCluster\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/generate.proto\x12\x0cpdcluster.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xed\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.pdcluster.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\t\x88\x01\x01\x12,\n\x06guided\x18\x0f \x01(\x0b\x32\x1c.pdcluster.v1.GuidedDecoding\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x12 \x01(\rH\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\n\n\x08_best_of\",\n\x0eGuidedDecoding\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xbf\x01\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06promptB\r\n\x0b_request_id\"Z\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1f\n\x17total_completion_tokens\x18\x03 \x01(\r\"\xaf\x01\n\x06Timing\x12\x17\n\x0frouter_queue_ms\x18\x01 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x02 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x03 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x14\n\x0cmean_tpot_ms\x18\x07 \x01(\x01\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"q\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.pdcluster.v1.Logprob\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"\x9a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.pdcluster.v1.Timing\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x9a\x01\n\tPDCluster\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=38
   _globals['_TOKENIDS']._serialized_end=61
   _globals['_SAMPLINGPARAMS']._serialized_start=64
-  _globals['_SAMPLINGPARAMS']._serialized_end=757
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=535
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=583
-  _globals['_GUIDEDDECODING']._serialized_start=759
-  _globals['_GUIDEDDECODING']._serialized_end=803
-  _globals['_GENERATEREQUEST']._serialized_start=806
-  _globals['_GENERATEREQUEST']._serialized_end=997
-  _globals['_USAGE']._serialized_start=999
-  _globals['_USAGE']._serialized_end=1056
-  _globals['_TIMING']._serialized_start=1059
-  _globals['_TIMING']._serialized_end=1234
-  _globals['_LOGPROB']._serialized_start=1236
-  _globals['_LOGPROB']._serialized_end=1280
-  _globals['_TOKENLOGPROB']._serialized_start=1282
-  _globals['_TOKENLOGPROB']._serialized_end=1367
-  _globals['_GENERATERESPONSE']._serialized_start=1370
-  _globals['_GENERATERESPONSE']._serialized_end=1637
-  _globals['_ABORTREQUEST']._serialized_start=1639
-  _globals['_ABORTREQUEST']._serialized_end=1673
-  _globals['_ABORTRESPONSE']._serialized_start=1675
-  _globals['_ABORTRESPONSE']._serialized_end=1705
-  _globals['_PDCLUSTER']._serialized_start=1708
-  _globals['_PDCLUSTER']._serialized_end=1862
+  _globals['_SAMPLINGPARAMS']._serialized_end=813
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=573
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=621
+  _globals['_GUIDEDDECODING']._serialized_start=815
+  _globals['_GUIDEDDECODING']._serialized_end=859
+  _globals['_GENERATEREQUEST']._serialized_start=862
+  _globals['_GENERATEREQUEST']._serialized_end=1053
+  _globals['_USAGE']._serialized_start=1055
+  _globals['_USAGE']._serialized_end=1145
+  _globals['_TIMING']._serialized_start=1148
+  _globals['_TIMING']._serialized_end=1323
+  _globals['_LOGPROB']._serialized_start=1325
+  _globals['_LOGPROB']._serialized_end=1369
+  _globals['_TOKENLOGPROB']._serialized_start=1371
+  _globals['_TOKENLOGPROB']._serialized_end=1484
+  _globals['_GENERATERESPONSE']._serialized_start=1487
+  _globals['_GENERATERESPONSE']._serialized_end=1769
+  _globals['_ABORTREQUEST']._serialized_start=1771
+  _globals['_ABORTREQUEST']._serialized_end=1805
+  _globals['_ABORTRESPONSE']._serialized_start=1807
+  _globals['_ABORTRESPONSE']._serialized_end=1837
+  _globals['_PDCLUSTER']._serialized_start=1840
+  _globals['_PDCLUSTER']._serialized_end=1994
 # @@protoc_insertion_point(module_scope)

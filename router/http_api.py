@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 from proto import generate_pb2_grpc as gen_grpc
 from router.http_choices import ChoiceRun, collect_all
 from router.http_stream import ClientGone, events, unless_disconnected
-from router.openai_choices import answer_choices, usage
+from router.openai_choices import usage
 from router.openai_protocol import ApiError, bad, chat_messages, parse_chat, parse_completion
 from router.openai_responses import LogprobFormatter, response_of
 from router.openai_tokenize import detokenize, tokenize
@@ -257,7 +257,7 @@ class HttpApi:
             if not req.stream:
                 outs = await unless_disconnected(request, collect_all(run))
                 run.cancel()
-                return JSONResponse(response_of(req, answer_choices(req, outs), fmt, usage(req, outs)))
+                return JSONResponse(response_of(req, list(enumerate(outs)), fmt, usage(req, outs)))
             messages = run.messages()
             first = await unless_disconnected(request, anext(messages))
         except ClientGone:

@@ -25,13 +25,16 @@ class ClientGone(Exception):
     """The HTTP client disconnected; its gRPC call has been cancelled."""
 
 
-async def relay(call: Any, req: OpenAIRequest, gone: asyncio.Event) -> AsyncIterator[gen.GenerateResponse]:
-    """The router's messages; a gRPC error becomes the ApiError to answer with."""
+async def relay(call: Any, req: OpenAIRequest, gone: asyncio.Event, choices: int = 1,
+                ) -> AsyncIterator[gen.GenerateResponse]:
+    """The router's messages until `choices` have finished; a gRPC error becomes the ApiError to answer with."""
     try:
         async for msg in call:
             yield msg
             if msg.finish_reason:
-                return
+                choices -= 1
+                if not choices:
+                    return
     except grpc.aio.AioRpcError as e:
         raise grpc_error(e.code().name, e.details() or "", req, _retry_after(e)) from None
     except asyncio.CancelledError:

@@ -45,7 +45,7 @@ COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "t
                            "stop", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
                            # vLLM's extensions
                            "top_k", "ignore_eos", "stop_token_ids", "return_token_ids", "repetition_penalty",
-                           "min_tokens", "n",
+                           "min_tokens", "n", "prompt_logprobs",
                            # structured output: OpenAI's, vLLM's, and vLLM's older names
                            "response_format", "structured_outputs", "guided_json", "guided_regex",
                            "guided_choice", "guided_grammar"})
@@ -110,6 +110,7 @@ class OpenAIRequest:
     n: int = 1  # choices returned per prompt
     best_of: int = 1  # choices generated per prompt, the n of highest cumulative logprob returned
     echo: bool = False  # completions: each choice's text starts with its prompt
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's logprobs with this many top
     guided_field: str | None = None  # the field that set a structured-output constraint
     tools: Any = None  # chat: router.openai_tools.Tools when the request gives tools
 
@@ -152,7 +153,7 @@ def parse_completion(body: Any, served_model: str, tokenize: Tokenize | None = N
     if body.get("echo") is not None:
         req.echo = _bool("echo", body["echo"])
     if req.echo and req.logprobs:  # the prompt's logprobs too: its tokens must be known here
-        req.grpc.sampling.prompt_logprobs = req.grpc.sampling.logprobs
+        req.grpc.sampling.prompt_logprobs = max(req.grpc.sampling.logprobs, req.prompt_logprobs or 0)
     p = body["prompt"]
     batch = p if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else [p]
     req.set_prompts([_prompt(req, x, tokenize, f"prompt[{i}]" if len(batch) > 1 else "prompt")
@@ -286,6 +287,10 @@ def _common(body: dict[str, Any], served_model: str, chat: bool) -> OpenAIReques
         if not isinstance(opts, dict) or any(k not in ("include_usage", "include_obfuscation") for k in opts):
             raise bad("stream_options", "expected an object with include_usage (true or false)")
         req.include_usage = _bool("stream_options.include_usage", opts.get("include_usage", False))
+    if body.get("prompt_logprobs") is not None:  # vLLM's; its -1 (the whole vocabulary) is not served
+        req.prompt_logprobs = s.prompt_logprobs = _int("prompt_logprobs", body["prompt_logprobs"], 0, 20)
+        if req.stream:
+            raise bad("prompt_logprobs", "not available with stream: true (as in vLLM)")
     return req
 
 

@@ -33,6 +33,7 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_logprobs: list[gen.TokenLogprob] = field(default_factory=list)  # echo with logprobs
+    total_completion_tokens: int = 0  # the router request's every choice (on its last message)
 
     def add(self, msg: gen.GenerateResponse) -> None:
         self.prompt_logprobs.extend(msg.prompt_logprobs)
@@ -43,6 +44,7 @@ class Output:
             self.finish_reason = msg.finish_reason
             self.prompt_tokens = msg.usage.prompt_tokens
             self.completion_tokens = msg.usage.completion_tokens
+            self.total_completion_tokens = msg.usage.total_completion_tokens
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -84,6 +86,20 @@ class LogprobFormatter:
         rest = self.completion(list(prompt) + list(lps))
         return {k: head[k] + rest[k] for k in rest}
 
+    def prompt(self, lps: list[gen.TokenLogprob], top: int) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: null for the first prompt token, then per token {token id: {logprob,
+        rank, decoded_token}} for the token itself and its `top` alternatives."""
+        def entry(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+            return {"logprob": _lp(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
+
+        out: list[dict[str, Any] | None] = [None]
+        for lp in lps:
+            d = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank if lp.HasField("rank") else None)}
+            for j, t in enumerate(lp.top[:top]):
+                d.setdefault(str(t.token_id), entry(t.token_id, t.logprob, j + 1))
+            out.append(d)
+        return out
+
     def chat(self, lps: list[gen.TokenLogprob]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             s = self.token_text(token_id)
@@ -117,13 +133,20 @@ def response_of(req: OpenAIRequest, outs: list[tuple[int, Output]], fmt: Logprob
         else:
             choice["text"] = _echo(req, index) + out.text
             if req.logprobs and req.echo:
-                choice["logprobs"] = fmt.fresh().echoed(_first_id(req, index), out.prompt_logprobs, out.logprobs)
+                k = req.grpc.sampling.logprobs  # prompt_logprobs may have asked for more alternatives
+                echoed = [gen.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top[:k])
+                          for lp in out.prompt_logprobs]
+                choice["logprobs"] = fmt.fresh().echoed(_first_id(req, index), echoed, out.logprobs)
             elif req.logprobs:
                 choice["logprobs"] = fmt.fresh().completion(out.logprobs)
+        if req.prompt_logprobs is not None and not req.chat:
+            choice["prompt_logprobs"] = fmt.prompt(out.prompt_logprobs, req.prompt_logprobs)
         choices.append(choice)
     body = {"id": req.id, "object": "chat.completion" if req.chat else "text_completion",
             "created": req.created, "model": req.model, "choices": choices, "usage": usage,
             "system_fingerprint": None}
+    if req.prompt_logprobs is not None and req.chat and outs:  # vLLM puts a chat's at the top level
+        body["prompt_logprobs"] = fmt.prompt(outs[0][1].prompt_logprobs, req.prompt_logprobs)
     for k, (index, out) in enumerate(outs):
         _token_ids(req, body, k, index, out.token_ids, prompt=True)
     return body

@@ -317,6 +317,9 @@ class Orchestrator:
                           "kv transfer %.1f ms", first.num_cached_tokens, first.prefill_queue_ms,
                           first.prefill_compute_ms, first.kv_transfer_ms)
                 seen = 1
+                # committed: the prompt's blocks are in the decode worker's prefix cache from now (the
+                # later choices of a request with several find them there)
+                self.pool.index.expect(decode.worker_id, blocks)
                 lps = [first.first_token_logprob] if first.HasField("first_token_logprob") else []
                 opening = not run.tokens  # the client's first message: it carries the prompt's logprobs
                 msg, stopped = self._take(active, run, output, [first.first_token], lps)

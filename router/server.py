@@ -18,6 +18,7 @@ per-request recorder rides on `ActiveRequest`), log lines about a request carry 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -41,6 +42,7 @@ from proto.convert import sampling_from_proto, unknown_fields
 from proto.serving import Malformed, add_health_and_reflection, add_servicer, bind_server, read_tls
 from router import metrics as router_metrics
 from router.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits, Refused
+from router.choices import ChoiceMerge
 from router.local_prefill import LocalPrefillPolicy
 from router.metrics import RouterMetrics
 from router.orchestrator import ActiveRequest, Orchestrator, Progress, RequestError
@@ -105,7 +107,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         self.orchestrator = Orchestrator(
             self.pool, mode, self.max_model_len, max_retries,
             LocalPrefillPolicy(local_prefill_max_tokens if mode == "disaggregated" else 0), self.metrics)
-        self._active: dict[str, ActiveRequest] = {}
+        self._active: dict[str, list[ActiveRequest]] = {}  # client request id -> its choices' requests
         self._lock = threading.Lock()
         tls = read_tls(tls_cert, tls_key)
         self.server, self.address = bind_server(host, port, 512, "router", max_message_bytes=MAX_MESSAGE_BYTES,
@@ -211,44 +213,87 @@ class RouterServer(gen_grpc.PDClusterServicer):
             self.metrics.request().error(grpc.StatusCode.INVALID_ARGUMENT)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
         arrival = time.monotonic()
-        metrics = self.metrics.request(arrival)
+        actives: list[ActiveRequest] = []
         try:
             self._check_auth(context)
             ids, params = self._parse(request)
             rid = self._request_id(request)
-            active = ActiveRequest(rid, metrics)
-            with self._lock:
-                if rid in self._active:
-                    raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
-                try:
-                    active.admitted = self.admission.admit(len(ids))
-                except Refused as e:
-                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s) from None
-                self._active[rid] = active
+            count = params.num_choices  # choice k of several is "<id>#<k>" on the workers (router/choices.py)
+            actives = [ActiveRequest(rid if count == 1 else f"{rid}#{k}", self.metrics.request(arrival))
+                       for k in range(count)]
+            self._admit(rid, len(ids), actives)
         except RequestError as e:
-            metrics.error(e.code)
+            for m in [a.metrics for a in actives] or [self.metrics.request(arrival)]:
+                m.error(e.code)
             log.warning("refused: %s: %s", e.code.name, e, extra={"request_id": request.request_id or None})
             self._fail(context, e)
-        context.add_callback(lambda: self.orchestrator.abort(active))  # client went away (or the call ended)
+        context.add_callback(lambda: self._abort_all(actives))  # client went away (or the call ended)
         deadline = arrival + self.request_timeout_s
         remaining = context.time_remaining()  # the client's own deadline, if it set one
         if remaining is not None:
             deadline = min(deadline, time.monotonic() + remaining)
         with request_context(rid):
-            log.info("admitted: %d prompt tokens, max_tokens %d", len(ids), params.max_tokens)
+            log.info("admitted: %d prompt tokens, max_tokens %d%s", len(ids), params.max_tokens,
+                     f", {count} choices" if count > 1 else "")
             try:
-                yield from self._generate(active, ids, params, arrival, deadline)
+                if count == 1:
+                    yield from self._generate(actives[0], ids, params, arrival, deadline)
+                    actives[0].done = True
+                else:
+                    run = functools.partial(self._choice, rid, actives, ids, params, arrival, deadline)
+                    yield from ChoiceMerge(count, params.n, run, deadline, params.logprobs is None).messages()
             except RequestError as e:
-                metrics.error(e.code)
+                if count == 1:
+                    actives[0].metrics.error(e.code)
                 log.warning("failed: %s: %s", e.code.name, e)
+                self._abort_all(actives)  # the other choices
                 self._fail(context, e)
             finally:
-                metrics.close()  # ended without a final message or an error: the client went away
-                active.done = True
-                active.admitted.release()
+                self._abort_all(actives)  # the choices still running when the client went away
+                for a in actives:
+                    a.metrics.close()  # ended without a final message or an error: the client went away
+                    a.done = True
+                    a.admitted.release()
                 with self._lock:
-                    if self._active.get(rid) is active:
+                    if self._active.get(rid) is actives:
                         del self._active[rid]
+
+    def _admit(self, rid: str, prompt_tokens: int, actives: list[ActiveRequest]) -> None:
+        """Admission control for each choice; the request is known under `rid` from here."""
+        with self._lock:
+            if rid in self._active:
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
+            try:
+                for a in actives:
+                    a.admitted = self.admission.admit(prompt_tokens)
+            except Refused as e:
+                for a in actives:
+                    if a.admitted is not None:
+                        a.admitted.release()
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s) from None
+            self._active[rid] = actives
+
+    def _abort_all(self, actives: list[ActiveRequest]) -> None:
+        for a in actives:
+            self.orchestrator.abort(a)  # a no-op for one that is done
+
+    def _choice(self, rid: str, actives: list[ActiveRequest], ids: list[int], params: SamplingParams,
+                arrival: float, deadline: float, k: int):
+        """Choice k's messages, under the client's request id (router/choices.py runs it on a thread
+        of its own)."""
+        active = actives[k]
+        choice = params.choice_params(k)
+        if params.num_choices > params.n and choice.logprobs is None:  # they rank best_of's choices
+            choice = dataclasses.replace(choice, logprobs=0)
+        with request_context(active.request_id):
+            try:
+                for msg in self._generate(active, ids, choice, arrival, deadline):
+                    msg.request_id = rid
+                    yield msg
+                active.done = True
+            except RequestError as e:
+                active.metrics.error(e.code)
+                raise
 
     @staticmethod
     def _fail(context: grpc.ServicerContext, e: RequestError) -> None:
@@ -263,10 +308,10 @@ class RouterServer(gen_grpc.PDClusterServicer):
             context.abort(e.code, str(e))
         if isinstance(request, Malformed):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
-        active = self._active.get(request.request_id)
-        if active is not None:
-            self.orchestrator.abort(active)
-        return gen.AbortResponse(found=active is not None)
+        actives = self._active.get(request.request_id)
+        if actives is not None:
+            self._abort_all(actives)
+        return gen.AbortResponse(found=actives is not None)
 
     # ------------------------------------------------------------------ the answer
     def _generate(self, active: ActiveRequest, ids: list[int], params: SamplingParams, arrival: float,

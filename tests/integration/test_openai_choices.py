@@ -10,6 +10,7 @@ import json
 import socket
 import time
 
+import openai
 import pytest
 
 from pdcluster import LLM, SamplingParams
@@ -154,3 +155,25 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_first(client, clust
                                             logprobs=2, stream=True))
     head = chunks[0].choices[0]
     assert head.text == PROMPTS[2] and head.logprobs.token_logprobs[1:] == pytest.approx(want[:len(ids) - 1], abs=1e-3)
+
+
+def test_vllm_prompt_logprobs_field_on_every_choice_and_on_chat(client, cluster, llm):
+    ids = cluster.router.tokenizer.encode(PROMPTS[1])
+    want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+                        use_tqdm=False)[0].prompt_logprobs
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0, n=2,
+                                  extra_body={"prompt_logprobs": 2})
+    for choice in r.choices:
+        got = choice.model_extra["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ids)
+        for entry, w in zip(got[1:], want):
+            mine = entry[str(w.token_id)]
+            assert mine["rank"] == w.rank and mine["logprob"] == pytest.approx(w.logprob, abs=1e-4)
+            assert set(entry) == {str(w.token_id)} | {str(t) for t, _ in w.top}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    got = chat.model_extra["prompt_logprobs"]
+    assert got[0] is None and all(len(e) == 1 for e in got[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})
+    _idle(cluster)

@@ -29,3 +29,4 @@ def test_the_first_message_carries_the_prompt_logprobs(path, mode, router):
     assert [x.token_id for x in got] == PROMPT[1:] and all(not m.prompt_logprobs for m in msgs[1:])
     assert [x.logprob for x in got] == pytest.approx([x.logprob for x in want.prompt_logprobs], abs=1e-4)
     assert [[t.token_id for t in x.top] for x in got] == [[t for t, _ in x.top] for x in want.prompt_logprobs]
+    assert [x.rank for x in got] == [x.rank for x in want.prompt_logprobs]

@@ -204,3 +204,25 @@ def test_forced_tool_calls_always_parse_against_their_schemas(client, stream):
             jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
         if isinstance(choice, dict):
             assert [c.function.name for c in calls] == ["get_time"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_a_call_the_model_writes(client, stream):
+    """tool_choice auto: the built-in model never writes a call by itself, so a regex makes it write
+    text before one and the call; the answer is that text as content and the call in OpenAI's shape."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'
+    kw = {"model": MODEL, "messages": MSGS, "max_tokens": 120, "temperature": 0.0, "tools": [WEATHER, CLOCK],
+          "tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": "Let me check\\. " + re.escape(call)}}}
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        msg, reason = r.choices[0].message, r.choices[0].finish_reason
+        content, calls = msg.content, msg.tool_calls
+    else:
+        chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+        reason = chunks[-1].choices[0].finish_reason
+    assert reason == "tool_calls" and content.strip() == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2})]
+    assert calls[0].id and calls[0].type == "function"

@@ -38,6 +38,7 @@ def test_prompt_logprobs_equal_transformers(want, mode, chunk):
         top_v, top_i = lp[:-1].topk(3, dim=-1)
         assert [[t for t, _ in x.top] for x in got] == top_i.tolist()
         assert torch.allclose(torch.tensor([[v for _, v in x.top] for x in got]), top_v, atol=1e-4)
+        assert [x.rank for x in got] == ((lp[:-1] > ref[:, None]).sum(dim=-1) + 1).tolist()
 
 
 def test_unset_means_none(want):
