@@ -141,12 +141,12 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
-    def compat_hash(self, dtype: torch.dtype, block_size: int) -> str:
-        """Two workers can exchange KV blocks only if this matches (model, dtype, block size, layout)."""
-        key = json.dumps(
-            [self.architecture, self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size,
-             self.hidden_size, str(dtype), block_size, KV_LAYOUT_VERSION],
-        )
+    def compat_hash(self, dtype: torch.dtype, block_size: int, parallel: str = "") -> str:
+        """Two workers can exchange KV blocks only if this matches (model, dtype, block size, layout;
+        `parallel`: how the worker's KV is split across ranks, "" for one rank)."""
+        fields = [self.architecture, self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size,
+                  self.hidden_size, str(dtype), block_size, KV_LAYOUT_VERSION]
+        key = json.dumps(fields + [parallel] if parallel else fields)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -26,6 +26,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_stats import StepShape
+from engine.tp_steps import TPContext
 
 ROLES = ("colocated", "prefill", "decode")
 LayerHookFactory = Callable[[list[ScheduledSeq]], Callable[[int], None] | None]
@@ -47,13 +48,18 @@ class Engine:
         model_cfg: ModelConfig | None = None,
         model: LlamaModel | None = None,
         seed: int = 0,
+        tp: TPContext | None = None,
     ) -> None:
+        """`tp`: this engine is rank 0 of a tensor-parallel group (engine/tp_ranks.py starts the others)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if tp is not None and tp.layout.size > 1 and role != "colocated":
+            raise ValueError("tensor parallelism serves colocated engines so far: a prefill or decode worker's KV "
+                             "transfer sends one rank's cache")
         self.cfg = cfg
         self.role = role
         self.model_cfg = model_cfg or ModelConfig.from_pretrained(resolve_model_path(cfg.model))
-        self.runner = ModelRunner(self.model_cfg, cfg, model)
+        self.runner = ModelRunner(self.model_cfg, cfg, model, tp)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(

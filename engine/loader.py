@@ -11,6 +11,7 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.models.llama import LlamaModel
 from engine.packed_linear import pack_linears
+from engine.tp_layout import TPLayout
 
 # checkpoint name suffix -> (fused parameter suffix, shard index in the fused tensor)
 _FUSED = {
@@ -44,16 +45,19 @@ def _target(name: str) -> tuple[str, int | None]:
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-               pack: bool = True) -> LlamaModel:
+               pack: bool = True, layout: TPLayout | None = None, reduce=None) -> LlamaModel:
     """The checkpoint's weights in `dtype` on `device`; `pack`: linear layers on oneDNN with
-    prepacked weights where the device has it (engine/packed_linear.py)."""
+    prepacked weights where the device has it (engine/packed_linear.py). `layout`: one
+    tensor-parallel rank's shard (each tensor read only in its slice; `reduce` sums the ranks')."""
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions)
+        model = LlamaModel(cfg, max_positions, layout, reduce)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope()  # after .to(dtype): the rope tables stay float32
     params = dict(model.named_parameters())
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    split = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    heads, kv_heads, inter = ((layout.heads, layout.kv_heads, layout.inter) if layout is not None
+                              else (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size))
+    q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
+    split = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [inter] * 2}
     loaded: set[str] = set()
     for file in _weight_files(Path(cfg.path)):
         with safe_open(str(file), framework="pt") as f:
@@ -63,7 +67,14 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
                 target, shard = _target(name)
                 if target not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {file.name}")
-                tensor = f.get_tensor(name).to(dtype)
+                part = layout.shard(target, shard) if layout is not None else None
+                if part is None:
+                    tensor = f.get_tensor(name).to(dtype)
+                else:  # only this rank's slice is read
+                    dim, start, length = part
+                    index = [slice(None)] * len(f.get_slice(name).get_shape())
+                    index[dim] = slice(start, start + length)
+                    tensor = f.get_slice(name)[tuple(index)].to(dtype)
                 param = params[target]
                 if shard is None:
                     dst = param.data

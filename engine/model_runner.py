@@ -1,6 +1,8 @@
 """Owns the model weights and the paged KV tensors; turns scheduled sequences into one forward pass.
 
 This is the only place where block tables become tensors (slot mappings, gather indices, masks).
+With tensor parallelism (`tp`, engine/tp_steps.py) it is one rank: rank 0's `run` first sends the
+step to the other ranks, whose `forward` runs the same batch on their shards and caches.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from engine.models.llama import LlamaModel
 from engine.native import native_lib
 from engine.request_checks import resolve_max_model_len
 from engine.sequence import Sequence, TokenLogprobs
+from engine.tp_steps import TPContext, encode_copy, encode_step
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 DECODE_PAD_SLACK = 1.3  # padded/real KV blocks allowed within one decode attention group
@@ -37,16 +40,24 @@ class ScheduledSeq:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model: LlamaModel | None = None) -> None:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model: LlamaModel | None = None,
+                 tp: TPContext | None = None) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
+        self.tp = tp if tp is not None and tp.layout.size > 1 else None
+        layout = self.tp.layout if self.tp is not None else None
+        if layout is not None and model is not None:
+            raise ValueError("a tensor-parallel rank loads its own shard of the weights (model= cannot be shared)")
+        self.num_heads = layout.heads if layout is not None else model_cfg.num_heads
+        self.num_kv_heads = layout.kv_heads if layout is not None else model_cfg.num_kv_heads
         self.device = cfg.torch_device
         self.dtype = cfg.torch_dtype(model_cfg)
         if cfg.num_threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.num_threads)
         self.max_model_len = resolve_max_model_len(model_cfg, cfg.max_model_len)
-        self.model = model if model is not None else load_model(model_cfg, self.dtype, self.device, self.max_model_len,
-                                                                 pack=not cfg.enforce_eager)
+        self.model = model if model is not None else load_model(
+            model_cfg, self.dtype, self.device, self.max_model_len, pack=not cfg.enforce_eager, layout=layout,
+            reduce=self.tp.group.all_reduce if self.tp is not None else None)
         self.block_size = cfg.block_size
         self.num_blocks = self._num_blocks()
         if self.num_blocks * self.block_size < self.max_model_len:
@@ -54,10 +65,14 @@ class ModelRunner:
                 f"KV cache of {self.num_blocks} blocks x {self.block_size} tokens cannot hold one sequence of "
                 f"max_model_len {self.max_model_len}; raise num_blocks / kv_cache_memory_bytes or lower max_model_len"
             )
-        shape = (2, self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, model_cfg.head_dim)
         # Zeroed, not empty: masked-out slots still enter the attention matmul with weight 0, and 0*NaN = NaN.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_cfg.num_layers)]
         self._native = self._native_lib()
+        if self.tp is not None and self.tp.is_leader:
+            from engine.tp_ranks import handshake
+
+            handshake(self.tp, self.num_blocks)  # the other ranks size their caches alike
 
     @property
     def native_decode(self) -> bool:
@@ -68,7 +83,7 @@ class ModelRunner:
     def _native_lib(self):
         """The native decode kernel where it serves this engine (CPU, float32/bf16, its size limits)."""
         m = self.model_cfg
-        fits = (m.head_dim <= NATIVE_MAX_HEAD_DIM and m.num_heads // m.num_kv_heads <= NATIVE_MAX_GROUP
+        fits = (m.head_dim <= NATIVE_MAX_HEAD_DIM and self.num_heads // self.num_kv_heads <= NATIVE_MAX_GROUP
                 and self.block_size <= NATIVE_MAX_BLOCK)
         if self.cfg.enforce_eager or not fits or not native_decode_supported(self.kv_caches[0]):
             return None
@@ -77,7 +92,8 @@ class ModelRunner:
     def _num_blocks(self) -> int:
         if self.cfg.num_blocks is not None:
             return self.cfg.num_blocks
-        per_block = self.model_cfg.kv_bytes_per_token(self.dtype) * self.block_size
+        m = self.model_cfg
+        per_block = 2 * m.num_layers * self.num_kv_heads * m.head_dim * self.dtype.itemsize * self.block_size
         budget = self.cfg.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
@@ -89,7 +105,8 @@ class ModelRunner:
 
     @property
     def compat_hash(self) -> str:
-        return self.model_cfg.compat_hash(self.dtype, self.block_size)
+        parallel = f"tp{self.tp.layout.size}" if self.tp is not None else ""
+        return self.model_cfg.compat_hash(self.dtype, self.block_size, parallel)
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -193,9 +210,15 @@ class ModelRunner:
             out.append(DecodeGroup(torch.tensor(rows, device=dev), tables, mask))
         return out
 
-    @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy each (source, destination) block's K and V, in every layer (a forked choice's copy)."""
+        """Copy each (source, destination) block's K and V, in every layer (a forked choice's copy),
+        on every tensor-parallel rank."""
+        if self.tp is not None:
+            self.tp.leader.send(encode_copy(pairs))
+        self.copy_local(pairs)
+
+    @torch.inference_mode()
+    def copy_local(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
         for cache in self.kv_caches:
@@ -205,9 +228,17 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """One forward pass; returns float32 logits for each item that `completes`, in batch order."""
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
+        if self.tp is not None:
+            self.tp.leader.send(encode_step(batch))  # the other ranks run it with this one
+        hidden, sample_rows = self.forward(batch, layer_hook)
         self._prompt_logprobs(batch, hidden)
         if not sample_rows:
             return hidden.new_empty((0, self.model_cfg.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+
+    @torch.inference_mode()
+    def forward(self, batch: list[ScheduledSeq], layer_hook: Callable[[int], None] | None = None,
+                ) -> tuple[torch.Tensor, list[int]]:
+        """The model over `batch` (its K/V written to the cache): the final hidden states and the rows to sample."""
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        return self.model(input_ids, positions, meta, self.kv_caches, layer_hook), sample_rows

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.tp_group import make_process_group
 from kv_transfer.base import KVTransferError
 
 DIST_BACKENDS = ("gloo", "nccl")
@@ -51,18 +52,9 @@ def local_address_towards(host: str, port: int) -> str:
 
 def _make_group(backend: str, store: Any, rank: int, hostname: str, timeout_s: float) -> Any:
     """A 2-rank process group over `store` (blocks until both ranks joined, or raises)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist = torch.distributed
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
-    raise KVTransferError(f"unknown torch.distributed backend {backend!r} (expected one of {DIST_BACKENDS})")
+    if backend not in DIST_BACKENDS:
+        raise KVTransferError(f"unknown torch.distributed backend {backend!r} (expected one of {DIST_BACKENDS})")
+    return make_process_group(backend, store, rank, 2, timeout_s, hostname)
 
 
 def _first_exchange(pg: Any, rank: int, device: torch.device, timeout_s: float) -> None:

@@ -27,6 +27,7 @@ from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import load_tokenizer
+from engine.tp_ranks import LocalRanks, threads_per_rank
 from kv_transfer import create_sender
 from prefill_worker import PrefillEngine
 
@@ -99,9 +100,19 @@ class LLM:
         kv_compression: str = "none",
         enforce_eager: bool = False,
         mode: str = "colocated",
+        tensor_parallel_size: int = 1,
+        num_threads: int | None = None,
     ) -> None:
+        """`tensor_parallel_size` N > 1: the model is split over N processes (this one and N - 1
+        children, gloo between them; engine/tp_layout.py says how), colocated mode only.
+        `num_threads`: CPU threads of each process (default: the cores shared by them)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+        if tensor_parallel_size > 1 and mode != "colocated":
+            raise ValueError("tensor_parallel_size > 1 needs mode='colocated' (KV transfer between tensor-parallel "
+                             "engines is not built yet)")
         if kv_compression != "none" and mode != "disaggregated":
             raise ValueError("kv_compression applies to KV moved between engines: it needs mode='disaggregated'")
         path = resolve_model_path(model)
@@ -118,6 +129,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
+            num_threads=threads_per_rank(tensor_parallel_size, num_threads) if tensor_parallel_size > 1 else num_threads,
         )
         self.tokenizer = load_tokenizer(path)
         self.mode = mode
@@ -126,8 +138,17 @@ class LLM:
         self.engine: Engine | None = None
         self.prefill: PrefillEngine | None = None
         self.decode: DecodeEngine | None = None
+        self._ranks: LocalRanks | None = None  # tensor parallelism: the other ranks' processes
         if mode == "colocated":
-            self.engine = Engine(cfg, "colocated", model_cfg, seed=seed)
+            tp = None
+            if tensor_parallel_size > 1:
+                self._ranks = LocalRanks(cfg, model_cfg, tensor_parallel_size)
+                tp = self._ranks.context
+            try:
+                self.engine = Engine(cfg, "colocated", model_cfg, seed=seed, tp=tp)
+            except BaseException:
+                self.close()
+                raise
             self.max_model_len = self.engine.max_model_len
         else:
             prefill = Engine(cfg, "prefill", model_cfg, seed=seed)
@@ -138,10 +159,18 @@ class LLM:
             self.max_model_len = prefill.max_model_len
         self._ids = itertools.count()
 
-    def __del__(self) -> None:
+    def close(self) -> None:
+        """Release what this LLM holds beyond memory: the KV receiver, the other tensor-parallel ranks."""
         decode = getattr(self, "decode", None)
         if decode is not None:
             decode.close()
+        ranks = getattr(self, "_ranks", None)
+        if ranks is not None:
+            ranks.close()
+            self._ranks = None
+
+    def __del__(self) -> None:
+        self.close()
 
     @property
     def engines(self) -> list[Engine]:

@@ -5,11 +5,13 @@ rotate_half, computed in halves bit for bit alike, SiLU-gated MLP) so greedy out
 `AutoModelForCausalLM.generate`.
 q/k/v and gate/up are fused into one matmul each when the weights are loaded.
 Tensors are packed: a batch is `T` tokens of several sequences, no padding.
+With tensor parallelism (`layout`, engine/tp_layout.py) a rank holds its heads and its slice of
+the MLP, and `reduce` (the group's all-reduce) sums the row-parallel outputs of o_proj and down_proj.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,11 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
 from engine.rope import rope_cos_sin
+
+if TYPE_CHECKING:
+    from engine.tp_layout import TPLayout
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # sum over the tensor-parallel ranks, in place
 
 
 class RMSNorm(nn.Module):
@@ -51,9 +58,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads = layout.heads if layout is not None else cfg.num_heads
+        self.num_kv_heads = layout.kv_heads if layout is not None else cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.reduce = reduce
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
@@ -83,26 +93,29 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(T, self.q_size))
+        out = self.o_proj(out.reshape(T, self.q_size))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.inter = layout.inter if layout is not None else cfg.intermediate_size
+        self.reduce = reduce
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layout, reduce)
+        self.mlp = MLP(cfg, layout, reduce)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -114,11 +127,12 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Causal LM; parameter names follow the checkpoints (`model.layers.N...`, `lm_head`)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, layout: TPLayout | None = None,
+                 reduce: Reduce | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, reduce) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions

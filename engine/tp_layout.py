@@ -1,0 +1,96 @@
+"""Which part of the model one tensor-parallel rank holds (Megatron-style), and the slice of each
+checkpoint tensor that is its share. Pure arithmetic: no torch, no processes.
+
+With N ranks, rank r holds:
+- attention: query heads [r*H/N, (r+1)*H/N) (H % N == 0). KV heads: when N divides them, the rank's
+  K/N of them; when there are fewer KV heads than ranks (K divides N), the one KV head its query
+  heads read, replicated on the N/K ranks that share it (MQA, and GQA with K < N). `qkv_proj` is
+  column-parallel (the rank's rows of q, k and v), `o_proj` row-parallel (the columns of its query
+  heads): each rank's output is a partial sum, and one all-reduce adds them.
+- MLP: `gate_up_proj` column-parallel (rows [r*I/N, (r+1)*I/N) of gate and of up), `down_proj`
+  row-parallel (those columns), then one all-reduce.
+- everything else whole (replicated): the embedding (a lookup: nothing to split in compute, and a
+  vocab-parallel one would add an all-reduce per step), the norms, and the LM head, which only
+  rank 0 runs (it samples): sharding it would save memory on the other ranks but add a gather of
+  the logits to every step. On an accelerator where the vocabulary matrix is large against the
+  device, sharding it is the next step.
+- the paged KV cache of its KV heads, with the same block ids on every rank (rank 0's block manager).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    rank: int
+    size: int
+    num_heads: int  # the model's
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    def __post_init__(self) -> None:
+        n = self.size
+        if n < 1 or not 0 <= self.rank < n:
+            raise ValueError(f"tensor parallel rank {self.rank} of {n} is not a rank of the group")
+        if self.num_heads % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide the model's {self.num_heads} attention heads")
+        if self.num_kv_heads % n and n % self.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {n} must divide the model's {self.num_kv_heads} KV heads, or be "
+                             "a multiple of them (the KV heads are then replicated)")
+        if self.intermediate_size % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide the model's intermediate size "
+                             f"{self.intermediate_size}")
+
+    @property
+    def heads(self) -> int:
+        """Query heads on this rank."""
+        return self.num_heads // self.size
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads on this rank (1 when they are replicated)."""
+        return max(1, self.num_kv_heads // self.size)
+
+    @property
+    def kv_replicated(self) -> bool:
+        return self.num_kv_heads < self.size
+
+    @property
+    def first_kv_head(self) -> int:
+        """The model's index of this rank's first KV head."""
+        if self.kv_replicated:
+            return self.rank // (self.size // self.num_kv_heads)
+        return self.rank * self.kv_heads
+
+    @property
+    def inter(self) -> int:
+        """The MLP's intermediate rows on this rank."""
+        return self.intermediate_size // self.size
+
+    def shard(self, target: str, fused_shard: int | None) -> tuple[int, int, int] | None:
+        """The slice (dim, start, length) of the checkpoint tensor that loads into `target` (the
+        engine's parameter name; `fused_shard`: 0/1/2 for q/k/v in qkv_proj, 0/1 for gate/up), or
+        None when the rank takes it whole."""
+        if self.size == 1:
+            return None
+        hd = self.head_dim
+        if ".qkv_proj." in target:
+            if fused_shard == 0:
+                return 0, self.rank * self.heads * hd, self.heads * hd
+            return 0, self.first_kv_head * hd, self.kv_heads * hd
+        if ".o_proj." in target:
+            return (1, self.rank * self.heads * hd, self.heads * hd) if target.endswith("weight") else None
+        if ".gate_up_proj." in target:
+            return 0, self.rank * self.inter, self.inter
+        if ".down_proj." in target:
+            return (1, self.rank * self.inter, self.inter) if target.endswith("weight") else None
+        return None
+
+    def describe(self) -> str:
+        """The layout in a few words (compatibility hashes, logs, `pdcluster status`)."""
+        kv = f"{self.kv_heads} KV head{'s' if self.kv_heads > 1 else ''} from {self.first_kv_head}"
+        return (f"tp {self.rank}/{self.size}: heads {self.rank * self.heads}-{(self.rank + 1) * self.heads - 1}, {kv}"
+                f"{' (replicated)' if self.kv_replicated else ''}")

@@ -1,0 +1,122 @@
+"""Starting the ranks of a tensor-parallel engine: rank 0's side (`lead`), the other ranks' main
+(`run_follower`: Ray actors in a cluster, engine/tp_ranks.start_local's child processes offline and
+in tests).
+
+Rank 0 hosts the rendezvous; each other rank connects (its control channel, then the process
+group), receives the number of KV blocks rank 0 sized, loads its shard, allocates its cache, says
+READY, and follows rank 0's steps until it stops. A rank that fails to join in time fails the start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+from collections.abc import Callable
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.tp_group import Leader, Rendezvous, TPError, follow
+from engine.tp_layout import TPLayout
+from engine.tp_steps import INIT, READY, STOP, TPContext, follow_steps
+
+log = logging.getLogger("pdcluster.engine")
+
+
+def layout_for(model_cfg: ModelConfig, rank: int, size: int) -> TPLayout:
+    return TPLayout(rank, size, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
+                    model_cfg.intermediate_size)
+
+
+def lead(model_cfg: ModelConfig, leader: Leader, backend: str, join_timeout_s: float,
+         check: Callable[[], None] | None = None) -> TPContext:
+    """Rank 0's context once every other rank has joined the group (they connect to `leader.rendezvous`);
+    `check` raises when one of them is known to have failed."""
+    group = leader.join(backend, join_timeout_s, check)
+    return TPContext(layout_for(model_cfg, 0, leader.size), group, leader=leader, join_timeout_s=join_timeout_s)
+
+
+def handshake(ctx: TPContext, num_blocks: int) -> None:
+    """Rank 0, once its cache is sized: tell the others, and wait until each has loaded its shard."""
+    ctx.leader.send(torch.tensor([INIT, num_blocks]))
+    for ch in ctx.leader.channels:
+        ch.sock.settimeout(ctx.join_timeout_s)
+        try:
+            msg = ch.recv()
+        finally:
+            ch.sock.settimeout(None)
+        if msg is None or int(msg[0]) != READY:
+            raise TPError("a tensor-parallel rank failed while loading its shard of the model")
+
+
+def run_follower(cfg: EngineConfig, rank: int, size: int, rendezvous: Rendezvous, backend: str = "gloo",
+                 timeout_s: float = 60.0) -> None:
+    """Rank `rank` > 0: join, load the shard, follow rank 0's steps until it stops (returns then)."""
+    from engine.builtin_model import resolve_model_path
+    from engine.model_runner import ModelRunner
+
+    channel, group = follow(rendezvous, rank, size, backend, timeout_s)
+    try:
+        init = channel.recv()
+        if init is None or int(init[0]) != INIT:
+            return  # rank 0 went away before the start
+        model_cfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model))
+        ctx = TPContext(layout_for(model_cfg, rank, size), group, channel=channel)
+        runner = ModelRunner(model_cfg, dataclasses.replace(cfg, num_blocks=int(init[1])), tp=ctx)
+        channel.send(torch.tensor([READY]))
+        follow_steps(runner, channel)
+    finally:
+        channel.close()
+        group.close()
+
+
+def _child(cfg: EngineConfig, rank: int, size: int, rendezvous: Rendezvous, backend: str, timeout_s: float) -> None:
+    try:
+        run_follower(cfg, rank, size, rendezvous, backend, timeout_s)
+    except Exception:  # noqa: BLE001 (rank 0 sees the group fail; say why here)
+        log.exception("tensor-parallel rank %d failed", rank)
+        raise
+
+
+class LocalRanks:
+    """Ranks 1.. of a tensor-parallel engine as child processes of this one (rank 0)."""
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, size: int, backend: str = "gloo",
+                 timeout_s: float = 60.0, join_timeout_s: float = 300.0) -> None:
+        layout_for(model_cfg, 0, size)  # refuse a size the model cannot be split by, before any process starts
+        self.leader = Leader(size, timeout_s=timeout_s)
+        ctx = mp.get_context("spawn")
+        self.processes = [ctx.Process(target=_child, args=(cfg, r, size, self.leader.rendezvous, backend, timeout_s),
+                                      name=f"tp-rank-{r}", daemon=True) for r in range(1, size)]
+        for p in self.processes:
+            p.start()
+        try:
+            self.context = lead(model_cfg, self.leader, backend, join_timeout_s, self._check)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check(self) -> None:
+        for r, p in enumerate(self.processes, 1):
+            if p.exitcode is not None:
+                raise TPError(f"tensor-parallel rank {r} exited (code {p.exitcode}) before it joined; its log says why")
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the other ranks (STOP, then the channel's end; a rank still alive after `timeout_s` is killed)."""
+        try:
+            self.leader.send(torch.tensor([STOP]))
+        except TPError:
+            pass
+        self.leader.close()
+        for p in self.processes:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+
+
+def threads_per_rank(size: int, num_threads: int | None) -> int:
+    """Each rank's CPU threads: the ones asked for, else this machine's cores shared by the ranks."""
+    return num_threads or max(1, (os.cpu_count() or 1) // size)

@@ -1,0 +1,119 @@
+"""Lockstep: what rank 0 of a tensor-parallel worker sends the other ranks, and their loop.
+
+Rank 0 owns the scheduler and the block manager. Before each forward pass it sends the step's
+batch (per sequence: tokens computed before, the new tokens, the block table), and before a fork's
+KV copy the block pairs; every rank then runs the same operation on its shard and its KV cache, so
+block ids mean the same on every rank. The others never sample (rank 0 runs the LM head).
+
+Messages (int64 arrays on the control channel, engine/tp_group.py):
+    [INIT, num_blocks]            rank 0 -> others, once: size the KV cache alike
+    [READY]                       others -> rank 0, once: shard loaded, cache allocated
+    [STEP, n, (computed, new, table_len, *table, *new token ids) x n]
+    [COPY, n, *sources, *destinations]
+    [STOP]                        or the channel's end: the follower exits
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.tp_group import Channel, TPError
+
+log = logging.getLogger("pdcluster.engine")
+INIT, READY, STEP, COPY, STOP = 1, 2, 3, 4, 5
+
+
+@dataclass
+class TPContext:
+    """What a ModelRunner needs to be one rank of a tensor-parallel worker."""
+
+    layout: Any  # engine.tp_layout.TPLayout
+    group: Any  # engine.tp_group.TPGroup
+    leader: Any = None  # rank 0: engine.tp_group.Leader (its channels to the others)
+    channel: Channel | None = None  # another rank: its channel to rank 0
+    join_timeout_s: float = 300.0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.layout.rank == 0
+
+
+def encode_step(batch: list[Any]) -> torch.Tensor:
+    """A batch of ScheduledSeq -> the STEP message."""
+    out = [STEP, len(batch)]
+    for item in batch:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        out += [start, item.num_tokens, len(seq.block_table), *seq.block_table,
+                *seq.token_ids[start:start + item.num_tokens]]
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def encode_copy(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor([COPY, len(pairs), *(s for s, _ in pairs), *(d for _, d in pairs)], dtype=torch.int64)
+
+
+class _Tokens:
+    """A shadow sequence's token ids: only the step's new ones are known (and asked for)."""
+
+    def __init__(self, start: int, new: list[int]) -> None:
+        self.start, self.new = start, new
+
+    def __len__(self) -> int:
+        return self.start + len(self.new)
+
+    def __getitem__(self, s: slice) -> list[int]:
+        assert s.start == self.start, "a follower is asked only for the step's new tokens"
+        return self.new[: (s.stop - self.start) if s.stop is not None else None]
+
+
+@dataclass
+class _Shadow:
+    """Enough of a Sequence for ModelRunner._prepare on a rank that does not schedule."""
+
+    token_ids: Any
+    block_table: list[int]
+    num_computed_tokens: int
+    params: Any = None
+    prompt_logprobs: list = field(default_factory=list)
+
+
+def decode_step(msg: torch.Tensor) -> list[Any]:
+    """The STEP message -> ScheduledSeq items over shadow sequences."""
+    from engine.model_runner import ScheduledSeq
+
+    values = msg.tolist()
+    n, i, batch = values[1], 2, []
+    for _ in range(n):
+        start, new, tl = values[i:i + 3]
+        i += 3
+        table = values[i:i + tl]
+        i += tl
+        tokens = values[i:i + new]
+        i += new
+        batch.append(ScheduledSeq(_Shadow(_Tokens(start, tokens), table, start), new))
+    return batch
+
+
+def decode_copy(msg: torch.Tensor) -> list[tuple[int, int]]:
+    n = int(msg[1])
+    values = msg[2:].tolist()
+    return list(zip(values[:n], values[n:]))
+
+
+def follow_steps(runner: Any, channel: Channel) -> None:
+    """Another rank's loop: run what rank 0 sends until STOP or the channel's end."""
+    while True:
+        msg = channel.recv()
+        if msg is None or int(msg[0]) == STOP:
+            return
+        op = int(msg[0])
+        if op == STEP:
+            runner.forward(decode_step(msg))
+        elif op == COPY:
+            runner.copy_local(decode_copy(msg))
+        else:
+            raise TPError(f"unexpected tensor-parallel message {op}")

@@ -1,0 +1,81 @@
+"""Tensor parallelism inside one engine (engine/tp_*.py): two CPU processes in a gloo group, the
+model split Megatron-style. Greedy output equals transformers' generate() token for token on GQA
+8:4, MQA (the KV head replicated) and Qwen2 with biases, through chunked prefill and preemption;
+forked choices (n) copy their blocks on every rank; a rank that dies fails the next step with a
+clear error (no hang); sizes the model cannot be split by are refused before any process starts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from engine.tp_group import TPError
+from pdcluster.llm import LLM
+from tests.reference import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([15, 31, 47, 60, 1])]
+N = 12
+SHAPES = {"gqa-8-4": ("llama-gqa", dict(num_attention_heads=8, num_key_value_heads=4)),
+          "mqa": ("llama-mqa-tied", {}), "qwen2-bias": ("qwen2-bias", {})}
+
+
+def _llm(path: str, tp: int = 2, **kw) -> LLM:
+    # 8 blocks of 16 for prompts of up to 72 tokens, three of them one token short of a block: prompts
+    # are chunked (32-token steps) and sequences preempted and recomputed
+    opts = dict(dtype="float32", max_model_len=128, num_blocks=8, max_num_batched_tokens=32, max_num_seqs=4)
+    return LLM(path, tensor_parallel_size=tp, **{**opts, **kw})
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_equals_transformers_with_two_ranks(checkpoint, shape):
+    name, overrides = SHAPES[shape]
+    path = str(checkpoint(name, **overrides))
+    ref = hf_greedy(path)
+    llm = _llm(path)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0))
+        assert llm.engine.scheduler.num_preemptions > 0  # the recompute path ran too
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == [ref(p, N) for p in PROMPTS]
+
+
+def test_forked_choices_match_one_rank(checkpoint):
+    path = str(checkpoint("llama-gqa", num_attention_heads=8, num_key_value_heads=4))
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=4, n=3)
+    want = _llm(path, tp=1, num_blocks=64).generate(PROMPTS[1:3], params)
+    llm = _llm(path, num_blocks=64)
+    try:
+        got = llm.generate(PROMPTS[1:3], params)
+    finally:
+        llm.close()
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+
+
+def test_a_rank_that_dies_fails_the_next_step_clearly(checkpoint):
+    path = str(checkpoint("llama-gqa"))
+    llm = _llm(path, num_blocks=64)
+    try:
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+        llm._ranks.processes[0].kill()
+        llm._ranks.processes[0].join(5)
+        t0 = time.monotonic()
+        with pytest.raises(TPError, match="tensor-parallel"):
+            llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4))
+        assert time.monotonic() - t0 < 30
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks  # the failed request's blocks are free
+    finally:
+        llm.close()
+
+
+def test_sizes_the_model_cannot_be_split_by_are_refused(checkpoint):
+    path = str(checkpoint("llama-gqa"))  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="divide the model's 4 attention heads"):
+        LLM(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="mode='colocated'"):
+        LLM(path, tensor_parallel_size=2, mode="disaggregated")
