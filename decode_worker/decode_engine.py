@@ -97,20 +97,23 @@ class DecodeEngine(LockedEngine):
 
     # ------------------------------------------------------------------ KVSink
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
-        cache = self.engine.kv_caches[0]
-        return (2, num_blocks, *cache.shape[2:])
+        return self.engine.kv_layer_shape(num_blocks)
 
     def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> None:
+        blocks = ticket.block_ids[first_block : first_block + kv.shape[1]]
+        if self.engine.tensor_parallel:  # every KV head arrives: each rank takes its own (through rank 0)
+            self.engine.write_kv(layer, list(blocks), kv)
+            return
         cache = self.engine.kv_caches[layer]
-        kv = kv.to(device=cache.device, dtype=cache.dtype)
-        copy_runs(cache, block_runs(ticket.block_ids[first_block : first_block + kv.shape[1]]), kv)
+        copy_runs(cache, block_runs(blocks), kv.to(device=cache.device, dtype=cache.dtype))
 
     def move_kv_cache(self, place: Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
         """Re-home a CPU cache (its contents too) into the tensor `place(num_layers, layer_shape,
         dtype)` returns, of shape (num_layers, *layer_shape): shared memory for the shm backend.
-        A cache on an accelerator stays where it is (place is not called)."""
+        A cache on an accelerator, or split over tensor-parallel ranks, stays where it is (place is not
+        called; shm senders then copy through their segments)."""
         caches = self.engine.kv_caches
-        if caches[0].device.type != "cpu":
+        if caches[0].device.type != "cpu" or self.engine.tensor_parallel:  # split over ranks: senders copy
             return
         with self._lock:
             storage = place(len(caches), tuple(caches[0].shape), caches[0].dtype)
@@ -191,3 +194,4 @@ class DecodeEngine(LockedEngine):
 
     def close(self) -> None:
         self.receiver.close()
+        super().close()

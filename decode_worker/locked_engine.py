@@ -50,4 +50,5 @@ class LockedEngine:
             return self.engine.abort(request_id, index) is not None
 
     def close(self) -> None:
-        """Release what the engine's transport holds (nothing here)."""
+        """Release what the engine holds beyond memory (its tensor-parallel ranks)."""
+        self.engine.close()

@@ -141,12 +141,12 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
-    def compat_hash(self, dtype: torch.dtype, block_size: int, parallel: str = "") -> str:
-        """Two workers can exchange KV blocks only if this matches (model, dtype, block size, layout;
-        `parallel`: how the worker's KV is split across ranks, "" for one rank)."""
-        fields = [self.architecture, self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size,
-                  self.hidden_size, str(dtype), block_size, KV_LAYOUT_VERSION]
-        key = json.dumps(fields + [parallel] if parallel else fields)
+    def compat_hash(self, dtype: torch.dtype, block_size: int) -> str:
+        """Two workers can exchange KV blocks only if this matches (model, dtype, block size, layout)."""
+        key = json.dumps(
+            [self.architecture, self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size,
+             self.hidden_size, str(dtype), block_size, KV_LAYOUT_VERSION],
+        )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -177,6 +177,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU
     enforce_eager: bool = False  # plain torch only: no native kernel (engine/native.py), no prepacked oneDNN weights
+    # the model split over this many processes of one machine (engine/tp_layout.py); the engine's
+    # process is rank 0 and starts the others (engine/tp_ranks.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != AUTO_DTYPE:
@@ -195,6 +198,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         """The dtype weights and KV are held in. "auto": the checkpoint's, except float32 on a CPU

@@ -18,7 +18,7 @@ from engine.builtin_model import resolve_model_path
 from engine.cache_events import CacheChanges
 from engine.config import EngineConfig, ModelConfig
 from engine.guided import GuidedDecoder
-from engine.model_runner import ModelRunner, ScheduledSeq
+from engine.model_runner import LayerSend, ModelRunner, ScheduledSeq
 from engine.models.llama import LlamaModel
 from engine.request_checks import validate_request
 from engine.sampler import Sampler
@@ -26,10 +26,11 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_stats import StepShape
+from engine.tp_ranks import LocalRanks
 from engine.tp_steps import TPContext
 
 ROLES = ("colocated", "prefill", "decode")
-LayerHookFactory = Callable[[list[ScheduledSeq]], Callable[[int], None] | None]
+LayerHookFactory = Callable[[list[ScheduledSeq]], LayerSend | None]
 
 
 @dataclass(frozen=True)
@@ -50,16 +51,22 @@ class Engine:
         seed: int = 0,
         tp: TPContext | None = None,
     ) -> None:
-        """`tp`: this engine is rank 0 of a tensor-parallel group (engine/tp_ranks.py starts the others)."""
+        """`tp`: this engine is rank 0 of a tensor-parallel group whose other ranks run elsewhere;
+        without it, `cfg.tensor_parallel_size` > 1 starts them here as child processes (engine/tp_ranks.py)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        if tp is not None and tp.layout.size > 1 and role != "colocated":
-            raise ValueError("tensor parallelism serves colocated engines so far: a prefill or decode worker's KV "
-                             "transfer sends one rank's cache")
         self.cfg = cfg
         self.role = role
         self.model_cfg = model_cfg or ModelConfig.from_pretrained(resolve_model_path(cfg.model))
-        self.runner = ModelRunner(self.model_cfg, cfg, model, tp)
+        self._ranks: LocalRanks | None = None
+        if tp is None and cfg.tensor_parallel_size > 1:
+            self._ranks = LocalRanks(cfg, self.model_cfg, cfg.tensor_parallel_size)
+            tp = self._ranks.context
+        try:
+            self.runner = ModelRunner(self.model_cfg, cfg, model, tp)
+        except BaseException:
+            self.close()
+            raise
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -133,6 +140,25 @@ class Engine:
     def kv_caches(self) -> list[torch.Tensor]:
         """One tensor per layer: (2, num_blocks, block_size, num_kv_heads, head_dim)."""
         return self.runner.kv_caches
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the KV cache is split across ranks (then `kv_caches` holds rank 0's heads only)."""
+        return self.runner.tp is not None
+
+    def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's K/V of `num_blocks` blocks as transfers carry it: every KV head of the model."""
+        return self.runner.kv_layer_shape(num_blocks)
+
+    def write_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        """K/V that arrived from elsewhere (`kv_layer_shape`) into `block_ids` of `layer`, on every rank."""
+        self.runner.write_blocks(layer, block_ids, kv)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (nothing else needs closing)."""
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks = None
 
     def replace_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """Serve from `caches` (same shapes, contents copied by the caller), e.g. shared memory."""

@@ -39,6 +39,15 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
 
 
+@dataclass
+class LayerSend:
+    """What a step hands on after each layer (a prefill worker's KV sender): `send(layer, kv)` with
+    the K/V of `blocks`, (2, len(blocks), block_size, every KV head of the model, head_dim), a copy."""
+
+    blocks: list[int]
+    send: Callable[[int, torch.Tensor], None]
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model: LlamaModel | None = None,
                  tp: TPContext | None = None) -> None:
@@ -105,8 +114,8 @@ class ModelRunner:
 
     @property
     def compat_hash(self) -> str:
-        parallel = f"tp{self.tp.layout.size}" if self.tp is not None else ""
-        return self.model_cfg.compat_hash(self.dtype, self.block_size, parallel)
+        """The same whatever the tensor parallelism: KV travels with every head (engine/tp_steps.py)."""
+        return self.model_cfg.compat_hash(self.dtype, self.block_size)
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -210,6 +219,29 @@ class ModelRunner:
             out.append(DecodeGroup(torch.tensor(rows, device=dev), tables, mask))
         return out
 
+    def layer_kv(self, layer: int, blocks: list[int]) -> torch.Tensor | None:
+        """`blocks`' K/V in `layer` with every KV head of the model (a copy). With tensor parallelism
+        every rank calls it at once: rank 0 gets the heads gathered from all, the others None."""
+        local = self.kv_caches[layer][:, blocks]
+        return local if self.tp is None else self.tp.gather_heads(local)
+
+    def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape `layer_kv` has for `num_blocks` blocks (all KV heads), what KV transfers carry."""
+        c = self.kv_caches[0]
+        return (2, num_blocks, c.shape[2], self.model_cfg.num_kv_heads, c.shape[4])
+
+    def write_blocks(self, layer: int, blocks: list[int], kv: torch.Tensor) -> None:
+        """Write K/V with every KV head (`kv_layer_shape`) into `blocks` of `layer`; with tensor
+        parallelism each rank gets its heads (the other ranks through rank 0's channel)."""
+        if self.tp is not None:
+            kv = self.tp.scatter_heads(layer, blocks, kv)
+        self.write_local(layer, blocks, kv)
+
+    @torch.inference_mode()
+    def write_local(self, layer: int, blocks: list[int], kv: torch.Tensor) -> None:
+        cache = self.kv_caches[layer]
+        cache[:, torch.tensor(blocks, dtype=torch.long, device=cache.device)] = kv.to(cache.device, cache.dtype)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block's K and V, in every layer (a forked choice's copy),
         on every tensor-parallel rank."""
@@ -226,11 +258,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+    def run(self, batch: list[ScheduledSeq], layer_send: LayerSend | None = None) -> torch.Tensor:
         """One forward pass; returns float32 logits for each item that `completes`, in batch order."""
+        blocks = layer_send.blocks if layer_send is not None else []
         if self.tp is not None:
-            self.tp.leader.send(encode_step(batch))  # the other ranks run it with this one
-        hidden, sample_rows = self.forward(batch, layer_hook)
+            self.tp.leader.send(encode_step(batch, blocks))  # the other ranks run it with this one
+        hook = None
+        if layer_send is not None:
+            def hook(layer: int) -> None:
+                layer_send.send(layer, self.layer_kv(layer, blocks))
+        hidden, sample_rows = self.forward(batch, hook)
         self._prompt_logprobs(batch, hidden)
         if not sample_rows:
             return hidden.new_empty((0, self.model_cfg.vocab_size), dtype=torch.float32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,17 @@ class TPGroup:
             raise TPError(f"all-reduce across {self.size} tensor-parallel ranks failed: {e}") from e
         return t
 
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` (same shape) on rank 0, in rank order; None on the others."""
+        dist = torch.distributed
+        outs = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
+        try:
+            self.pg.gather([outs] if self.rank == 0 else [], [t], dist.GatherOptions()).wait(
+                datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001
+            raise TPError(f"gather across {self.size} tensor-parallel ranks failed: {e}") from e
+        return outs if self.rank == 0 else None
+
     def close(self) -> None:
         for method in ("abort", "shutdown"):
             fn = getattr(self.pg, method, None)
@@ -82,13 +94,29 @@ class Channel:
     def __init__(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        self._lock = threading.Lock()  # the engine's thread and KV receivers' threads send
 
-    def send(self, values: torch.Tensor) -> None:
+    def send(self, values: torch.Tensor, payload: torch.Tensor | None = None) -> None:
+        """`values` (int64), then, when given, `payload`'s bytes as the next frame (the receiver knows
+        its dtype and shape from `values`)."""
         data = values.to(torch.int64).numpy().tobytes()
+        frames = [_LEN.pack(len(data)), data]
+        if payload is not None:
+            raw = payload.contiguous().view(torch.uint8).numpy().tobytes()
+            frames += [_LEN.pack(len(raw)), raw]
         try:
-            self.sock.sendall(_LEN.pack(len(data)) + data)
+            with self._lock:
+                self.sock.sendall(b"".join(frames))
         except OSError as e:
             raise TPError(f"the tensor-parallel control channel broke: {e}") from e
+
+    def recv_payload(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The frame after a message that announced a payload."""
+        head = self._read(_LEN.size)
+        data = self._read(_LEN.unpack(head)[0]) if head is not None else None
+        if data is None:
+            raise TPError("the tensor-parallel control channel ended inside a KV payload")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
 
     def recv(self) -> torch.Tensor | None:
         """The next array; None when the other end closed the channel."""

@@ -89,6 +89,21 @@ class TPLayout:
             return (1, self.rank * self.inter, self.inter) if target.endswith("weight") else None
         return None
 
+    def of_rank(self, rank: int) -> TPLayout:
+        """Another rank's layout in the same group."""
+        return TPLayout(rank, self.size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size)
+
+    def assembly(self) -> list[tuple[int, int]]:
+        """How the model's KV heads are put together from the ranks' caches: (rank, its KV heads to
+        take), in head order; a replicated head is taken from the first rank that holds it."""
+        plan, covered = [], 0
+        for r in range(self.size):
+            other = self.of_rank(r)
+            if other.first_kv_head == covered:
+                plan.append((r, other.kv_heads))
+                covered += other.kv_heads
+        return plan
+
     def describe(self) -> str:
         """The layout in a few words (compatibility hashes, logs, `pdcluster status`)."""
         kv = f"{self.kv_heads} KV head{'s' if self.kv_heads > 1 else ''} from {self.first_kv_head}"

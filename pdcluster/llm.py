@@ -27,7 +27,7 @@ from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import load_tokenizer
-from engine.tp_ranks import LocalRanks, threads_per_rank
+from engine.tp_ranks import threads_per_rank
 from kv_transfer import create_sender
 from prefill_worker import PrefillEngine
 
@@ -101,18 +101,18 @@ class LLM:
         enforce_eager: bool = False,
         mode: str = "colocated",
         tensor_parallel_size: int = 1,
+        decode_tensor_parallel_size: int | None = None,
         num_threads: int | None = None,
     ) -> None:
-        """`tensor_parallel_size` N > 1: the model is split over N processes (this one and N - 1
-        children, gloo between them; engine/tp_layout.py says how), colocated mode only.
-        `num_threads`: CPU threads of each process (default: the cores shared by them)."""
+        """`tensor_parallel_size` N > 1: each engine's model is split over N processes (its own and
+        N - 1 children, gloo between them; engine/tp_layout.py says how). Disaggregated:
+        `decode_tensor_parallel_size` is the decode engine's (default: the same). `num_threads`:
+        CPU threads of each process (default: the cores shared by the largest group's ranks)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
-        if tensor_parallel_size > 1 and mode != "colocated":
-            raise ValueError("tensor_parallel_size > 1 needs mode='colocated' (KV transfer between tensor-parallel "
-                             "engines is not built yet)")
+        decode_tp = tensor_parallel_size if decode_tensor_parallel_size is None else decode_tensor_parallel_size
+        if decode_tp != tensor_parallel_size and mode != "disaggregated":
+            raise ValueError("decode_tensor_parallel_size applies to mode='disaggregated'")
         if kv_compression != "none" and mode != "disaggregated":
             raise ValueError("kv_compression applies to KV moved between engines: it needs mode='disaggregated'")
         path = resolve_model_path(model)
@@ -129,7 +129,9 @@ class LLM:
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
-            num_threads=threads_per_rank(tensor_parallel_size, num_threads) if tensor_parallel_size > 1 else num_threads,
+            num_threads=(threads_per_rank(max(tensor_parallel_size, decode_tp), num_threads)
+                         if max(tensor_parallel_size, decode_tp) > 1 else num_threads),
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.tokenizer = load_tokenizer(path)
         self.mode = mode
@@ -138,21 +140,18 @@ class LLM:
         self.engine: Engine | None = None
         self.prefill: PrefillEngine | None = None
         self.decode: DecodeEngine | None = None
-        self._ranks: LocalRanks | None = None  # tensor parallelism: the other ranks' processes
         if mode == "colocated":
-            tp = None
-            if tensor_parallel_size > 1:
-                self._ranks = LocalRanks(cfg, model_cfg, tensor_parallel_size)
-                tp = self._ranks.context
-            try:
-                self.engine = Engine(cfg, "colocated", model_cfg, seed=seed, tp=tp)
-            except BaseException:
-                self.close()
-                raise
+            self.engine = Engine(cfg, "colocated", model_cfg, seed=seed)
             self.max_model_len = self.engine.max_model_len
         else:
             prefill = Engine(cfg, "prefill", model_cfg, seed=seed)
-            decode = Engine(cfg, "decode", model_cfg, model=prefill.model, seed=seed)
+            shared = prefill.model if tensor_parallel_size == decode_tp == 1 else None  # a rank loads its own shard
+            try:
+                decode = Engine(dataclasses.replace(cfg, tensor_parallel_size=decode_tp), "decode", model_cfg,
+                                model=shared, seed=seed)
+            except BaseException:
+                prefill.close()
+                raise
             self.prefill = PrefillEngine(prefill, create_sender("inproc", prefill.compat_hash,
                                                                     compression=kv_compression))
             self.decode = DecodeEngine(decode, backend="inproc")
@@ -164,10 +163,8 @@ class LLM:
         decode = getattr(self, "decode", None)
         if decode is not None:
             decode.close()
-        ranks = getattr(self, "_ranks", None)
-        if ranks is not None:
-            ranks.close()
-            self._ranks = None
+        for engine in self.engines if getattr(self, "_ids", None) is not None else []:
+            engine.close()
 
     def __del__(self) -> None:
         self.close()

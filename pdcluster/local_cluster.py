@@ -35,8 +35,10 @@ class LocalCluster:
                  mode: str = "disaggregated", prefill: dict[str, Any] | None = None,
                  decode: dict[str, Any] | None = None, router: dict[str, Any] | None = None,
                  http: dict[str, Any] | None = None, cluster_secret: str | None = None,
-                 tls: tuple[str, str] | None = None) -> None:
-        """`http`: also serve the OpenAI API (HttpApi's keyword arguments; {} for the defaults).
+                 tls: tuple[str, str] | None = None, prefill_engine: EngineConfig | None = None,
+                 decode_engine: EngineConfig | None = None) -> None:
+        """`prefill_engine` / `decode_engine`: that role's engine instead of `engine` (another
+        tensor_parallel_size, say). `http`: also serve the OpenAI API (HttpApi's keyword arguments; {} for the defaults).
         `cluster_secret`: required of every worker RPC (the router sends it). `tls`: (certificate,
         private key) PEM files; the router's public port and the HTTP API serve TLS only."""
         if mode not in MODES:
@@ -52,11 +54,11 @@ class LocalCluster:
         try:
             decode_server = ColocatedWorkerServer if mode == "colocated" else DecodeWorkerServer
             for i in range(num_decode):
-                self.decode_workers.append(
-                    decode_server(engine, f"{self.decode_role}-{i}", **{**secret, **(decode or {})}))
+                self.decode_workers.append(decode_server(decode_engine or engine, f"{self.decode_role}-{i}",
+                                                         **{**secret, **(decode or {})}))
             for i in range(0 if mode == "colocated" else num_prefill):
-                self.prefill_workers.append(
-                    PrefillWorkerServer(engine, f"prefill-{i}", **{**secret, **(prefill or {})}))
+                self.prefill_workers.append(PrefillWorkerServer(prefill_engine or engine, f"prefill-{i}",
+                                                                **{**secret, **(prefill or {})}))
             options = {"max_model_len": engine.max_model_len, **secret, **certs, **(router or {})}
             self.router = RouterServer(options.pop("model", engine.model), mode=mode, **options)
             self.router.set_workers(self.members())

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from engine.engine import Engine
-from engine.model_runner import ScheduledSeq
+from engine.model_runner import LayerSend, ScheduledSeq
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from kv_transfer import KVSender, TransferTicket
@@ -82,28 +81,30 @@ class PrefillEngine:
         except Exception:  # the receiver may be gone; its lease frees the blocks
             pass
 
-    def _layer_hook(self, batch: list[ScheduledSeq]) -> Callable[[int], None] | None:
+    def _layer_hook(self, batch: list[ScheduledSeq]) -> LayerSend | None:
         done = [item.seq for item in batch if item.completes]
         if not done:
             return None
-        caches = self.engine.kv_caches
         bs = self.engine.block_size
+        # per prompt the blocks the receiver does not hold already; after each layer their K/V come
+        # as one copy (2, blocks, block_size, every KV head, hd), so the blocks may be reused at once
+        spans, blocks = [], []
+        for seq in done:
+            own = seq.block_table[self._tickets[seq.request_id].cached_tokens // bs :]
+            spans.append((seq, len(blocks), len(own)))
+            blocks += own
 
-        def hook(layer: int) -> None:
-            for seq in done:
+        def send(layer: int, kv) -> None:
+            for seq, start, n in spans:
                 rid = seq.request_id
                 if rid in self._errors:
                     continue
-                ticket = self._tickets[rid]
                 try:
-                    # (2, num_blocks, block_size, kvh, hd): a copy, so the blocks may be reused at once;
-                    # the blocks the receiver holds already are left out
-                    blocks = seq.block_table[ticket.cached_tokens // bs :]
-                    self.sender.send_layer(ticket, layer, caches[layer][:, blocks])
+                    self.sender.send_layer(self._tickets[rid], layer, kv[:, start:start + n])
                 except Exception as e:  # one failed transfer must not fail the whole batch
                     self._errors[rid] = f"KV transfer failed at layer {layer}: {e}"
 
-        return hook
+        return LayerSend(blocks, send)
 
     def step(self) -> list[PrefillResult]:
         results = []

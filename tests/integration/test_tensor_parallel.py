@@ -6,13 +6,16 @@ clear error (no hang); sizes the model cannot be split by are refused before any
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.tp_group import TPError
 from pdcluster.llm import LLM
+from pdcluster.local_cluster import LocalCluster
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -61,8 +64,9 @@ def test_a_rank_that_dies_fails_the_next_step_clearly(checkpoint):
     llm = _llm(path, num_blocks=64)
     try:
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
-        llm._ranks.processes[0].kill()
-        llm._ranks.processes[0].join(5)
+        child = llm.engine._ranks.processes[0]
+        child.kill()
+        child.join(5)
         t0 = time.monotonic()
         with pytest.raises(TPError, match="tensor-parallel"):
             llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4))
@@ -77,5 +81,33 @@ def test_sizes_the_model_cannot_be_split_by_are_refused(checkpoint):
     path = str(checkpoint("llama-gqa"))  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match="divide the model's 4 attention heads"):
         LLM(path, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="mode='colocated'"):
-        LLM(path, tensor_parallel_size=2, mode="disaggregated")
+    with pytest.raises(ValueError, match="decode_tensor_parallel_size applies to mode='disaggregated'"):
+        LLM(path, decode_tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2), (2, 2)])
+def test_offline_disaggregated_between_degrees_equals_transformers(checkpoint, p_tp, d_tp):
+    path = str(checkpoint("llama-mqa-tied"))  # one KV head: replicated on both ranks, sent once
+    ref = hf_greedy(path)
+    llm = _llm(path, tp=p_tp, decode_tensor_parallel_size=d_tp, mode="disaggregated", num_blocks=64)
+    try:
+        got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0))]
+    finally:
+        llm.close()
+    assert got == [ref(p, N) for p in PROMPTS]
+
+
+# ------------------------------------------------------------------ a cluster of tensor-parallel workers
+@pytest.mark.parametrize("backend", ["shm", "tcp", "grpc"])
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2), (2, 2)])
+def test_cluster_between_tensor_parallel_degrees_equals_transformers(checkpoint, backend, p_tp, d_tp):
+    path = str(checkpoint("llama-gqa", num_attention_heads=8, num_key_value_heads=4))
+    ref = hf_greedy(path)
+    base = EngineConfig(model=path, dtype="float32", num_blocks=64, max_model_len=128, num_threads=1)
+    kv = {"kv_backend": backend}
+    with LocalCluster(base, 1, 1, prefill={"kv_timeout_s": 10.0, **kv}, decode=kv, router={"request_timeout_s": 60},
+                      prefill_engine=dataclasses.replace(base, tensor_parallel_size=p_tp),
+                      decode_engine=dataclasses.replace(base, tensor_parallel_size=d_tp)) as c, c.client() as client:
+        got = [client.complete(p, SamplingParams(max_tokens=N, temperature=0.0)).token_ids for p in PROMPTS[:4]]
+        assert c.wait_blocks_free()
+    assert got == [ref(p, N) for p in PROMPTS[:4]]
