@@ -132,12 +132,14 @@ def _status(args: argparse.Namespace) -> int:
     if meta.get("http_address"):
         print(f"OpenAI API at http://{meta['http_address']}/v1")
     header = (f"{'pool':<10} {'worker':<16} {'role':<9} {'state':<12} {'running':>7} {'queued':>6} "
-              f"{'kv used/free':>14} {'prefix hits':>18}")
+              f"{'kv used/free':>14} {'prefix hits':>18}  ranks (pids)")
     print(header)
     for w in sorted(info["workers"], key=lambda w: (w.get("pool", ""), w["worker_id"])):
         kv = f"{w.get('kv_blocks_used', '-')}/{w.get('kv_blocks_free', '-')}"
+        ranks = w.get("ranks") or [w.get("pid")]
         print(f"{w.get('pool', ''):<10} {w['worker_id']:<16} {w['role']:<9} {w['state']:<12} "
-              f"{w.get('running', '-'):>7} {w.get('queued', '-'):>6} {kv:>14} {hit_rate(w):>18}")
+              f"{w.get('running', '-'):>7} {w.get('queued', '-'):>6} {kv:>14} {hit_rate(w):>18}  "
+              f"{len(ranks)} ({', '.join(map(str, ranks))})")
     return 0
 
 

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -72,6 +72,7 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.step_totals = StepTotals()
+        self.on_fatal: Callable[[str], None] | None = None  # the engine broke for good (see _fatal)
 
     def _start(self, engine: LockedEngine, services: list[str]) -> None:
         """Serve `services` (this one and the role's own) and start the engine thread."""
@@ -95,6 +96,17 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
                     self._fail_all("engine error")
                 except Exception:
                     log.exception("failing the running requests failed")
+                if self.engine.broken:  # a tensor-parallel rank is gone: the worker goes down whole
+                    self._fatal(self.engine.broken)
+                    return
+
+    def _fatal(self, reason: str) -> None:
+        """The engine cannot step any more: stop serving (health NOT_SERVING, Health ok=false), and
+        `on_fatal` (a Ray actor: exit, so Ray restarts the worker with all its ranks)."""
+        log.error("worker down: %s", reason)
+        self.health.stopping()
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def _iteration(self) -> None:
         self._expire_reservations()
@@ -222,12 +234,16 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
     def Health(self, request: wk.HealthRequest, context: grpc.ServicerContext) -> wk.HealthResponse:
         ok = self._thread.is_alive()
         return wk.HealthResponse(
-            ok=ok, reason="" if ok else "engine thread died", worker_id=self.worker_id, role=self.role,
+            ok=ok, reason="" if ok else self.engine.broken or "engine thread died", worker_id=self.worker_id, role=self.role,
             model=self.engine.cfg.model, compat_hash=self.engine.compat_hash,
         )
 
     def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
         return self.stats(request)
+
+    def engine_ranks(self) -> list[int]:
+        """The engine's processes: this one, then its other tensor-parallel ranks."""
+        return self.engine.rank_pids()
 
     def _received_held(self) -> int:
         """Prompt tokens of requests whose KV came from prefill workers that this worker held

@@ -7,6 +7,7 @@ keeps generating). Engines in one process may share the same weights (`model=`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_stats import StepShape
+from engine.tp_group import TPError
 from engine.tp_ranks import LocalRanks
 from engine.tp_steps import TPContext
 
@@ -76,6 +78,7 @@ class Engine:
         self.sampler = Sampler(self.runner.device, seed,
                                GuidedDecoder(resolve_model_path(cfg.model), self.model_cfg.vocab_size))
         self.last_step: StepShape | None = None  # the batch the last step() ran (None: it ran none)
+        self.broken: str | None = None  # why the engine cannot step any more (a tensor-parallel rank failed)
 
     # ------------------------------------------------------------------ requests
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -153,6 +156,10 @@ class Engine:
     def write_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """K/V that arrived from elsewhere (`kv_layer_shape`) into `block_ids` of `layer`, on every rank."""
         self.runner.write_blocks(layer, block_ids, kv)
+
+    def rank_pids(self) -> list[int]:
+        """The processes of this engine: its own, then its other tensor-parallel ranks'."""
+        return [os.getpid(), *(p.pid for p in (self._ranks.processes if self._ranks is not None else []))]
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks this engine started (nothing else needs closing)."""
@@ -250,7 +257,11 @@ class Engine:
         self.last_step = StepShape("decode" if tokens == len(batch) else "prefill", len(batch), tokens,
                                    sum(item.seq.num_computed_tokens for item in batch) + tokens)
         hook = hook_factory(batch) if hook_factory is not None else None
-        logits = self.runner.run(batch, hook)
+        try:
+            logits = self.runner.run(batch, hook)
+        except TPError as e:  # the group is gone: so is this engine (its worker restarts as a whole)
+            self.broken = str(e)
+            raise
         completing = [item.seq for item in batch if item.completes]
         tokens, logprobs = self.sampler(logits, [s.params for s in completing], [s.sample_index for s in completing],
                                         completing)

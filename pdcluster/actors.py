@@ -71,6 +71,8 @@ class WorkerActor:
             # no KV arrives at a colocated worker: the KV backend and the reservation lease do not apply
             options = {k: v for k, v in options.items() if k not in ("kv_backend", "reservation_ttl_s")}
             self.server = ColocatedWorkerServer(cfg, worker_id, **options)
+        # a tensor-parallel rank died: exit, so Ray restarts this worker with all its ranks
+        self.server.on_fatal = lambda reason: os._exit(1)
         self.gc_frozen = freeze_startup_heap()
         self._rejoin()
 
@@ -102,6 +104,7 @@ class WorkerActor:
             "pid": os.getpid(),
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "gc_frozen": self.gc_frozen,  # objects kept out of the garbage collector's scans
+            "ranks": self.server.engine_ranks(),  # tensor-parallel ranks: [this process's pid, children's ...]
         }
 
     def connect_kv(self, endpoints: list[str], timeout_s: float) -> dict[str, str]:

@@ -145,6 +145,9 @@ class PoolConfig:
         default_factory=lambda: {"num_cpus": 1.0})
     # pin each replica's process to these CPU ids (Linux); None: no pinning
     cpus: Cpus = None
+    # each replica's model split over this many processes on its node (engine/tp_layout.py); with
+    # accelerators one device each (resources.num_gpus >= it), on CPU num_cpus shared by them
+    tensor_parallel_size: Annotated[StrictInt, Field(ge=1)] = 1
 
     @property
     def device(self) -> str:
@@ -159,6 +162,14 @@ class PoolConfig:
             raise invalid(f"hardware {hardware!r} runs on an accelerator and needs num_gpus > 0 per replica; "
                           "allowed: num_gpus > 0, or hardware: cpu", "num_gpus")
         return resources
+
+    @model_validator(mode="after")
+    def _a_device_per_rank(self) -> PoolConfig:
+        gpus = self.resources.get("num_gpus", 0)
+        if gpus and self.tensor_parallel_size > 1 and gpus < self.tensor_parallel_size:
+            raise invalid(f"{gpus:g} GPUs per replica cannot hold {self.tensor_parallel_size} tensor-parallel ranks "
+                          f"(one device each); allowed: num_gpus >= {self.tensor_parallel_size}", "num_gpus")
+        return self
 
 
 def _unique_names(pools: tuple[PoolConfig, ...]) -> tuple[PoolConfig, ...]:
@@ -284,6 +295,7 @@ class ClusterConfig:
         }
         if pool is not None:
             kwargs["device"] = pool.device
+            kwargs["tensor_parallel_size"] = pool.tensor_parallel_size
         return kwargs
 
     @model_validator(mode="after")

@@ -118,8 +118,9 @@ def start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime
 
     cluster_resources = ray.cluster_resources()
     engine_kwargs = cfg.engine_kwargs(pool)
-    if engine_kwargs.get("num_threads") is None:  # one torch thread per pinned CPU, else per Ray CPU
-        engine_kwargs["num_threads"] = len(pool.cpus) if pool.cpus else max(1, int(pool.resources.get("num_cpus", 1)))
+    if engine_kwargs.get("num_threads") is None:  # one torch thread per pinned CPU, else per Ray CPU, shared by the ranks
+        cpus = len(pool.cpus) if pool.cpus else int(pool.resources.get("num_cpus", 1))
+        engine_kwargs["num_threads"] = max(1, cpus // pool.tensor_parallel_size)
     options = worker_options(cfg, pool.role, host, secret)
     actors, pending = [], {}
     for wid in worker_ids:

@@ -127,6 +127,8 @@ def cluster_dict(plan: Plan, ctx: PlanContext, slo: SLOTarget, model_path: str, 
         d: dict[str, Any] = {"name": _pool_name(role, pool.hardware), "role": role, "replicas": pool.count,
                              "hardware": "cpu" if hw.is_cpu else hw.name,
                              "resources": {"num_cpus": 1} if hw.is_cpu else {"num_cpus": 1, "num_gpus": pool.tp}}
+        if pool.tp > 1:
+            d["tensor_parallel_size"] = pool.tp
         if pin:
             d["cpus"] = [usable[i]]
         pools.append(d)

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -73,6 +74,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self._prompt_tokens = 0  # cumulative, successful prefills (engine thread)
         self._cached_tokens = 0  # of which served from the prefix cache
         self._stop = threading.Event()
+        self.on_fatal: Callable[[str], None] | None = None  # the engine broke for good: a Ray actor exits
         self.step_totals = StepTotals()
         self.server, self.address = bind_server(host, port, 256, f"prefill worker {self.worker_id}",
                                                 interceptors=server_interceptors(cluster_secret, self.worker_id))
@@ -130,6 +132,12 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
                 for rid in list(self._pending):
                     self.prefill.abort(rid, "prefill engine error")
                     self._finish(rid, PrefillResult(rid, 0, None, None, 0, error="prefill engine error"))
+                if self.engine.broken:  # a tensor-parallel rank is gone: the worker goes down whole
+                    log.error("worker down: %s", self.engine.broken)
+                    self.health.stopping()
+                    if self.on_fatal is not None:
+                        self.on_fatal(self.engine.broken)
+                    return
                 continue
             for r in results:
                 self._finish(r.request_id, r)
@@ -193,12 +201,16 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
     def Health(self, request: wk.HealthRequest, context: grpc.ServicerContext) -> wk.HealthResponse:
         ok = self._thread.is_alive()
         return wk.HealthResponse(
-            ok=ok, reason="" if ok else "engine thread died", worker_id=self.worker_id,
+            ok=ok, reason="" if ok else self.engine.broken or "engine thread died", worker_id=self.worker_id,
             role=wk.WORKER_ROLE_PREFILL, model=self.engine.cfg.model, compat_hash=self.engine.compat_hash,
         )
 
     def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
         return self.stats(request)
+
+    def engine_ranks(self) -> list[int]:
+        """The engine's processes: this one, then its other tensor-parallel ranks."""
+        return self.engine.rank_pids()
 
     def stats(self, request: wk.StatsRequest | None = None) -> wk.WorkerStats:
         """Lengths and block counts are read live; the queued-token sum, which iterates the engine's

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from common.net import fixed_port
 from pdcluster.client import Client
-from pdcluster.cluster_config import load_cluster_config
+from pdcluster.cluster_config import ClusterConfig, load_cluster_config
 from pdcluster.launcher import up
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
@@ -36,17 +36,23 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 120
 
 
-@pytest.fixture(scope="module")
-def cluster(builtin_path):
+def small_cluster(prefill: dict, decode: dict, max_model_len: int) -> ClusterConfig:
+    """The repository's cluster.yaml with the pools changed as given, fixed ports, 2 retries, a 64 MiB
+    KV cache and one thread per worker."""
     cfg = load_cluster_config("cluster.yaml")
-    pools = (dataclasses.replace(cfg.pools[0], replicas=2), dataclasses.replace(cfg.pools[1], replicas=2))
-    cfg = dataclasses.replace(
+    pools = (dataclasses.replace(cfg.pools[0], **prefill), dataclasses.replace(cfg.pools[1], **decode))
+    return dataclasses.replace(
         cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=fixed_port(), http_port=fixed_port(),
                                                      max_retries=2),
-        kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=64), model=dataclasses.replace(cfg.model, max_model_len=1024),
+        kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=64),
+        model=dataclasses.replace(cfg.model, max_model_len=max_model_len),
         engine=dataclasses.replace(cfg.engine, num_threads=1),
     ).validate()
-    handle = up(cfg, say=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def cluster(builtin_path):
+    handle = up(small_cluster({"replicas": 2}, {"replicas": 2}, 1024), say=lambda _: None)
     yield handle
     handle.stop()
 

@@ -368,3 +368,25 @@ def test_the_shm_writer_options_reach_the_workers_that_use_them(backend, in_plac
         assert decode["kv_options"] == {"in_place": in_place}
     assert prefill["kv_backend"] == decode["kv_backend"] == backend
     assert "kv_options" not in worker_options(cfg, "colocated", "127.0.0.1")
+
+
+def test_a_pool_tensor_parallel_size_reaches_its_engines():
+    cfg = ClusterConfig.from_dict({"pools": [
+        {"name": "p", "role": "prefill", "tensor_parallel_size": 2},
+        {"name": "d", "role": "decode", "hardware": "h200", "tensor_parallel_size": 4,
+         "resources": {"num_gpus": 4}}]})
+    prefill, decode = cfg.pools
+    assert EngineConfig(**cfg.engine_kwargs(prefill)).tensor_parallel_size == 2
+    assert EngineConfig(**cfg.engine_kwargs(decode)).tensor_parallel_size == 4
+    assert ClusterConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("pool, key, fragment", [
+    ({"tensor_parallel_size": 0}, "pools[0].tensor_parallel_size", ">= 1"),
+    ({"tensor_parallel_size": 2, "hardware": "h200", "resources": {"num_gpus": 1}}, "pools[0].num_gpus",
+     "1 GPUs per replica cannot hold 2 tensor-parallel ranks"),
+])
+def test_a_tensor_parallel_size_its_resources_cannot_hold_is_refused(pool, key, fragment):
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_dict({"pools": [{"name": "p", "role": "prefill", **pool}, {"name": "d", "role": "decode"}]})
+    assert str(e.value).startswith(key) and fragment in str(e.value)

@@ -98,6 +98,7 @@ def test_a_plan_becomes_a_cluster_yaml_that_the_schema_accepts(plan):
     assert cfg.mode == plan.mode and cfg.engine.max_num_batched_tokens == plan.max_num_batched_tokens
     assert [p.replicas for p in cfg.pools] == [p.count for p in plan.pools]
     assert [p.resources["num_gpus"] for p in cfg.pools] == [p.tp for p in plan.pools]
+    assert [p.tensor_parallel_size for p in cfg.pools] == [p.tp for p in plan.pools]  # runs as planned
     assert cfg.model.max_model_len == 4096 and cfg.slo.tpot_ms == 60
 
 
