@@ -62,7 +62,8 @@ class Engine:
         self.model_cfg = model_cfg or ModelConfig.from_pretrained(resolve_model_path(cfg.model))
         self._ranks: LocalRanks | None = None
         if tp is None and cfg.tensor_parallel_size > 1:
-            self._ranks = LocalRanks(cfg, self.model_cfg, cfg.tensor_parallel_size)
+            backend = "nccl" if cfg.torch_device.type == "cuda" else "gloo"
+            self._ranks = LocalRanks(cfg, self.model_cfg, cfg.tensor_parallel_size, backend)
             tp = self._ranks.context
         try:
             self.runner = ModelRunner(self.model_cfg, cfg, model, tp)

@@ -55,11 +55,14 @@ class ModelRunner:
         self.cfg = cfg
         self.tp = tp if tp is not None and tp.layout.size > 1 else None
         layout = self.tp.layout if self.tp is not None else None
+        self.device = cfg.torch_device
+        if layout is not None and self.device.type == "cuda":  # one device per rank (the worker's first N)
+            self.device = torch.device("cuda", layout.rank)
+            torch.cuda.set_device(self.device)
         if layout is not None and model is not None:
             raise ValueError("a tensor-parallel rank loads its own shard of the weights (model= cannot be shared)")
         self.num_heads = layout.heads if layout is not None else model_cfg.num_heads
         self.num_kv_heads = layout.kv_heads if layout is not None else model_cfg.num_kv_heads
-        self.device = cfg.torch_device
         self.dtype = cfg.torch_dtype(model_cfg)
         if cfg.num_threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.num_threads)

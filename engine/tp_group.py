@@ -102,7 +102,7 @@ class Channel:
         data = values.to(torch.int64).numpy().tobytes()
         frames = [_LEN.pack(len(data)), data]
         if payload is not None:
-            raw = payload.contiguous().view(torch.uint8).numpy().tobytes()
+            raw = payload.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
             frames += [_LEN.pack(len(raw)), raw]
         try:
             with self._lock:
