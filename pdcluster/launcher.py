@@ -28,6 +28,7 @@ from pdcluster.worker_launch import (
     cause,
     check_backend_placement,
     check_kv_pairs,
+    check_tensor_parallel,
     cluster_kv_backend,
     pool_resource,
     start_workers,
@@ -76,6 +77,7 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
     """Bring the cluster of `cfg` up; workers and router log at `log_level` in `log_format`
     ("text", or "json": one object per line), with the request id on every line about a request."""
     cluster_kv_backend(cfg)
+    check_tensor_parallel(cfg)
     num_cpus = sum(p.resources.get("num_cpus", 1) * p.replicas for p in cfg.pools)
     ray_address, started = connect(cfg, detach, num_cpus)
     import ray

@@ -54,6 +54,23 @@ def cluster_kv_backend(cfg: ClusterConfig) -> str:
     return kv_backend
 
 
+def check_tensor_parallel(cfg: ClusterConfig) -> None:
+    """A pool whose tensor_parallel_size cannot split the model is an error at `up`, naming the pool,
+    before any worker starts (a worker would fail loading its shard)."""
+    if all(p.tensor_parallel_size == 1 for p in cfg.pools):
+        return
+    from engine.builtin_model import resolve_model_path
+    from engine.config import ModelConfig
+    from engine.tp_ranks import layout_for
+
+    model = ModelConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    for i, pool in enumerate(cfg.pools):
+        try:
+            layout_for(model, 0, pool.tensor_parallel_size)
+        except ValueError as e:
+            raise LaunchError(f"pools[{i}].tensor_parallel_size (pool {pool.name!r}): {e}") from None
+
+
 def check_backend_placement(kv_backend: str, workers: list[dict[str, Any]]) -> None:
     """A pinned backend that cannot work for some pair is an error now, not at the first request."""
     if kv_backend == "shm":

@@ -390,3 +390,17 @@ def test_a_tensor_parallel_size_its_resources_cannot_hold_is_refused(pool, key, 
     with pytest.raises(ConfigError) as e:
         ClusterConfig.from_dict({"pools": [{"name": "p", "role": "prefill", **pool}, {"name": "d", "role": "decode"}]})
     assert str(e.value).startswith(key) and fragment in str(e.value)
+
+
+def test_up_refuses_a_tensor_parallel_size_that_cannot_split_the_model_naming_the_pool():
+    from pdcluster.ray_runtime import LaunchError
+    from pdcluster.worker_launch import check_tensor_parallel
+
+    ok = ClusterConfig.from_dict({"pools": [{"name": "p", "role": "prefill", "tensor_parallel_size": 2},
+                                            {"name": "d", "role": "decode", "tensor_parallel_size": 4}]})
+    check_tensor_parallel(ok)  # builtin:tiny-llama: 8 heads, 4 KV heads
+    bad = ClusterConfig.from_dict({"pools": [{"name": "p", "role": "prefill"},
+                                             {"name": "d", "role": "decode", "tensor_parallel_size": 3}]})
+    with pytest.raises(LaunchError, match=r"pools\[1\].tensor_parallel_size \(pool 'd'\): .*divide the model's 8 "
+                                          "attention heads"):
+        check_tensor_parallel(bad)
