@@ -186,10 +186,10 @@ class DecodeEngine(LockedEngine):
         with self._lock:
             while self._committed and self.engine.has_room():
                 seq = self._committed.popleft()
-                if seq.finish_reason is not None:  # cannot happen via the prefill path; be safe
+                if seq.finish_reason is not None and not seq.forks:  # ended at prefill, nothing forks from it
                     self.engine.free(seq)
                     continue
-                self.engine.add_running(seq)
+                self.engine.add_running(seq)  # (one that ended forks its other choices, then finishes)
             return super().step()
 
     def close(self) -> None:

@@ -109,6 +109,9 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
             self.on_fatal(reason)
 
     def _iteration(self) -> None:
+        broken = self.engine.check_broken()
+        if broken is not None:  # a tensor-parallel rank exited while the worker was idle
+            raise RuntimeError(broken)
         self._expire_reservations()
         # iterated here only (Stats would race it); Reserve adds to the queue under the engine's lock
         self._queued_tokens = self.locked.queued_prompt_tokens()
@@ -171,6 +174,8 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
     @in_request_context
     def Reserve(self, request: wk.ReserveRequest, context: grpc.ServicerContext) -> wk.ReserveResponse:
         rid, ids = request.request_id, list(request.token_ids)
+        if self.engine.broken is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker down: {self.engine.broken}")
         try:
             params = choice_sampling_from_proto(request.sampling)
             with self._streams_lock:
@@ -234,7 +239,7 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
     def Health(self, request: wk.HealthRequest, context: grpc.ServicerContext) -> wk.HealthResponse:
         ok = self._thread.is_alive()
         return wk.HealthResponse(
-            ok=ok, reason="" if ok else self.engine.broken or "engine thread died", worker_id=self.worker_id, role=self.role,
+            ok=ok, reason="" if ok else self.engine.check_broken() or "engine thread died", worker_id=self.worker_id, role=self.role,
             model=self.engine.cfg.model, compat_hash=self.engine.compat_hash,
         )
 

@@ -7,6 +7,7 @@ keeps generating). Engines in one process may share the same weights (`model=`).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,16 +157,29 @@ class Engine:
 
     def write_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """K/V that arrived from elsewhere (`kv_layer_shape`) into `block_ids` of `layer`, on every rank."""
-        self.runner.write_blocks(layer, block_ids, kv)
+        try:
+            self.runner.write_blocks(layer, block_ids, kv)
+        except TPError as e:
+            self.broken = str(e)
+            raise
+
+    def check_broken(self) -> str | None:
+        """Why the engine cannot step (a tensor-parallel rank failed or exited), or None."""
+        if self.broken is None and self._ranks is not None:
+            gone = self._ranks.exited()
+            if gone:
+                self.broken = f"tensor-parallel rank {gone[0][0]} exited (code {gone[0][1]})"
+        return self.broken
 
     def rank_pids(self) -> list[int]:
         """The processes of this engine: its own, then its other tensor-parallel ranks'."""
         return [os.getpid(), *(p.pid for p in (self._ranks.processes if self._ranks is not None else []))]
 
-    def close(self) -> None:
-        """Stop the tensor-parallel ranks this engine started (nothing else needs closing)."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the tensor-parallel ranks this engine started (nothing else needs closing); a rank
+        still alive after `timeout_s` is killed."""
         if self._ranks is not None:
-            self._ranks.close()
+            self._ranks.close(0.0 if self.broken else timeout_s)  # broken: the others may sit in a collective
             self._ranks = None
 
     def replace_kv_caches(self, caches: list[torch.Tensor]) -> None:
@@ -199,9 +213,9 @@ class Engine:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block's K and V over every layer."""
+        """Bytes of one block's K and V over every layer (every KV head, whatever the tensor parallelism)."""
         c = self.runner.kv_caches[0]
-        return len(self.runner.kv_caches) * c[:, 0].numel() * c.element_size()
+        return len(self.runner.kv_caches) * math.prod(self.kv_layer_shape(1)) * c.element_size()
 
     def prefix_cache_changes(self, cursor: int) -> CacheChanges:
         """What the prefix cache stored and evicted since `cursor` (engine/cache_events.py)."""
@@ -247,6 +261,8 @@ class Engine:
         return self._step(None, rows), rows
 
     def _step(self, hook_factory: LayerHookFactory | None, rows: list[tuple[int, int]] | None) -> list[Sequence]:
+        if self.check_broken() is not None:
+            raise TPError(self.broken)
         batch = self.scheduler.schedule()
         if not batch:
             self.last_step = None
@@ -260,10 +276,10 @@ class Engine:
         hook = hook_factory(batch) if hook_factory is not None else None
         try:
             logits = self.runner.run(batch, hook)
+            completing = [item.seq for item in batch if item.completes]
+            tokens, logprobs = self.sampler(logits, [s.params for s in completing],
+                                            [s.sample_index for s in completing], completing)
+            return self.scheduler.postprocess(batch, tokens, logprobs)  # (a fork's block copies reach every rank)
         except TPError as e:  # the group is gone: so is this engine (its worker restarts as a whole)
             self.broken = str(e)
             raise
-        completing = [item.seq for item in batch if item.completes]
-        tokens, logprobs = self.sampler(logits, [s.params for s in completing], [s.sample_index for s in completing],
-                                        completing)
-        return self.scheduler.postprocess(batch, tokens, logprobs)

@@ -19,6 +19,7 @@ from engine.models.llama import LlamaModel
 from engine.native import native_lib
 from engine.request_checks import resolve_max_model_len
 from engine.sequence import Sequence, TokenLogprobs
+from engine.tp_group import TPError
 from engine.tp_steps import TPContext, encode_copy, encode_step
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
@@ -267,10 +268,16 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.leader.send(encode_step(batch, blocks))  # the other ranks run it with this one
         hook = None
-        if layer_send is not None:
+        if blocks:
             def hook(layer: int) -> None:
                 layer_send.send(layer, self.layer_kv(layer, blocks))
-        hidden, sample_rows = self.forward(batch, hook)
+        try:
+            hidden, sample_rows = self.forward(batch, hook)
+        except BaseException as e:
+            if self.tp is None or isinstance(e, TPError):
+                raise
+            # the other ranks are inside this step's collectives: the group is out of step for good
+            raise TPError(f"rank 0 failed in a tensor-parallel step ({e!r}); the ranks are out of step") from e
         self._prompt_logprobs(batch, hidden)
         if not sample_rows:
             return hidden.new_empty((0, self.model_cfg.vocab_size), dtype=torch.float32)

@@ -63,6 +63,8 @@ class Scheduler:
         self.running.append(seq)
         if seq.forks and not self.handoff_after_prefill:
             self._fork(seq)
+        if seq.finish_reason is not None:  # choice 0 ended with its first token: only its forks run
+            self.finish(seq)
 
     def _fork(self, seq: Sequence) -> None:
         """The other choices of `seq`'s request (SamplingParams.n / best_of), once its prompt is

@@ -1,6 +1,6 @@
-"""Starting the ranks of a tensor-parallel engine: rank 0's side (`lead`), the other ranks' main
-(`run_follower`: Ray actors in a cluster, engine/tp_ranks.start_local's child processes offline and
-in tests).
+"""Starting the ranks of a tensor-parallel engine: rank 0's side (`lead`, `handshake`), the other
+ranks' main (`run_follower`), and `LocalRanks`, which runs them as child processes of rank 0's
+process (the engine starts them so, in a worker as offline).
 
 Rank 0 hosts the rendezvous; each other rank connects (its control channel, then the process
 group), receives the number of KV blocks rank 0 sized, loads its shard, allocates its cache, says
@@ -46,7 +46,7 @@ def handshake(ctx: TPContext, num_blocks: int) -> None:
         try:
             msg = ch.recv()
         finally:
-            ch.sock.settimeout(None)
+            ch.sock.settimeout(ctx.group.timeout_s)  # from now rank 0 only sends: a stuck rank fails it
         if msg is None or int(msg[0]) != READY:
             raise TPError("a tensor-parallel rank failed while loading its shard of the model")
 
@@ -98,17 +98,23 @@ class LocalRanks:
             self.close()
             raise
 
+    def exited(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of the ranks whose process has ended."""
+        return [(r, p.exitcode) for r, p in enumerate(self.processes, 1) if p.exitcode is not None]
+
     def _check(self) -> None:
         for r, p in enumerate(self.processes, 1):
             if p.exitcode is not None:
                 raise TPError(f"tensor-parallel rank {r} exited (code {p.exitcode}) before it joined; its log says why")
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the other ranks (STOP, then the channel's end; a rank still alive after `timeout_s` is killed)."""
-        try:
-            self.leader.send(torch.tensor([STOP]))
-        except TPError:
-            pass
+        """Stop the other ranks (STOP, then the channel's end; a rank still alive after `timeout_s` is
+        killed; 0: killed at once, no STOP sent)."""
+        if timeout_s > 0:
+            try:
+                self.leader.send(torch.tensor([STOP]))
+            except TPError:
+                pass
         self.leader.close()
         for p in self.processes:
             p.join(timeout_s)

@@ -71,10 +71,17 @@ class WorkerActor:
             # no KV arrives at a colocated worker: the KV backend and the reservation lease do not apply
             options = {k: v for k, v in options.items() if k not in ("kv_backend", "reservation_ttl_s")}
             self.server = ColocatedWorkerServer(cfg, worker_id, **options)
-        # a tensor-parallel rank died: exit, so Ray restarts this worker with all its ranks
-        self.server.on_fatal = lambda reason: os._exit(1)
+        self.server.on_fatal = self._exit
         self.gc_frozen = freeze_startup_heap()
         self._rejoin()
+
+    def _exit(self, reason: str) -> None:
+        """The engine broke for good (a tensor-parallel rank died): kill the other ranks at once (they
+        hold devices the restarted worker needs) and exit, so Ray restarts this worker whole."""
+        try:
+            self.server.engine.close(timeout_s=0.0)
+        finally:
+            os._exit(1)
 
     def _rejoin(self) -> None:
         """After Ray restarted this actor (its process died): tell the controller and the router the

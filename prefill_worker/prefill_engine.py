@@ -116,14 +116,17 @@ class PrefillEngine:
             lp = seq.logprobs[-1] if seq.logprobs else None
             error = self._errors.pop(rid, None)
             commit_ms = 0.0
-            if error is None and seq.finish_reason is None:
+            # a request with several choices hands its prompt on even when choice 0 ended here: the
+            # others fork from it on the decode side (the offline LLM; cluster workers take one choice)
+            hand_on = seq.finish_reason is None or seq.params.num_choices > 1
+            if error is None and hand_on:
                 t0 = time.monotonic()
                 try:
                     self.sender.commit(ticket, token, lp)
                 except Exception as e:
                     error = f"KV commit failed: {e}"
                 commit_ms = (time.monotonic() - t0) * 1e3
-            if error is not None or seq.finish_reason is not None:
+            if error is not None or not hand_on:
                 self._safe_abort(ticket, error or "finished at prefill")
             compute_ms = (sampled_at - (seq.first_scheduled_time or seq.arrival_time)) * 1e3
             results.append(PrefillResult(rid, token, lp, seq.finish_reason, seq.num_cached_tokens, error, commit_ms,

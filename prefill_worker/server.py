@@ -120,6 +120,9 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self.engine.check_broken() is not None:  # a tensor-parallel rank is gone: the worker goes down whole
+                self._down(self.engine.broken)
+                return
             self._drain_inbox(block=not self.prefill.has_work())
             self._queued_tokens = self.prefill.num_queued_tokens  # read by Stats (engine thread only)
             if not self.prefill.has_work():
@@ -132,16 +135,29 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
                 for rid in list(self._pending):
                     self.prefill.abort(rid, "prefill engine error")
                     self._finish(rid, PrefillResult(rid, 0, None, None, 0, error="prefill engine error"))
-                if self.engine.broken:  # a tensor-parallel rank is gone: the worker goes down whole
-                    log.error("worker down: %s", self.engine.broken)
-                    self.health.stopping()
-                    if self.on_fatal is not None:
-                        self.on_fatal(self.engine.broken)
-                    return
                 continue
             for r in results:
                 self._finish(r.request_id, r)
             self.step_totals.add(self.engine.last_step, time.perf_counter() - t0)
+
+    def _down(self, reason: str) -> None:
+        """The engine cannot step any more: answer what waits, stop serving (NOT_SERVING; Prefill
+        answers UNAVAILABLE), and `on_fatal` (a Ray actor exits, so Ray restarts the worker whole)."""
+        log.error("worker down: %s", reason)
+        self.health.stopping()
+        for rid in list(self._pending):
+            self.prefill.abort(rid, reason)
+            self._finish(rid, PrefillResult(rid, 0, None, None, 0, error=f"worker down: {reason}"))
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(item, str):
+                item.result = PrefillResult(item.request_id, 0, None, None, 0, error=f"worker down: {reason}")
+                item.done.set()
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def _finish(self, request_id: str, result: PrefillResult | None) -> None:
         p = self._pending.pop(request_id, None)
@@ -157,6 +173,8 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
     @in_request_context
     def Prefill(self, request: wk.PrefillRequest, context: grpc.ServicerContext) -> wk.PrefillResponse:
         rid = request.request_id
+        if self.engine.broken is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker down: {self.engine.broken}")
         try:
             params = choice_sampling_from_proto(request.sampling)
             ids = list(request.token_ids)
@@ -201,7 +219,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
     def Health(self, request: wk.HealthRequest, context: grpc.ServicerContext) -> wk.HealthResponse:
         ok = self._thread.is_alive()
         return wk.HealthResponse(
-            ok=ok, reason="" if ok else self.engine.broken or "engine thread died", worker_id=self.worker_id,
+            ok=ok, reason="" if ok else self.engine.check_broken() or "engine thread died", worker_id=self.worker_id,
             role=wk.WORKER_ROLE_PREFILL, model=self.engine.cfg.model, compat_hash=self.engine.compat_hash,
         )
 

@@ -319,7 +319,8 @@ class Orchestrator:
                 seen = 1
                 # committed: the prompt's blocks are in the decode worker's prefix cache from now (the
                 # later choices of a request with several find them there)
-                self.pool.index.expect(decode.worker_id, blocks)
+                if not first.finish_reason:
+                    self.pool.index.expect(decode.worker_id, blocks)
                 lps = [first.first_token_logprob] if first.HasField("first_token_logprob") else []
                 opening = not run.tokens  # the client's first message: it carries the prompt's logprobs
                 msg, stopped = self._take(active, run, output, [first.first_token], lps)

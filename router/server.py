@@ -263,9 +263,13 @@ class RouterServer(gen_grpc.PDClusterServicer):
         with self._lock:
             if rid in self._active:
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
+            if len(actives) > self.admission.limits.max_requests:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"sampling: {len(actives)} choices (n / best_of) are more than the router's "
+                                   f"max_requests ({self.admission.limits.max_requests}) in flight")
             try:
-                for a in actives:
-                    a.admitted = self.admission.admit(prompt_tokens)
+                for k, a in enumerate(actives):  # only the first choice prefills the whole prompt
+                    a.admitted = self.admission.admit(prompt_tokens if k == 0 else 0)
             except Refused as e:
                 for a in actives:
                     if a.admitted is not None:

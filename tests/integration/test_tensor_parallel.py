@@ -77,6 +77,24 @@ def test_a_rank_that_dies_fails_the_next_step_clearly(checkpoint):
         llm.close()
 
 
+def test_a_failure_inside_a_step_breaks_the_engine_for_good(checkpoint, monkeypatch):
+    """The other ranks are inside the step's collectives: rank 0 must not step again with them."""
+    path = str(checkpoint("llama-gqa"))
+    llm = _llm(path, num_blocks=64)
+    try:
+        # fails before the layer's all-reduce, which the other rank then waits in
+        monkeypatch.setattr(llm.engine.runner.model.layers[0].mlp, "forward", lambda x: 1 / 0)
+        with pytest.raises(TPError, match="out of step"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+        monkeypatch.undo()
+        with pytest.raises(TPError, match="out of step"):  # refused at once, nothing sent
+            llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2))
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.close()
+
+
 def test_sizes_the_model_cannot_be_split_by_are_refused(checkpoint):
     path = str(checkpoint("llama-gqa"))  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match="divide the model's 4 attention heads"):

@@ -78,15 +78,17 @@ def test_a_choice_without_a_free_block_waits_and_is_prefilled(path):
     _free_all(llm)
 
 
-def test_first_token_ends_choice_zero_the_others_still_run(path):
-    llm = _llm(path)
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_first_token_ends_choice_zero_the_others_still_run(path, mode):
+    llm = _llm(path, mode)
     ids = PROMPTS["partial"]
     first = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
-    params = SamplingParams(max_tokens=5, temperature=0.9, seed=3, n=3, stop_token_ids=[first])
-    singles = [llm.generate([ids], params.choice_params(k))[0].token_ids for k in range(3)]
-    (out,) = llm.generate([ids], params)
-    assert [c.token_ids for c in out.outputs] == singles
-    _free_all(llm)
+    for params in (SamplingParams(max_tokens=5, temperature=0.9, seed=3, n=3, stop_token_ids=[first]),
+                   SamplingParams(max_tokens=1, temperature=0.9, seed=3, n=3)):
+        singles = [llm.generate([ids], params.choice_params(k))[0].token_ids for k in range(3)]
+        (out,) = llm.generate([ids], params)
+        assert [c.token_ids for c in out.outputs] == singles
+        _free_all(llm)
 
 
 def test_abort_one_choice_keeps_the_others(path):
