@@ -9,6 +9,8 @@
    2k-token Llama-3-8B-shaped prompt (bf16, 256 MiB) on the GPU and hands it to a 'decode' process:
    with two GPUs over NCCL (torch.distributed send/recv, GPU 0 -> GPU 1); with one GPU through
    CUDA IPC (torch.multiprocessing shares the device allocation) and a device-to-device copy.
+4. Tensor parallelism over NCCL (two GPUs or more): greedy `LLM(device="cuda", tensor_parallel_size=2)`,
+   one rank per GPU, equals transformers `generate()` (built-in model, float32); skipped on one GPU.
 Prints one table; exit status 1 if a parity check fails or there is no CUDA device.
 """
 
@@ -146,12 +148,35 @@ def handoff() -> list[tuple[str, str]]:
     return [(f"KV hand-off ({how}), 256 MiB layer", f"{nbytes / seconds / 1e9:.1f} GB/s, {'exact' if ok else 'CORRUPT'}")]
 
 
+def tensor_parallel() -> list[tuple[str, str]]:
+    if torch.cuda.device_count() < 2:
+        return [("TP 2 over NCCL", "skipped: one GPU (needs two)")]
+    from transformers import AutoModelForCausalLM
+
+    from engine.builtin_model import resolve_model_path
+    from pdcluster import LLM, SamplingParams
+
+    path = str(resolve_model_path("builtin:tiny-llama"))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 8192, (n,), generator=g).tolist() for n in (9, 120)]
+    llm = LLM(path, dtype="float32", device="cuda", max_model_len=1024, tensor_parallel_size=2)
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.close()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    ok = all(hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() == o.token_ids
+             for p, o in zip(prompts, outs))
+    return [("parity TP 2 over NCCL (builtin float32)", "token-identical" if ok else "MISMATCH")]
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check here (run this on a machine with an NVIDIA GPU)")
         return 1
     print(f"GPU: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}")
-    rows = parity() + throughput() + handoff()
+    rows = parity() + throughput() + handoff() + tensor_parallel()
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
