@@ -29,7 +29,6 @@ from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprobs
 from kv_transfer import KVReceiver, KVTransferError, TransferTicket, create_receiver
-from kv_transfer.base import block_runs, copy_runs
 
 
 class DecodeEngine(LockedEngine):
@@ -100,12 +99,7 @@ class DecodeEngine(LockedEngine):
         return self.engine.kv_layer_shape(num_blocks)
 
     def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> None:
-        blocks = ticket.block_ids[first_block : first_block + kv.shape[1]]
-        if self.engine.tensor_parallel:  # every KV head arrives: each rank takes its own (through rank 0)
-            self.engine.write_kv(layer, list(blocks), kv)
-            return
-        cache = self.engine.kv_caches[layer]
-        copy_runs(cache, block_runs(blocks), kv.to(device=cache.device, dtype=cache.dtype))
+        self.engine.write_kv(layer, ticket.block_ids[first_block : first_block + kv.shape[1]], kv)
 
     def move_kv_cache(self, place: Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
         """Re-home a CPU cache (its contents too) into the tensor `place(num_layers, layer_shape,

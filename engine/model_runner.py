@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, NativeDecode, SeqSpan, native_decode_supported
+from engine.block_runs import block_runs, copy_runs
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_model
 from engine.models.llama import LlamaModel
@@ -244,7 +245,7 @@ class ModelRunner:
     @torch.inference_mode()
     def write_local(self, layer: int, blocks: list[int], kv: torch.Tensor) -> None:
         cache = self.kv_caches[layer]
-        cache[:, torch.tensor(blocks, dtype=torch.long, device=cache.device)] = kv.to(cache.device, cache.dtype)
+        copy_runs(cache, block_runs(blocks), kv.to(device=cache.device, dtype=cache.dtype))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block's K and V, in every layer (a forked choice's copy),

@@ -63,7 +63,7 @@ def run_follower(cfg: EngineConfig, rank: int, size: int, rendezvous: Rendezvous
         if init is None or int(init[0]) != INIT:
             return  # rank 0 went away before the start
         model_cfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model))
-        ctx = TPContext(layout_for(model_cfg, rank, size), group, channel=channel)
+        ctx = TPContext(layout_for(model_cfg, rank, size), group)
         runner = ModelRunner(model_cfg, dataclasses.replace(cfg, num_blocks=int(init[1])), tp=ctx)
         channel.send(torch.tensor([READY]))
         follow_steps(runner, channel)

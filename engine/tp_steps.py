@@ -23,7 +23,7 @@ Messages (int64 arrays on the control channel, engine/tp_group.py):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,8 +40,7 @@ class TPContext:
 
     layout: Any  # engine.tp_layout.TPLayout
     group: Any  # engine.tp_group.TPGroup
-    leader: Any = None  # rank 0: engine.tp_group.Leader (its channels to the others)
-    channel: Channel | None = None  # another rank: its channel to rank 0
+    leader: Any = None  # rank 0: engine.tp_group.Leader (its channels to the others); None on the others
     join_timeout_s: float = 300.0
 
     @property
@@ -103,8 +102,6 @@ class _Shadow:
     token_ids: Any
     block_table: list[int]
     num_computed_tokens: int
-    params: Any = None
-    prompt_logprobs: list = field(default_factory=list)
 
 
 def decode_step(msg: torch.Tensor) -> tuple[list[Any], list[int]]:

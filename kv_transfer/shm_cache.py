@@ -34,7 +34,8 @@ import time
 import numpy as np
 import torch
 
-from kv_transfer.base import KVTransferError, TransferTicket, block_runs, copy_runs
+from engine.block_runs import block_runs, copy_runs
+from kv_transfer.base import KVTransferError, TransferTicket
 from kv_transfer.checksum import checksum
 
 PAGE = mmap.PAGESIZE

@@ -160,11 +160,9 @@ class LLM:
 
     def close(self) -> None:
         """Release what this LLM holds beyond memory: the KV receiver, the other tensor-parallel ranks."""
-        decode = getattr(self, "decode", None)
-        if decode is not None:
-            decode.close()
-        for engine in self.engines if getattr(self, "_ids", None) is not None else []:
-            engine.close()
+        for part in (getattr(self, "decode", None), getattr(self, "prefill", None), getattr(self, "engine", None)):
+            if part is not None:
+                part.close()  # (a PrefillEngine or DecodeEngine closes its engine)
 
     def __del__(self) -> None:
         self.close()

@@ -61,6 +61,11 @@ class PrefillEngine:
         self.engine.add_request(request_id, token_ids, params, output_offset)
         self._tickets[request_id] = ticket
 
+    def close(self) -> None:
+        """Release the KV sender's connections and the engine's tensor-parallel ranks."""
+        self.sender.close()
+        self.engine.close()
+
     def has_work(self) -> bool:
         return self.engine.has_work()
 

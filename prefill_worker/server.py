@@ -249,5 +249,4 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self._stop.set()
         self.server.stop(grace).wait(grace + 1)
         self._thread.join(timeout=5)
-        self.prefill.sender.close()
-        self.engine.close()  # its tensor-parallel ranks
+        self.prefill.close()

@@ -86,7 +86,7 @@ class ChoiceMerge:
             if msg.finish_reason:
                 finished += 1
                 total += msg.usage.completion_tokens
-                if finished == self.count:
+                if finished == self.count and not ranked:  # the call's last message
                     msg.usage.total_completion_tokens = total
             if ranked:
                 held[k].append(msg)
@@ -101,10 +101,8 @@ class ChoiceMerge:
         for j, k in enumerate(best):
             for m in held[k]:
                 m.index = j
-                m.usage.total_completion_tokens = 0
                 if self.hide_logprobs:
                     del m.logprobs[:]
-        last = held[best[-1]][-1]
-        last.usage.total_completion_tokens = total
+        held[best[-1]][-1].usage.total_completion_tokens = total
         for k in best:
             yield from held[k]

@@ -23,6 +23,15 @@ def builtin_llm(builtin_path):
     return LLM(str(builtin_path), max_model_len=512, num_blocks=128)
 
 
+@pytest.fixture(scope="module")
+def openai_cluster(builtin_path):
+    """A disaggregated cluster of the built-in model with its OpenAI HTTP API (one per module)."""
+    from tests.integration.openai_helpers import serve_openai
+
+    with serve_openai(builtin_path) as c:
+        yield c
+
+
 @pytest.fixture(scope="session")
 def reference(path: str) -> Callable[[list[int], int], list[int]]:
     """`reference(ids, n)`: transformers' greedy tokens after `ids` on `path`."""

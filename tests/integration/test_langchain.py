@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from pdcluster import SamplingParams
-from tests.integration.openai_helpers import MODEL, base_url, serve_openai
+from tests.integration.openai_helpers import MODEL, base_url
 
 langchain_openai = pytest.importorskip("langchain_openai")
 pytestmark = pytest.mark.slow
@@ -20,19 +20,13 @@ CITY = {"title": "City", "description": "A city.", "type": "object",
 
 
 @pytest.fixture(scope="module")
-def cluster(builtin_path):
-    with serve_openai(builtin_path) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def chat(cluster):
-    return langchain_openai.ChatOpenAI(base_url=base_url(cluster), api_key="unused", model=MODEL, temperature=0,
+def chat(openai_cluster):
+    return langchain_openai.ChatOpenAI(base_url=base_url(openai_cluster), api_key="unused", model=MODEL, temperature=0,
                                        max_tokens=12, max_retries=0, timeout=60)
 
 
-def test_invoke_and_stream_equal_the_offline_engine(chat, cluster, builtin_llm):
-    text = cluster.router.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False,
+def test_invoke_and_stream_equal_the_offline_engine(chat, openai_cluster, builtin_llm):
+    text = openai_cluster.router.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False,
                                                         add_generation_prompt=True)
     ref = builtin_llm.generate([text], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].text
     assert chat.invoke("Hello there").content == ref

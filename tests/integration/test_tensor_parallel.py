@@ -126,6 +126,7 @@ def test_cluster_between_tensor_parallel_degrees_equals_transformers(checkpoint,
     with LocalCluster(base, 1, 1, prefill={"kv_timeout_s": 10.0, **kv}, decode=kv, router={"request_timeout_s": 60},
                       prefill_engine=dataclasses.replace(base, tensor_parallel_size=p_tp),
                       decode_engine=dataclasses.replace(base, tensor_parallel_size=d_tp)) as c, c.client() as client:
+        assert [len(w.engine_ranks()) for w in c.workers] == [p_tp, d_tp]  # the workers run split as asked
         got = [client.complete(p, SamplingParams(max_tokens=N, temperature=0.0)).token_ids for p in PROMPTS[:4]]
         assert c.wait_blocks_free()
     assert got == [ref(p, N) for p in PROMPTS[:4]]
