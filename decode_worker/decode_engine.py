@@ -17,6 +17,8 @@ prefilled here (the router's local prefill) take `LockedEngine`'s way, under the
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import secrets
 import uuid
 from collections import deque
@@ -29,6 +31,8 @@ from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprobs
 from kv_transfer import KVReceiver, KVTransferError, TransferTicket, create_receiver
+
+log = logging.getLogger("pdcluster.decode")
 
 
 class DecodeEngine(LockedEngine):
@@ -47,6 +51,11 @@ class DecodeEngine(LockedEngine):
         self._on_commit: dict[str, Callable[[], None]] = {}
         self.committed_cached_tokens = 0  # cumulative: prompt tokens of committed KV held here already
         self.receiver: KVReceiver = create_receiver(backend, self, **receiver_kwargs)
+        # tensor parallel with a receiver on every rank (the direct path): tickets name them all
+        rank_kv = engine.rank_kv
+        self.rank_endpoints = ([self.receiver.endpoint, *rank_kv.endpoints(engine.rank_info)]
+                               if rank_kv is not None and engine.rank_info else [])
+        self.kv_heads = engine.kv_heads  # KVSink: a part sent here must carry these heads
 
     # ------------------------------------------------------------------ reservation
     def reserve(
@@ -86,7 +95,10 @@ class DecodeEngine(LockedEngine):
                 num_tokens=len(token_ids),
                 backend=self.backend,
                 cached_tokens=cached,
+                rank_endpoints=self.rank_endpoints,
             )
+            if self.rank_endpoints:  # the other ranks take their heads' parts from now on
+                self.engine.call_ranks({"op": "expect", "ticket": dataclasses.asdict(ticket)})
             self._reserved[ticket.transfer_id] = seq
             if on_commit is not None:
                 self._on_commit[ticket.transfer_id] = on_commit
@@ -99,7 +111,22 @@ class DecodeEngine(LockedEngine):
         return self.engine.kv_layer_shape(num_blocks)
 
     def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> None:
-        self.engine.write_kv(layer, ticket.block_ids[first_block : first_block + kv.shape[1]], kv)
+        self.engine.write_kv(layer, ticket.block_ids[first_block : first_block + kv.shape[1]], kv,
+                             ticket.first_head if ticket.num_heads else None)
+
+    def check_parts(self, ticket: TransferTicket) -> None:
+        """KVSink: a transfer sent in parts commits only once every other rank has all its heads."""
+        for rank, reply in enumerate(self.engine.call_ranks({"op": "missing", "id": ticket.transfer_id}), 1):
+            why = reply.get("missing") or reply.get("error")
+            if why:
+                raise KVTransferError(f"tensor-parallel rank {rank}: {why}")
+
+    def _forget_on_ranks(self, transfer_id: str) -> None:
+        if self.rank_endpoints:
+            try:
+                self.engine.call_ranks({"op": "forget", "id": transfer_id})
+            except Exception as e:  # noqa: BLE001 (the engine is broken now; its worker restarts)
+                log.warning("could not tell the tensor-parallel ranks to forget %s: %s", transfer_id, e)
 
     def move_kv_cache(self, place: Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
         """Re-home a CPU cache (its contents too) into the tensor `place(num_layers, layer_shape,
@@ -133,6 +160,7 @@ class DecodeEngine(LockedEngine):
                 seq.logprobs.append(logprob)
             self._committed.append(seq)
             callback = self._on_commit.pop(ticket.transfer_id, None)
+            self._forget_on_ranks(ticket.transfer_id)
         if callback is not None:
             callback()
 
@@ -144,6 +172,7 @@ class DecodeEngine(LockedEngine):
             seq = self._reserved.pop(transfer_id, None)
             self._on_commit.pop(transfer_id, None)
             if seq is not None:
+                self._forget_on_ranks(transfer_id)
                 del self._by_request[seq.request_id]
                 self.engine.free(seq)
 

@@ -17,6 +17,7 @@ import uuid
 import grpc
 
 from decode_worker.decode_engine import DecodeEngine
+from decode_worker.rank_kv import DecodeRankKV
 from decode_worker.service import DecodeWorkerService
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -36,16 +37,20 @@ class DecodeWorkerServer(DecodeWorkerService):
     def __init__(self, engine_cfg: EngineConfig, worker_id: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, kv_backend: str = "grpc", request_timeout_s: float = 600.0,
                  reservation_ttl_s: float = 120.0, cluster_secret: str | None = None,
-                 kv_options: dict | None = None) -> None:
+                 kv_options: dict | None = None, direct_kv: bool = True) -> None:
         """`cluster_secret`: required of every RPC to this worker, KV transfers included
         (proto/cluster_auth.py; None: none). `reservation_ttl_s`: the lease of a reservation whose KV
         has not committed. `kv_options`: more keyword arguments of the backend's receiver (shm/auto:
-        in_place)."""
+        in_place). `direct_kv`: with tensor parallelism, every rank receives its own KV heads (its own KV
+        receiver; False: all through rank 0, the fallback)."""
         super().__init__(worker_id or f"decode-{uuid.uuid4().hex[:6]}", host, port, request_timeout_s,
                          cluster_secret)
         self.reservation_ttl_s = reservation_ttl_s
-        self.decode = DecodeEngine(Engine(engine_cfg, "decode"), backend=kv_backend, server=self.server,
-                                   endpoint=self.address, **(kv_options or {}))
+        # with tensor parallelism each rank receives its own KV heads (the direct path) unless direct_kv=False
+        rank_kv = (DecodeRankKV(kv_backend, host, cluster_secret, dict(kv_options or {}))
+                   if direct_kv and kv_backend != "inproc" else None)
+        self.decode = DecodeEngine(Engine(engine_cfg, "decode", rank_kv=rank_kv), backend=kv_backend,
+                                   server=self.server, endpoint=self.address, **(kv_options or {}))
         self._start(self.decode, [KV_SERVICE_NAME])
 
     def _reserve_for_kv(self, request: wk.ReserveRequest, ids: list[int], params: SamplingParams,

@@ -30,7 +30,7 @@ from engine.sequence import Sequence
 from engine.step_stats import StepShape
 from engine.tp_group import TPError
 from engine.tp_ranks import LocalRanks
-from engine.tp_steps import TPContext
+from engine.tp_steps import RankKV, TPContext
 
 ROLES = ("colocated", "prefill", "decode")
 LayerHookFactory = Callable[[list[ScheduledSeq]], LayerSend | None]
@@ -53,9 +53,11 @@ class Engine:
         model: LlamaModel | None = None,
         seed: int = 0,
         tp: TPContext | None = None,
+        rank_kv: RankKV | None = None,
     ) -> None:
         """`tp`: this engine is rank 0 of a tensor-parallel group whose other ranks run elsewhere;
-        without it, `cfg.tensor_parallel_size` > 1 starts them here as child processes (engine/tp_ranks.py)."""
+        without it, `cfg.tensor_parallel_size` > 1 starts them here as child processes (engine/tp_ranks.py),
+        each with `rank_kv` (its own KV sender or receiver: the direct KV path; None: through rank 0)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.cfg = cfg
@@ -64,8 +66,9 @@ class Engine:
         self._ranks: LocalRanks | None = None
         if tp is None and cfg.tensor_parallel_size > 1:
             backend = "nccl" if cfg.torch_device.type == "cuda" else "gloo"
-            self._ranks = LocalRanks(cfg, self.model_cfg, cfg.tensor_parallel_size, backend)
+            self._ranks = LocalRanks(cfg, self.model_cfg, cfg.tensor_parallel_size, backend, rank_kv=rank_kv)
             tp = self._ranks.context
+        self.rank_kv = rank_kv if self._ranks is not None else None
         try:
             self.runner = ModelRunner(self.model_cfg, cfg, model, tp)
         except BaseException:
@@ -151,14 +154,43 @@ class Engine:
         """Whether the KV cache is split across ranks (then `kv_caches` holds rank 0's heads only)."""
         return self.runner.tp is not None
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.runner.tp.layout.size if self.runner.tp is not None else 1
+
     def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One layer's K/V of `num_blocks` blocks as transfers carry it: every KV head of the model."""
         return self.runner.kv_layer_shape(num_blocks)
 
-    def write_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        """K/V that arrived from elsewhere (`kv_layer_shape`) into `block_ids` of `layer`, on every rank."""
+    def write_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor, first_head: int | None = None) -> None:
+        """K/V that arrived from elsewhere (`kv_layer_shape`) into `block_ids` of `layer`, on every rank;
+        with `first_head`: only the model's KV heads [first_head, first_head + kv.shape[3]), all held here."""
+        if first_head is not None:
+            self.runner.write_local(layer, block_ids, kv, first_head - self.kv_heads[0])
+            return
         try:
             self.runner.write_blocks(layer, block_ids, kv)
+        except TPError as e:
+            self.broken = str(e)
+            raise
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """The model's index of the first KV head in `kv_caches`, and how many there are."""
+        tp = self.runner.tp
+        return (tp.layout.first_kv_head, tp.layout.kv_heads) if tp is not None else (0, self.model_cfg.num_kv_heads)
+
+    @property
+    def rank_info(self) -> list[list[int]]:
+        """What each other tensor-parallel rank's `rank_kv` reported when it started (its receiver's port)."""
+        return self.runner.tp.rank_info if self.runner.tp is not None and self.rank_kv is not None else []
+
+    def call_ranks(self, request: dict) -> list[dict]:
+        """Each other tensor-parallel rank's `rank_kv.call(request)`; a rank that does not answer breaks the engine."""
+        if not self.rank_info:
+            return []
+        try:
+            return self.runner.tp.call(request)
         except TPError as e:
             self.broken = str(e)
             raise

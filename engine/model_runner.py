@@ -20,8 +20,8 @@ from engine.models.llama import LlamaModel
 from engine.native import native_lib
 from engine.request_checks import resolve_max_model_len
 from engine.sequence import Sequence, TokenLogprobs
-from engine.tp_group import TPError
-from engine.tp_steps import TPContext, encode_copy, encode_step
+from engine.tp_group import TPError, bytes_tensor
+from engine.tp_steps import RankSend, TPContext, encode_copy, encode_step, settle_parts, step_hook
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 DECODE_PAD_SLACK = 1.3  # padded/real KV blocks allowed within one decode attention group
@@ -44,10 +44,13 @@ class ScheduledSeq:
 @dataclass
 class LayerSend:
     """What a step hands on after each layer (a prefill worker's KV sender): `send(layer, kv)` with
-    the K/V of `blocks`, (2, len(blocks), block_size, every KV head of the model, head_dim), a copy."""
+    the K/V of `blocks`, (2, len(blocks), block_size, every KV head of the model, head_dim), a copy
+    (with tensor parallelism: gathered on rank 0, the fallback path); and `parts`, the direct path:
+    every rank sends its own heads (engine/tp_steps.py `RankSend`), then commits them."""
 
     blocks: list[int]
     send: Callable[[int, torch.Tensor], None]
+    parts: RankSend | None = None
 
 
 class ModelRunner:
@@ -243,8 +246,13 @@ class ModelRunner:
         self.write_local(layer, blocks, kv)
 
     @torch.inference_mode()
-    def write_local(self, layer: int, blocks: list[int], kv: torch.Tensor) -> None:
+    def write_local(self, layer: int, blocks: list[int], kv: torch.Tensor, head: int = 0) -> None:
+        """K/V of this rank's heads [head, head + kv.shape[3]) (its own indices) into `blocks` of `layer`."""
         cache = self.kv_caches[layer]
+        if head or kv.shape[3] != cache.shape[3]:
+            if head < 0 or head + kv.shape[3] > cache.shape[3]:
+                raise ValueError(f"KV heads [{head}, {head + kv.shape[3]}) outside this rank's {cache.shape[3]}")
+            cache = cache[:, :, :, head:head + kv.shape[3]]
         copy_runs(cache, block_runs(blocks), kv.to(device=cache.device, dtype=cache.dtype))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -266,14 +274,14 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq], layer_send: LayerSend | None = None) -> torch.Tensor:
         """One forward pass; returns float32 logits for each item that `completes`, in batch order."""
         blocks = layer_send.blocks if layer_send is not None else []
-        if self.tp is not None:
-            self.tp.leader.send(encode_step(batch, blocks))  # the other ranks run it with this one
-        hook = None
-        if blocks:
-            def hook(layer: int) -> None:
-                layer_send.send(layer, self.layer_kv(layer, blocks))
+        parts = layer_send.parts if layer_send is not None else None
+        if self.tp is not None:  # the other ranks run it with this one
+            self.tp.leader.send(encode_step(batch, blocks, parts is not None),
+                                bytes_tensor(parts.payload) if parts is not None else None)
         try:
-            hidden, sample_rows = self.forward(batch, hook)
+            hidden, sample_rows = self.forward(batch, step_hook(self, blocks, parts, layer_send and layer_send.send))
+            if parts is not None:
+                settle_parts(self.tp.group if self.tp is not None else None, parts)
         except BaseException as e:
             if self.tp is None or isinstance(e, TPError):
                 raise

@@ -27,6 +27,11 @@ _LEN = struct.Struct("<Q")
 MAX_FRAME = 1 << 30
 
 
+def bytes_tensor(data: bytes) -> torch.Tensor:
+    """`data` as a uint8 tensor (a payload frame)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
 class TPError(RuntimeError):
     """A tensor-parallel group failed (a rank died, a collective timed out, the channel broke)."""
 
@@ -95,6 +100,7 @@ class Channel:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self._lock = threading.Lock()  # the engine's thread and KV receivers' threads send
+        self._call_lock = threading.Lock()  # a call's request and answer
 
     def send(self, values: torch.Tensor, payload: torch.Tensor | None = None) -> None:
         """`values` (int64), then, when given, `payload`'s bytes as the next frame (the receiver knows
@@ -109,6 +115,22 @@ class Channel:
                 self.sock.sendall(b"".join(frames))
         except OSError as e:
             raise TPError(f"the tensor-parallel control channel broke: {e}") from e
+
+    def call(self, values: torch.Tensor, payload: bytes) -> tuple[torch.Tensor, bytes]:
+        """Send a request and its payload, and wait (the socket's timeout) for the answer and its
+        payload: one call at a time on the channel, the only messages the other end answers."""
+        with self._call_lock:
+            self.send(values, bytes_tensor(payload))
+            reply = self.recv()
+            data = self.recv_bytes() if reply is not None else None
+        if reply is None or data is None:
+            raise TPError("a tensor-parallel rank did not answer on the control channel (it exited or stalled)")
+        return reply, data
+
+    def recv_bytes(self) -> bytes | None:
+        """The raw frame after a message that announced one; None when the channel ended."""
+        head = self._read(_LEN.size)
+        return self._read(_LEN.unpack(head)[0]) if head is not None else None
 
     def recv_payload(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The frame after a message that announced a payload."""
@@ -200,9 +222,9 @@ class Leader:
         self.group = TPGroup(0, self.size, pg, self.timeout_s)
         return self.group
 
-    def send(self, values: torch.Tensor) -> None:
+    def send(self, values: torch.Tensor, payload: torch.Tensor | None = None) -> None:
         for ch in self.channels:
-            ch.send(values)
+            ch.send(values, payload)
 
     def close(self) -> None:
         for ch in self.channels:

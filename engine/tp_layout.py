@@ -22,6 +22,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def kv_head_range(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
+    """(the model's index of the first KV head rank `rank` of `size` holds, how many): split when
+    `size` divides the KV heads, else the one head its query heads read (replicated)."""
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} must divide the model's {num_kv_heads} KV heads, or be "
+                         "a multiple of them (the KV heads are then replicated)")
+    if num_kv_heads < size:
+        return rank // (size // num_kv_heads), 1
+    per = num_kv_heads // size
+    return rank * per, per
+
+
 @dataclass(frozen=True)
 class TPLayout:
     rank: int
@@ -52,7 +64,7 @@ class TPLayout:
     @property
     def kv_heads(self) -> int:
         """KV heads on this rank (1 when they are replicated)."""
-        return max(1, self.num_kv_heads // self.size)
+        return kv_head_range(self.num_kv_heads, self.size, self.rank)[1]
 
     @property
     def kv_replicated(self) -> bool:
@@ -61,9 +73,7 @@ class TPLayout:
     @property
     def first_kv_head(self) -> int:
         """The model's index of this rank's first KV head."""
-        if self.kv_replicated:
-            return self.rank // (self.size // self.num_kv_heads)
-        return self.rank * self.kv_heads
+        return kv_head_range(self.num_kv_heads, self.size, self.rank)[0]
 
     @property
     def inter(self) -> int:

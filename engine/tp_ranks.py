@@ -20,7 +20,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.tp_group import Leader, Rendezvous, TPError, follow
 from engine.tp_layout import TPLayout
-from engine.tp_steps import INIT, READY, STOP, TPContext, follow_steps
+from engine.tp_steps import INIT, READY, STOP, RankKV, TPContext, follow_steps
 
 log = logging.getLogger("pdcluster.engine")
 
@@ -49,11 +49,13 @@ def handshake(ctx: TPContext, num_blocks: int) -> None:
             ch.sock.settimeout(ctx.group.timeout_s)  # from now rank 0 only sends: a stuck rank fails it
         if msg is None or int(msg[0]) != READY:
             raise TPError("a tensor-parallel rank failed while loading its shard of the model")
+        ctx.rank_info.append(msg[1:].tolist())
 
 
 def run_follower(cfg: EngineConfig, rank: int, size: int, rendezvous: Rendezvous, backend: str = "gloo",
-                 timeout_s: float = 60.0) -> None:
-    """Rank `rank` > 0: join, load the shard, follow rank 0's steps until it stops (returns then)."""
+                 timeout_s: float = 60.0, rank_kv: RankKV | None = None) -> None:
+    """Rank `rank` > 0: join, load the shard, start `rank_kv` (its KV sender or receiver), follow
+    rank 0's steps until it stops (returns then)."""
     from engine.builtin_model import resolve_model_path
     from engine.model_runner import ModelRunner
 
@@ -65,16 +67,20 @@ def run_follower(cfg: EngineConfig, rank: int, size: int, rendezvous: Rendezvous
         model_cfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model))
         ctx = TPContext(layout_for(model_cfg, rank, size), group)
         runner = ModelRunner(model_cfg, dataclasses.replace(cfg, num_blocks=int(init[1])), tp=ctx)
-        channel.send(torch.tensor([READY]))
-        follow_steps(runner, channel)
+        info = rank_kv.start(runner) if rank_kv is not None else []
+        channel.send(torch.tensor([READY, *info], dtype=torch.int64))
+        follow_steps(runner, channel, rank_kv)
     finally:
+        if rank_kv is not None:
+            rank_kv.close()
         channel.close()
         group.close()
 
 
-def _child(cfg: EngineConfig, rank: int, size: int, rendezvous: Rendezvous, backend: str, timeout_s: float) -> None:
+def _child(cfg: EngineConfig, rank: int, size: int, rendezvous: Rendezvous, backend: str, timeout_s: float,
+           rank_kv: RankKV | None) -> None:
     try:
-        run_follower(cfg, rank, size, rendezvous, backend, timeout_s)
+        run_follower(cfg, rank, size, rendezvous, backend, timeout_s, rank_kv)
     except Exception:  # noqa: BLE001 (rank 0 sees the group fail; say why here)
         log.exception("tensor-parallel rank %d failed", rank)
         raise
@@ -84,14 +90,14 @@ class LocalRanks:
     """Ranks 1.. of a tensor-parallel engine as child processes of this one (rank 0)."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, size: int, backend: str = "gloo",
-                 timeout_s: float = 60.0, join_timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 60.0, join_timeout_s: float = 300.0, rank_kv: RankKV | None = None) -> None:
         layout_for(model_cfg, 0, size)  # refuse a size the model cannot be split by, before any process starts
         self.leader = Leader(size, timeout_s=timeout_s)
         # a fork server that imported torch and the engine once starts each rank in a fraction of a
         # fresh interpreter's time; it never touches CUDA, so its children may (unlike plain fork)
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["engine.tp_ranks", "engine.model_runner"])
-        self.processes = [ctx.Process(target=_child, args=(cfg, r, size, self.leader.rendezvous, backend, timeout_s),
+        self.processes = [ctx.Process(target=_child, args=(cfg, r, size, self.leader.rendezvous, backend, timeout_s, rank_kv),
                                       name=f"tp-rank-{r}", daemon=True) for r in range(1, size)]
         for p in self.processes:
             p.start()

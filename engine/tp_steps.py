@@ -5,33 +5,74 @@ batch (per sequence: tokens computed before, the new tokens, the block table), a
 KV copy the block pairs; every rank then runs the same operation on its shard and its KV cache, so
 block ids mean the same on every rank. The others never sample (rank 0 runs the LM head).
 
-KV that leaves or enters a tensor-parallel worker goes through rank 0 (the fallback path through
-one rank, the only one built so far): a prefill worker's step names the blocks it sends, and after
-each layer every rank's slice of them is gathered on rank 0, which sends the whole layer (all KV
-heads: the wire format of one rank); a decode worker's rank 0 writes its heads of a received layer
-and sends each other rank its heads' slice (KV messages, ahead of any step that reads them).
+KV that leaves or enters a tensor-parallel worker takes one of two paths (docs/tensor_parallel.md):
+- direct: each rank sends or receives its own heads. The worker gives its ranks a `RankKV` (a KV
+  sender or receiver of their own, started in each rank's process); a prefill step then carries its
+  transfers (a payload frame), every rank sends its heads of them after each layer and commits its
+  parts, and the ranks sum their failure flags (one all-reduce) before rank 0 commits. A decode
+  worker's rank 0 asks its ranks (CALL) to expect a transfer, whether its parts came, to forget it.
+- the fallback through rank 0: a prefill step names blocks whose slices are gathered on rank 0
+  after each layer (rank 0 sends every KV head); a decode worker's rank 0 writes its heads of a
+  received layer and sends each other rank its heads' slice (KV messages, ahead of any step).
 
 Messages (int64 arrays on the control channel, engine/tp_group.py):
     [INIT, num_blocks]            rank 0 -> others, once: size the KV cache alike
-    [READY]                       others -> rank 0, once: shard loaded, cache allocated
-    [STEP, n, (computed, new, table_len, *table, *new token ids) x n, g, *blocks to gather per layer]
+    [READY, *info]                others -> rank 0, once: shard loaded, cache allocated (info: RankKV.start's)
+    [STEP, n, (computed, new, table_len, *table, *new token ids) x n, g, *blocks to gather per layer, p]
+                                  p = 1: a payload frame follows, the step's direct transfers (RankKV.parts)
     [COPY, n, *sources, *destinations]
     [KV, layer, n, *blocks] + a payload frame: the rank's heads of those blocks' K/V
+    [CALL] + a JSON payload       rank 0 -> a rank's RankKV.call, answered [REPLY] + a JSON payload
     [STOP]                        or the channel's end: the follower exits
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from engine.tp_group import Channel, TPError
+from engine.tp_group import Channel, TPError, bytes_tensor
 
 log = logging.getLogger("pdcluster.engine")
-INIT, READY, STEP, COPY, STOP, KV = 1, 2, 3, 4, 5, 6
+INIT, READY, STEP, COPY, STOP, KV, CALL, REPLY = 1, 2, 3, 4, 5, 6, 7, 8
+
+
+class RankSend(Protocol):
+    """One rank's share of a step's direct KV sends (kv_transfer/parts.py `PartSend`)."""
+
+    payload: bytes  # what the other ranks build their share from
+
+    def send(self, layer: int, cache: torch.Tensor) -> None:
+        """After `layer` ran: send this rank's heads (`cache`: its cache layer)."""
+        ...
+
+    def finish(self) -> list[int]:
+        """After the pass: commit; per transfer 1 if this rank's part of it failed."""
+        ...
+
+    def fail(self, flags: list[int]) -> None:
+        """Every rank's flags, summed."""
+        ...
+
+
+class RankKV(Protocol):
+    """What a worker gives each of its other ranks for the direct KV path (picklable: it travels to
+    the rank's process). prefill_worker/rank_kv.py and decode_worker/rank_kv.py implement it."""
+
+    def start(self, runner: Any) -> list[int]:
+        """In the rank's process once its KV cache exists; what rank 0 learns (READY's info)."""
+        ...
+
+    def parts(self, payload: bytes, runner: Any) -> RankSend: ...
+
+    def call(self, request: dict) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -42,6 +83,12 @@ class TPContext:
     group: Any  # engine.tp_group.TPGroup
     leader: Any = None  # rank 0: engine.tp_group.Leader (its channels to the others); None on the others
     join_timeout_s: float = 300.0
+    rank_info: list[list[int]] = field(default_factory=list)  # rank 0: each other rank's READY info
+
+    def call(self, request: dict) -> list[dict]:
+        """Rank 0: each other rank's RankKV.call(request), in rank order."""
+        payload = json.dumps(request).encode()
+        return [json.loads(ch.call(torch.tensor([CALL]), payload)[1]) for ch in self.leader.channels]
 
     @property
     def is_leader(self) -> bool:
@@ -67,14 +114,15 @@ class TPContext:
         return self.heads_of(0, full)
 
 
-def encode_step(batch: list[Any], gather: list[int]) -> torch.Tensor:
-    """A batch of ScheduledSeq and the blocks whose K/V are gathered after each layer -> the STEP message."""
+def encode_step(batch: list[Any], gather: list[int], parts: bool = False) -> torch.Tensor:
+    """A batch of ScheduledSeq, the blocks whose K/V are gathered after each layer, and whether a
+    payload of direct transfers follows -> the STEP message."""
     out = [STEP, len(batch)]
     for item in batch:
         seq, start = item.seq, item.seq.num_computed_tokens
         out += [start, item.num_tokens, len(seq.block_table), *seq.block_table,
                 *seq.token_ids[start:start + item.num_tokens]]
-    return torch.tensor(out + [len(gather), *gather], dtype=torch.int64)
+    return torch.tensor(out + [len(gather), *gather, int(parts)], dtype=torch.int64)
 
 
 def encode_copy(pairs: list[tuple[int, int]]) -> torch.Tensor:
@@ -104,8 +152,9 @@ class _Shadow:
     num_computed_tokens: int
 
 
-def decode_step(msg: torch.Tensor) -> tuple[list[Any], list[int]]:
-    """The STEP message -> ScheduledSeq items over shadow sequences, and the blocks to gather."""
+def decode_step(msg: torch.Tensor) -> tuple[list[Any], list[int], bool]:
+    """The STEP message -> ScheduledSeq items over shadow sequences, the blocks to gather, whether
+    a payload of direct transfers follows."""
     from engine.model_runner import ScheduledSeq
 
     values = msg.tolist()
@@ -118,7 +167,8 @@ def decode_step(msg: torch.Tensor) -> tuple[list[Any], list[int]]:
         tokens = values[i:i + new]
         i += new
         batch.append(ScheduledSeq(_Shadow(_Tokens(start, tokens), table, start), new))
-    return batch, values[i + 1:i + 1 + values[i]]
+    g = values[i]
+    return batch, values[i + 1:i + 1 + g], bool(values[i + 1 + g])
 
 
 def decode_copy(msg: torch.Tensor) -> list[tuple[int, int]]:
@@ -127,7 +177,58 @@ def decode_copy(msg: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(values[:n], values[n:]))
 
 
-def follow_steps(runner: Any, channel: Channel) -> None:
+def step_hook(runner: Any, gather: list[int], parts: RankSend | None,
+              send: Callable[[int, torch.Tensor], None] | None = None) -> Callable[[int], None] | None:
+    """What every rank does after each layer of a step: its slices of `gather` to rank 0 (`send`
+    gets them there), and its own heads of the direct transfers."""
+    if not gather and parts is None:
+        return None
+
+    def hook(layer: int) -> None:
+        if gather:
+            kv = runner.layer_kv(layer, gather)
+            if send is not None:
+                send(layer, kv)
+        if parts is not None:
+            parts.send(layer, runner.kv_caches[layer])
+
+    return hook
+
+
+def settle_parts(group: Any, parts: RankSend) -> None:
+    """After a step's pass, on every rank: commit this rank's parts, then sum the failure flags."""
+    flags = torch.tensor(parts.finish(), dtype=torch.int64)
+    if group is not None and flags.numel():
+        group.all_reduce(flags)
+    parts.fail(flags.tolist())
+
+
+class _Failed:
+    """A rank with no RankKV asked to send parts: every transfer fails (the ranks stay in step)."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.n = len(json.loads(payload))
+
+    def send(self, layer: int, cache: torch.Tensor) -> None:
+        pass
+
+    def finish(self) -> list[int]:
+        return [1] * self.n
+
+    def fail(self, flags: list[int]) -> None:
+        pass
+
+
+def _answer(channel: Channel, rank_kv: RankKV | None) -> None:
+    request = json.loads(channel.recv_bytes() or b"{}")
+    try:
+        reply = rank_kv.call(request) if rank_kv is not None else {"error": "this rank has no KV endpoint"}
+    except Exception as e:  # noqa: BLE001 (the answer says why; rank 0 decides)
+        reply = {"error": repr(e)}
+    channel.send(torch.tensor([REPLY]), bytes_tensor(json.dumps(reply).encode()))
+
+
+def follow_steps(runner: Any, channel: Channel, rank_kv: RankKV | None = None) -> None:
     """Another rank's loop: run what rank 0 sends until STOP or the channel's end."""
     while True:
         msg = channel.recv()
@@ -135,8 +236,16 @@ def follow_steps(runner: Any, channel: Channel) -> None:
             return
         op = int(msg[0])
         if op == STEP:
-            batch, gather = decode_step(msg)
-            runner.forward(batch, (lambda layer: runner.layer_kv(layer, gather)) if gather else None)
+            batch, gather, has_parts = decode_step(msg)
+            parts = None
+            if has_parts:
+                payload = channel.recv_bytes() or b"[]"
+                parts = rank_kv.parts(payload, runner) if rank_kv is not None else _Failed(payload)
+            runner.forward(batch, step_hook(runner, gather, parts))
+            if parts is not None:
+                settle_parts(runner.tp.group, parts)
+        elif op == CALL:
+            _answer(channel, rank_kv)
         elif op == COPY:
             runner.copy_local(decode_copy(msg))
         elif op == KV:

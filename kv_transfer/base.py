@@ -6,13 +6,20 @@
     decode:  sink.commit(...)                   all layers arrived -> the sequence may run
     either:  abort(ticket, reason)              the receiver forgets it; the sink frees the blocks
 
+Between tensor-parallel workers a transfer may travel in parts (kv_transfer/parts.py): part
+"<id>@<decode rank>:<first head>+<heads>" carries those KV heads of every layer to the receiver of the decode rank
+holding them and commits alone; the transfer itself then commits with no layers, and is accepted
+only once its parts cover every KV head on every rank (`KVSink.check_parts` asks the other ranks).
+
 The receiver checks everything a sender claims before a single byte touches the cache, so a bad
 or stale message can never write into another request's blocks; the checks live here, shared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -41,12 +48,16 @@ class TransferTicket:
     num_tokens: int
     backend: str = "inproc"
     cached_tokens: int = 0  # leading tokens the receiver holds already; block_ids cover the rest
+    rank_endpoints: list[str] = field(default_factory=list)  # per decode rank (tensor parallel): parts go there
+    # a part of a transfer (never on the wire: derived from the part's id): the model's KV heads it carries
+    first_head: int = 0
+    num_heads: int = 0  # 0: every KV head (a whole transfer)
 
     def to_proto(self) -> wk.TransferTicket:
         return wk.TransferTicket(
             transfer_id=self.transfer_id, kv_endpoint=self.kv_endpoint, block_ids=self.block_ids,
             compat_hash=self.compat_hash, auth_token=self.auth_token, num_tokens=self.num_tokens,
-            backend=self.backend, cached_tokens=self.cached_tokens,
+            backend=self.backend, cached_tokens=self.cached_tokens, rank_endpoints=self.rank_endpoints,
         )
 
     @classmethod
@@ -54,8 +65,36 @@ class TransferTicket:
         return cls(
             transfer_id=msg.transfer_id, kv_endpoint=msg.kv_endpoint, block_ids=list(msg.block_ids),
             compat_hash=msg.compat_hash, auth_token=msg.auth_token, num_tokens=msg.num_tokens, backend=msg.backend,
-            cached_tokens=msg.cached_tokens,
+            cached_tokens=msg.cached_tokens, rank_endpoints=list(msg.rank_endpoints),
         )
+
+    def part(self, rank: int, first_head: int, num_heads: int, endpoint: str) -> TransferTicket:
+        """The ticket of this transfer's part carrying KV heads [first_head, first_head + num_heads) to
+        decode rank `rank` at `endpoint`."""
+        return dataclasses.replace(self, transfer_id=part_id(self.transfer_id, rank, first_head, num_heads),
+                                   kv_endpoint=endpoint, rank_endpoints=[], first_head=first_head,
+                                   num_heads=num_heads)
+
+
+PART_ID = re.compile(r"(.+)@\d+:(\d+)\+(\d+)")
+
+
+def part_id(transfer_id: str, rank: int, first_head: int, num_heads: int) -> str:
+    """The id of a part: the rank it goes to keeps a replicated head's parts apart (one sender)."""
+    return f"{transfer_id}@{rank}:{first_head}+{num_heads}"
+
+
+def parse_part_id(transfer_id: str) -> tuple[str, int, int] | None:
+    """(the transfer's id, first KV head, heads) of a part's id; None for a whole transfer's."""
+    m = PART_ID.fullmatch(transfer_id)
+    return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def uncovered(held: tuple[int, int], parts: list[tuple[int, int]]) -> list[int]:
+    """The heads of `held` (first, count) that no part (first, count) carries."""
+    first, n = held
+    have = {h for f, k in parts for h in range(f, f + k)}
+    return [h for h in range(first, first + n) if h not in have]
 
 
 class KVSink(Protocol):
@@ -71,6 +110,17 @@ class KVSink(Protocol):
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None: ...
     def abort(self, ticket: TransferTicket, reason: str) -> None: ...
 
+    # optional, for transfers in parts (a sink without them holds every KV head, and has no other ranks):
+    #   kv_heads: tuple[int, int]                       the model's first KV head held here, and how many
+    #   check_parts(ticket) -> None                     raise KVTransferError unless the other ranks'
+    #                                                   parts of the transfer all arrived
+
+
+def sink_heads(sink: KVSink) -> tuple[int, int]:
+    """(first KV head, count) that `sink` holds."""
+    held = getattr(sink, "kv_heads", None)
+    return held if held is not None else (0, sink.layer_shape(1)[3])
+
 
 @dataclass
 class _Pending:
@@ -85,6 +135,7 @@ class KVReceiver(ABC):
     def __init__(self, sink: KVSink) -> None:
         self.sink = sink
         self._pending: dict[str, _Pending] = {}
+        self._parts: dict[str, list[tuple[int, int]]] = {}  # transfer id -> (first head, heads) of parts committed
         self._lock = threading.Lock()
 
     @property
@@ -99,8 +150,24 @@ class KVReceiver(ABC):
     def forget(self, transfer_id: str) -> None:
         with self._lock:
             pending = self._pending.pop(transfer_id, None)
+            self._drop_parts(transfer_id)
         if pending is not None:
             self._revoked(pending.ticket)
+
+    def _drop_parts(self, transfer_id: str) -> None:
+        """Under the lock: forget the transfer's parts, arrived or arriving."""
+        self._parts.pop(transfer_id, None)
+        for key in [k for k, p in self._pending.items() if p.ticket.num_heads and parse_part_id(k)[0] == transfer_id]:
+            del self._pending[key]
+
+    def parts_missing(self, transfer_id: str, forget: bool = True) -> str | None:
+        """Why this receiver's KV heads of the transfer are not all in (None: every one came in a
+        committed part); `forget`: drop what it knows of the transfer's parts."""
+        with self._lock:
+            missing = uncovered(sink_heads(self.sink), self._parts.get(transfer_id, []))
+            if forget:
+                self._drop_parts(transfer_id)
+        return f"KV heads {missing} of {transfer_id!r} did not arrive at {self.endpoint}" if missing else None
 
     def _granted(self, ticket: TransferTicket) -> None:
         """The ticket's blocks are now this transfer's (an extension point: shm opens them to its sender)."""
@@ -116,10 +183,34 @@ class KVReceiver(ABC):
     def _get(self, transfer_id: str, auth_token: str) -> _Pending:
         pending = self._pending.get(transfer_id)
         if pending is None:
-            raise KVTransferError(f"unknown transfer id {transfer_id!r}")
+            pending = self._new_part(transfer_id, auth_token)
         if not hmac.compare_digest(auth_token, pending.ticket.auth_token):
             raise KVTransferError(f"bad auth token for transfer {transfer_id!r}")
         return pending
+
+    def _new_part(self, transfer_id: str, auth_token: str) -> _Pending:
+        """Under the lock: the first message of a part of an expected transfer registers the part
+        (its ticket: the transfer's blocks, the part's heads, which must be held here)."""
+        parsed = parse_part_id(transfer_id)
+        whole = self._pending.get(parsed[0]) if parsed is not None else None
+        if whole is None or whole.ticket.num_heads:
+            raise KVTransferError(f"unknown transfer id {transfer_id!r}")
+        if not hmac.compare_digest(auth_token, whole.ticket.auth_token):
+            raise KVTransferError(f"bad auth token for transfer {transfer_id!r}")
+        _, first, n = parsed
+        held_first, held = sink_heads(self.sink)
+        if n < 1 or first < held_first or first + n > held_first + held:
+            raise KVTransferError(f"part {transfer_id!r}: KV heads [{first}, {first + n}) are not among the heads "
+                                  f"[{held_first}, {held_first + held}) held at {self.endpoint}")
+        part = dataclasses.replace(whole.ticket, transfer_id=transfer_id, kv_endpoint=self.endpoint, rank_endpoints=[],
+                                   first_head=first, num_heads=n)
+        pending = self._pending[transfer_id] = _Pending(part)
+        return pending
+
+    def expected_shape(self, ticket: TransferTicket, num_blocks: int) -> tuple[int, ...]:
+        """One layer of `num_blocks` blocks of the ticket's transfer (a part: its heads only)."""
+        shape = tuple(self.sink.layer_shape(num_blocks))
+        return shape[:3] + (ticket.num_heads,) + shape[4:] if ticket.num_heads else shape
 
     def authorize(self, transfer_id: str, auth_token: str) -> TransferTicket:
         """The transfer's ticket, if `auth_token` is its own (asked before any bytes are touched)."""
@@ -157,7 +248,7 @@ class KVReceiver(ABC):
             pending = self._get(transfer_id, auth_token)
             self.check_layer_index(layer)
             total = len(pending.ticket.block_ids)
-            expected = self.sink.layer_shape(total)
+            expected = self.expected_shape(pending.ticket, total)
             blockwise = len(shape) == len(expected) and shape[:1] + shape[2:] == expected[:1] + expected[2:]
             n = shape[1] if blockwise else 0
             if n < 1 or (first_block == 0 and n > total):
@@ -176,12 +267,31 @@ class KVReceiver(ABC):
                 pending.layers.add(layer)
 
     def _on_commit(self, transfer_id: str, auth_token: str, first_token: int, logprob: TokenLogprobs | None) -> None:
+        in_parts = False
         with self._lock:
             pending = self._get(transfer_id, auth_token)
-            if len(pending.layers) != self.sink.num_layers:
+            # a transfer sent in parts commits with no layers of its own: its parts must cover the heads
+            in_parts = not pending.layers and not pending.ticket.num_heads and transfer_id in self._parts
+            if len(pending.layers) != self.sink.num_layers and not in_parts:
                 missing = sorted(set(range(self.sink.num_layers)) - pending.layers)
                 raise KVTransferError(f"commit of {transfer_id!r} before layers {missing} arrived")
+            if pending.ticket.num_heads:  # a part: recorded, the transfer goes on
+                del self._pending[transfer_id]
+                self._parts.setdefault(parse_part_id(transfer_id)[0], []).append(
+                    (pending.ticket.first_head, pending.ticket.num_heads))
+                return
+        if in_parts:
+            why = self.parts_missing(transfer_id, forget=False)
+            if why is not None:
+                raise KVTransferError(f"commit of {transfer_id!r}: {why}")
+            check = getattr(self.sink, "check_parts", None)
+            if check is not None:
+                check(pending.ticket)  # the other ranks' heads (outside the lock: it asks them)
+        with self._lock:
+            if self._pending.get(transfer_id) is not pending:
+                raise KVTransferError(f"transfer {transfer_id!r} was aborted while it committed")
             del self._pending[transfer_id]
+            self._drop_parts(transfer_id)
         self._revoked(pending.ticket)
         self.sink.commit(pending.ticket, first_token, logprob)
 
@@ -189,6 +299,9 @@ class KVReceiver(ABC):
         with self._lock:
             pending = self._get(transfer_id, auth_token)
             del self._pending[transfer_id]
+            if pending.ticket.num_heads:
+                return  # a part: the transfer cannot commit without it
+            self._drop_parts(transfer_id)
         self._revoked(pending.ticket)
         self.sink.abort(pending.ticket, reason)
 
@@ -201,6 +314,8 @@ class KVSender(ABC):
 
     `bytes_sent`: KV bytes handed to the transport so far, by backend name (cumulative; written by
     the thread calling `send_layer`, read for metrics)."""
+
+    sends_parts = True  # can reach each rank of a tensor-parallel decode worker (kv_transfer/parts.py)
 
     def __init__(self, compat_hash: str) -> None:
         self.compat_hash = compat_hash

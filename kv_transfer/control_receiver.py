@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import torch
 
-from kv_transfer.base import KVReceiver, KVSink, KVTransferError, TransferTicket
+from kv_transfer.base import KVReceiver, KVSink, KVTransferError, TransferTicket, sink_heads
 from kv_transfer.checksum import checksum
 from kv_transfer.compression import dequantize_int8
 from kv_transfer.planes import ReceivePlane
@@ -67,8 +67,10 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
             self.r.check_compat(request.compat_hash)
         except KVTransferError as e:
             return kv_transfer_pb2.HandshakeResponse(ok=False, reason=str(e), compat_hash=self.r.sink.compat_hash)
+        first, heads = sink_heads(self.r.sink)
         return kv_transfer_pb2.HandshakeResponse(
-            ok=True, compat_hash=self.r.sink.compat_hash, **self.r.handshake_fields(request)
+            ok=True, compat_hash=self.r.sink.compat_hash, first_kv_head=first, kv_heads=heads,
+            **self.r.handshake_fields(request)
         )
 
     @staticmethod

@@ -36,6 +36,8 @@ class InprocReceiver(KVReceiver):
 
 
 class InprocSender(KVSender):
+    sends_parts = False  # in this process only: a tensor-parallel worker's other ranks cannot reach it
+
     def __init__(self, compat_hash: str, compression: str = "none") -> None:
         super().__init__(compat_hash)
         roundtrip(torch.zeros(2, 1, 1, 1, 1), compression)  # refuse an unknown compression now

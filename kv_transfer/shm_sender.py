@@ -273,7 +273,8 @@ class ShmSendPlane(SendPlane):
 
     # ------------------------------------------------------------------ transfers
     def stage(self, ticket: TransferTicket, layer: int, kv: torch.Tensor) -> Any:
-        cache = self._cache_for(ticket.kv_endpoint) if self.in_place else None
+        # a part of a transfer (some KV heads, kv_transfer/parts.py) copies through a segment
+        cache = self._cache_for(ticket.kv_endpoint) if self.in_place and not ticket.num_heads else None
         if cache is not None:
             digest = tensor_checksum(kv) if self.verify_in_place else None
             # skipped (False) for a ticket whose blocks are no longer its own, or a layer that does not

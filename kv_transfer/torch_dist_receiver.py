@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import KVTransferError
+from kv_transfer.base import KVTransferError, TransferTicket
 from kv_transfer.checksum import tensor_checksum
 from kv_transfer.control_receiver import ControlReceiver, sink_device
 from kv_transfer.planes import ReceivePlane
@@ -132,7 +132,7 @@ class TorchDistReceivePlane(ReceivePlane):
     def receive(self, msg: kv_transfer_pb2.KVLayer) -> None:
         # who is asking and what they claim, before a single recv is posted
         ticket = self.control.authorize(msg.transfer_id, msg.auth_token)
-        dtype, shape = self._check(msg, len(ticket.block_ids))
+        dtype, shape = self._check(msg, ticket)
         with self._pairs_lock:
             pair = self._pairs.get(msg.dist_pair)
         if pair is None:
@@ -154,7 +154,7 @@ class TorchDistReceivePlane(ReceivePlane):
         check_digest(msg, "received", tensor_checksum(buf))
         self.control._on_layer(msg.transfer_id, msg.auth_token, msg.layer, buf)
 
-    def _check(self, msg: kv_transfer_pb2.KVLayer, num_blocks: int) -> tuple[torch.dtype, tuple[int, ...]]:
+    def _check(self, msg: kv_transfer_pb2.KVLayer, ticket: TransferTicket) -> tuple[torch.dtype, tuple[int, ...]]:
         """The framing checks that can be made before the bytes arrive (their checksum comes after)."""
         if msg.payload:
             raise KVTransferError(f"layer {msg.layer}: both an inline payload and a torch_distributed send")
@@ -165,7 +165,7 @@ class TorchDistReceivePlane(ReceivePlane):
         self.control.check_layer_index(msg.layer)
         dtype = self.control.check_dtype(msg)
         shape = tuple(msg.shape)
-        expected = tuple(self.control.sink.layer_shape(num_blocks))
+        expected = self.control.expected_shape(ticket, len(ticket.block_ids))
         if shape != expected:
             raise KVTransferError(f"layer {msg.layer}: shape {shape}, expected {expected}")
         return dtype, shape

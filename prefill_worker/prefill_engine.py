@@ -18,6 +18,7 @@ from engine.model_runner import LayerSend, ScheduledSeq
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from kv_transfer import KVSender, TransferTicket
+from kv_transfer.parts import PartItem, PartSend
 
 
 @dataclass
@@ -42,8 +43,12 @@ class PrefillEngine:
             raise ValueError("PrefillEngine needs an Engine with role='prefill'")
         self.engine = engine
         self.sender = sender
+        # the direct path between tensor-parallel workers (kv_transfer/parts.py): every rank sends its
+        # own heads; without a KV sender on each rank, slices are gathered on rank 0 (the fallback)
+        self.sends_parts = sender.sends_parts and (engine.tensor_parallel_size == 1 or engine.rank_kv is not None)
         self._tickets: dict[str, TransferTicket] = {}
         self._errors: dict[str, str] = {}
+        self._parts: tuple[list, PartSend] | None = None  # this step's direct transfers
 
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams, ticket: TransferTicket,
             output_offset: int = 0) -> None:
@@ -86,11 +91,24 @@ class PrefillEngine:
         except Exception:  # the receiver may be gone; its lease frees the blocks
             pass
 
+    def in_parts(self, ticket: TransferTicket) -> bool:
+        """Whether the ticket's KV goes the direct way, each rank's heads to the ranks taking them."""
+        return self.sends_parts and (self.engine.tensor_parallel_size > 1 or len(ticket.rank_endpoints) > 1)
+
     def _layer_hook(self, batch: list[ScheduledSeq]) -> LayerSend | None:
         done = [item.seq for item in batch if item.completes]
         if not done:
             return None
         bs = self.engine.block_size
+        direct = [seq for seq in done if self.in_parts(self._tickets[seq.request_id])]
+        done = [seq for seq in done if seq not in direct]
+        parts = None
+        if direct:
+            items = [PartItem(self._tickets[seq.request_id],
+                              seq.block_table[self._tickets[seq.request_id].cached_tokens // bs:]) for seq in direct]
+            parts = PartSend(self.sender, 0, self.engine.tensor_parallel_size, self.engine.model_cfg.num_kv_heads,
+                             items)
+            self._parts = (direct, parts)
         # per prompt the blocks the receiver does not hold already; after each layer their K/V come
         # as one copy (2, blocks, block_size, every KV head, hd), so the blocks may be reused at once
         spans, blocks = [], []
@@ -109,11 +127,19 @@ class PrefillEngine:
                 except Exception as e:  # one failed transfer must not fail the whole batch
                     self._errors[rid] = f"KV transfer failed at layer {layer}: {e}"
 
-        return LayerSend(blocks, send)
+        return LayerSend(blocks, send, parts)
 
     def step(self) -> list[PrefillResult]:
         results = []
-        for seq in self.engine.step(self._layer_hook):
+        self._parts = None
+        try:
+            finished = self.engine.step(self._layer_hook)
+        finally:
+            if self._parts is not None:  # what a rank's part of a transfer said when it failed
+                for seq, error in zip(self._parts[0], self._parts[1].errors):
+                    if error is not None:
+                        self._errors.setdefault(seq.request_id, error)
+        for seq in finished:
             sampled_at = time.monotonic()
             rid = seq.request_id
             ticket = self._tickets.pop(rid)

@@ -24,12 +24,13 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.step_stats import StepTotals
-from kv_transfer import KVFaults, KVTransferError, TransferTicket, create_sender
+from kv_transfer import KVTransferError, TransferTicket
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
+from prefill_worker.rank_kv import PrefillRankKV, SenderSettings
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
-from proto.cluster_auth import CarrySecret, server_interceptors
+from proto.cluster_auth import server_interceptors
 from proto.convert import logprob_to_proto, choice_sampling_from_proto, prefix_cache_to_proto, step_stats_to_proto
 from proto.serving import add_health_and_reflection, bind_server, in_request_context
 
@@ -54,20 +55,19 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
     def __init__(self, engine_cfg: EngineConfig, worker_id: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, kv_backend: str = "grpc", kv_timeout_s: float = 30.0,
                  request_timeout_s: float = 600.0, kv_compression: str = "none", kv_faults: str | None = None,
-                 cluster_secret: str | None = None, kv_options: dict | None = None) -> None:
+                 cluster_secret: str | None = None, kv_options: dict | None = None, direct_kv: bool = True) -> None:
         """`kv_faults`: a fault-injection spec for this worker's KV sender (kv_transfer/faults.py;
         None: off, unless $PDCLUSTER_KV_FAULTS is set). `kv_options`: more keyword arguments of the
         backend's sender (shm/auto: in_place, verify_in_place). `cluster_secret`: required of every RPC to
-        this worker, and sent with every KV transfer (proto/cluster_auth.py; None: none)."""
+        this worker, and sent with every KV transfer (proto/cluster_auth.py; None: none). `direct_kv`: with
+        tensor parallelism, each rank sends its own KV heads (False: through rank 0, the fallback)."""
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
         self.request_timeout_s = request_timeout_s
-        self.engine = Engine(engine_cfg, "prefill")
-        extra = {**(kv_options or {}), **({"compression": kv_compression} if kv_compression != "none" else {})}
-        sender = create_sender(kv_backend, self.engine.compat_hash, timeout_s=kv_timeout_s,
-                               faults=KVFaults.parse(kv_faults), **extra)
-        if cluster_secret:
-            sender.add_channel_interceptor(CarrySecret(cluster_secret))
-        self.prefill = PrefillEngine(self.engine, sender)
+        settings = SenderSettings(kv_backend, kv_timeout_s, kv_compression, kv_faults, cluster_secret,
+                                  dict(kv_options or {}))
+        # with tensor parallelism each rank has a KV sender of its own (the direct path) unless direct_kv=False
+        self.engine = Engine(engine_cfg, "prefill", rank_kv=PrefillRankKV(settings) if direct_kv else None)
+        self.prefill = PrefillEngine(self.engine, settings.make(self.engine.compat_hash))
         self._inbox: queue.Queue[_Pending | str] = queue.Queue()  # requests, or request ids to abort
         self._pending: dict[str, _Pending] = {}
         self._queued_tokens = 0

@@ -20,7 +20,7 @@ WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_COLOCATED: WorkerRole
 
 class TransferTicket(_message.Message):
-    __slots__ = ("transfer_id", "kv_endpoint", "block_ids", "compat_hash", "auth_token", "num_tokens", "backend", "cached_tokens")
+    __slots__ = ("transfer_id", "kv_endpoint", "block_ids", "compat_hash", "auth_token", "num_tokens", "backend", "cached_tokens", "rank_endpoints")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class TransferTicket(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANK_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     kv_endpoint: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -37,7 +38,8 @@ class TransferTicket(_message.Message):
     num_tokens: int
     backend: str
     cached_tokens: int
-    def __init__(self, transfer_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., auth_token: _Optional[str] = ..., num_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    rank_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transfer_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., auth_token: _Optional[str] = ..., num_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., rank_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "ticket", "resume_offset")

@@ -116,17 +116,54 @@ def test_offline_disaggregated_between_degrees_equals_transformers(checkpoint, p
 
 
 # ------------------------------------------------------------------ a cluster of tensor-parallel workers
+def _cluster(path: str, backend: str, p_tp: int, d_tp: int, direct: bool = True) -> LocalCluster:
+    base = EngineConfig(model=path, dtype="float32", num_blocks=64, max_model_len=128, num_threads=1)
+    kv = {"kv_backend": backend, "direct_kv": direct}
+    return LocalCluster(base, 1, 1, prefill={"kv_timeout_s": 10.0, **kv}, decode=kv, router={"request_timeout_s": 60},
+                        prefill_engine=dataclasses.replace(base, tensor_parallel_size=p_tp),
+                        decode_engine=dataclasses.replace(base, tensor_parallel_size=d_tp))
+
+
+def _serve(c: LocalCluster, prompts: list[list[int]]) -> tuple[list[list[int]], int, int]:
+    """Greedy outputs, then the KV bytes prefill rank 0 sent and those the prompts hold (every head)."""
+    with c.client() as client:
+        got = [client.complete(p, SamplingParams(max_tokens=N, temperature=0.0)).token_ids for p in prompts]
+    assert c.wait_blocks_free()
+    prefill = c.prefill_workers[0]
+    total = sum(-(-len(p) // prefill.engine.block_size) for p in prompts) * prefill.engine.kv_bytes_per_block
+    return got, sum(prefill.prefill.sender.bytes_sent.values()), total
+
+
 @pytest.mark.parametrize("backend", ["shm", "tcp", "grpc"])
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2), (2, 2)])
 def test_cluster_between_tensor_parallel_degrees_equals_transformers(checkpoint, backend, p_tp, d_tp):
+    """The direct path: each decode rank gets its KV heads from the prefill rank holding them."""
     path = str(checkpoint("llama-gqa", num_attention_heads=8, num_key_value_heads=4))
     ref = hf_greedy(path)
-    base = EngineConfig(model=path, dtype="float32", num_blocks=64, max_model_len=128, num_threads=1)
-    kv = {"kv_backend": backend}
-    with LocalCluster(base, 1, 1, prefill={"kv_timeout_s": 10.0, **kv}, decode=kv, router={"request_timeout_s": 60},
-                      prefill_engine=dataclasses.replace(base, tensor_parallel_size=p_tp),
-                      decode_engine=dataclasses.replace(base, tensor_parallel_size=d_tp)) as c, c.client() as client:
+    with _cluster(path, backend, p_tp, d_tp) as c:
         assert [len(w.engine_ranks()) for w in c.workers] == [p_tp, d_tp]  # the workers run split as asked
-        got = [client.complete(p, SamplingParams(max_tokens=N, temperature=0.0)).token_ids for p in PROMPTS[:4]]
-        assert c.wait_blocks_free()
+        assert len(c.decode_workers[0].decode.rank_endpoints) == (d_tp if d_tp > 1 else 0)  # a receiver per rank
+        got, sent, total = _serve(c, PROMPTS[:4])
     assert got == [ref(p, N) for p in PROMPTS[:4]]
+    assert sent == total // p_tp  # prefill rank 0 sent its own heads only: 2 of the 4 KV heads with 2 ranks
+
+
+def test_replicated_kv_heads_are_sent_by_the_replicas_in_turn(checkpoint):
+    """MQA P2 -> D2: both prefill ranks hold the one KV head; each decode rank gets it from one of them."""
+    path = str(checkpoint("llama-mqa-tied"))
+    ref = hf_greedy(path)
+    with _cluster(path, "tcp", 2, 2) as c:
+        got, sent, total = _serve(c, PROMPTS[:3])
+    assert got == [ref(p, N) for p in PROMPTS[:3]]
+    assert sent == total  # rank 0 sent the head once (to decode rank 0); rank 1 sent it to decode rank 1
+
+
+def test_the_fallback_path_through_rank_0_still_serves(checkpoint):
+    """direct_kv=False: prefill rank 0 gathers and sends every head, decode rank 0 scatters them."""
+    path = str(checkpoint("llama-gqa", num_attention_heads=8, num_key_value_heads=4))
+    ref = hf_greedy(path)
+    with _cluster(path, "grpc", 2, 2, direct=False) as c:
+        assert c.decode_workers[0].decode.rank_endpoints == []
+        got, sent, total = _serve(c, PROMPTS[:3])
+    assert got == [ref(p, N) for p in PROMPTS[:3]]
+    assert sent == total

@@ -1,0 +1,144 @@
+"""KV between tensor-parallel workers, the direct path: each rank of the decode worker receives its
+KV heads of every layer straight from the rank of the prefill worker that holds them.
+
+A prefill worker of degree a sends to a decode worker of degree b (either may be 1; the ticket's
+`rank_endpoints` names b > 1 receivers). `plan(K, a, b)` lists the parts: for each receiving rank, its
+heads grouped by the sending rank they come from (of the ranks holding a replicated head, the
+receiving ranks take turns). A part is
+a transfer of its own, "<id>@<decode rank>:<first head>+<heads>" with the transfer's blocks and auth token, from
+the sending rank's KV sender to the receiving rank's receiver, and it commits alone; the transfer
+then commits from rank 0 with no layers, and the decode worker takes it only once parts cover every
+KV head on every rank (kv_transfer/base.py). `PartSend` is one sending rank's share of one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.tp_layout import kv_head_range
+from kv_transfer.base import KVSender, TransferTicket
+
+log = logging.getLogger("pdcluster.kv")
+
+
+@dataclass(frozen=True)
+class Part:
+    src: int  # the sending rank
+    dst: int  # the receiving rank
+    first_head: int  # the model's index of its first KV head
+    num_heads: int
+
+
+def plan(num_kv_heads: int, src_size: int, dst_size: int) -> list[Part]:
+    """The parts that move every KV head from `src_size` ranks to `dst_size` ranks (ValueError when a
+    degree cannot split the KV heads). A head several sending ranks hold (replicated) comes to
+    receiving rank r from the (r mod holders)-th of them, so the replicas share the sending."""
+    holders: dict[int, list[int]] = {}
+    for s in range(src_size):
+        first, n = kv_head_range(num_kv_heads, src_size, s)
+        for h in range(first, first + n):
+            holders.setdefault(h, []).append(s)
+    parts: list[Part] = []
+    for r in range(dst_size):
+        first, n = kv_head_range(num_kv_heads, dst_size, r)
+        for h in range(first, first + n):
+            src = holders[h][r % len(holders[h])]
+            last = parts[-1] if parts else None
+            if last is not None and last.dst == r and last.src == src and last.first_head + last.num_heads == h:
+                parts[-1] = dataclasses.replace(last, num_heads=last.num_heads + 1)
+            else:
+                parts.append(Part(src, r, h, 1))
+    return parts
+
+
+def check_pair(num_kv_heads: int, prefill_size: int, decode_size: int) -> None:
+    """Raise ValueError unless prefill ranks of degree `prefill_size` can fill every KV head of decode
+    ranks of degree `decode_size` (both split or replicate the KV heads)."""
+    parts = plan(num_kv_heads, prefill_size, decode_size)
+    for r in range(decode_size):
+        first, n = kv_head_range(num_kv_heads, decode_size, r)
+        got = sorted(h for p in parts if p.dst == r for h in range(p.first_head, p.first_head + p.num_heads))
+        if got != list(range(first, first + n)):
+            raise ValueError(f"prefill tensor_parallel_size {prefill_size} cannot fill decode rank {r} of "
+                             f"{decode_size} (KV heads {first}..{first + n - 1})")
+
+
+def receivers(ticket: TransferTicket) -> list[str]:
+    """The KV endpoint of each decode rank."""
+    return list(ticket.rank_endpoints) or [ticket.kv_endpoint]
+
+
+@dataclass
+class PartItem:
+    """One transfer of a step: its ticket, and the blocks of the sending engine holding its KV."""
+
+    ticket: TransferTicket
+    blocks: list[int]
+
+
+def encode_items(items: list[PartItem]) -> bytes:
+    """The step's transfers for the other sending ranks (JSON on the tensor-parallel control channel)."""
+    return json.dumps([{"ticket": dataclasses.asdict(i.ticket), "blocks": i.blocks} for i in items]).encode()
+
+
+def decode_items(payload: bytes) -> list[PartItem]:
+    return [PartItem(TransferTicket(**d["ticket"]), list(d["blocks"])) for d in json.loads(payload)]
+
+
+class PartSend:
+    """One sending rank's parts of a step's transfers: `send(layer, cache)` after each layer sends
+    this rank's heads of each transfer's blocks to the ranks that take them; `finish()` commits the
+    parts and returns per transfer 1 if any of its parts failed (else 0); `fail(flags)` takes every
+    rank's flags summed (rank 0: which transfers to abort)."""
+
+    def __init__(self, sender: KVSender, rank: int, size: int, num_kv_heads: int, items: list[PartItem]) -> None:
+        self.sender = sender
+        self.items = items
+        self.payload = encode_items(items)
+        own_first, _ = kv_head_range(num_kv_heads, size, rank)
+        self.parts: list[list[tuple[TransferTicket, int]]] = []  # per item: (part ticket, head offset here)
+        for item in items:
+            ends = receivers(item.ticket)
+            self.parts.append([(item.ticket.part(p.dst, p.first_head, p.num_heads, ends[p.dst]), p.first_head - own_first)
+                               for p in plan(num_kv_heads, size, len(ends)) if p.src == rank])
+        self.errors: list[str | None] = [None] * len(items)
+
+    def send(self, layer: int, cache: torch.Tensor) -> None:
+        """`cache`: this rank's cache layer (2, num_blocks, block_size, its KV heads, head_dim)."""
+        for i, item in enumerate(self.items):
+            if self.errors[i] is not None or not self.parts[i]:
+                continue
+            kv = cache[:, item.blocks]
+            try:
+                for ticket, offset in self.parts[i]:
+                    self.sender.send_layer(ticket, layer, kv[:, :, :, offset:offset + ticket.num_heads].contiguous())
+            except Exception as e:  # noqa: BLE001 (one failed transfer must not fail the batch)
+                self.errors[i] = f"KV part failed at layer {layer}: {e}"
+
+    def finish(self) -> list[int]:
+        for i in range(len(self.items)):
+            for ticket, _ in self.parts[i]:
+                if self.errors[i] is not None:
+                    break
+                try:
+                    self.sender.commit(ticket, 0, None)
+                except Exception as e:  # noqa: BLE001
+                    self.errors[i] = f"KV part {ticket.transfer_id!r} failed: {e}"
+            if self.errors[i] is not None:
+                log.warning("%s", self.errors[i])
+                for ticket, _ in self.parts[i]:
+                    try:
+                        self.sender.abort(ticket, self.errors[i])
+                    except Exception:  # noqa: BLE001 (the receiver may be gone; the transfer fails anyway)
+                        pass
+        return [int(e is not None) for e in self.errors]
+
+    def fail(self, flags: list[int]) -> None:
+        for i, flag in enumerate(flags):
+            if flag and self.errors[i] is None:
+                self.errors[i] = "another tensor-parallel rank failed to send its KV heads (its log says why)"
