@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,7 @@ class PartSend:
             self.parts.append([(item.ticket.part(p.dst, p.first_head, p.num_heads, ends[p.dst]), p.first_head - own_first)
                                for p in plan(num_kv_heads, size, len(ends)) if p.src == rank])
         self.errors: list[str | None] = [None] * len(items)
+        self.finish_ms = 0.0  # committing the parts (the transfer not hidden behind the pass)
 
     def send(self, layer: int, cache: torch.Tensor) -> None:
         """`cache`: this rank's cache layer (2, num_blocks, block_size, its KV heads, head_dim)."""
@@ -121,6 +123,13 @@ class PartSend:
                 self.errors[i] = f"KV part failed at layer {layer}: {e}"
 
     def finish(self) -> list[int]:
+        t0 = time.monotonic()
+        try:
+            return self._finish()
+        finally:
+            self.finish_ms = (time.monotonic() - t0) * 1e3
+
+    def _finish(self) -> list[int]:
         for i in range(len(self.items)):
             for ticket, _ in self.parts[i]:
                 if self.errors[i] is not None:

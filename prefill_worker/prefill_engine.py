@@ -139,6 +139,7 @@ class PrefillEngine:
                 for seq, error in zip(self._parts[0], self._parts[1].errors):
                     if error is not None:
                         self._errors.setdefault(seq.request_id, error)
+        parts_ms = {seq.request_id: self._parts[1].finish_ms for seq in self._parts[0]} if self._parts else {}
         for seq in finished:
             sampled_at = time.monotonic()
             rid = seq.request_id
@@ -159,7 +160,9 @@ class PrefillEngine:
                 commit_ms = (time.monotonic() - t0) * 1e3
             if error is not None or not hand_on:
                 self._safe_abort(ticket, error or "finished at prefill")
-            compute_ms = (sampled_at - (seq.first_scheduled_time or seq.arrival_time)) * 1e3
+            # the direct path commits its parts inside the step: transfer time, not compute
+            commit_ms += parts_ms.get(rid, 0.0)
+            compute_ms = (sampled_at - (seq.first_scheduled_time or seq.arrival_time)) * 1e3 - parts_ms.get(rid, 0.0)
             results.append(PrefillResult(rid, token, lp, seq.finish_reason, seq.num_cached_tokens, error, commit_ms,
                                          seq.queue_ms, compute_ms, seq.prompt_logprobs))
         return results
