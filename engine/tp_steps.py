@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -228,30 +230,53 @@ def _answer(channel: Channel, rank_kv: RankKV | None) -> None:
     channel.send(torch.tensor([REPLY]), bytes_tensor(json.dumps(reply).encode()))
 
 
+def _read(runner: Any, channel: Channel, rank_kv: RankKV | None, inbox: queue.SimpleQueue) -> None:
+    """A follower's channel reader: answers CALLs at once (a step in progress does not delay rank 0's
+    reservations and commits) and queues everything else, with its payload, in order; None: the end."""
+    try:
+        while True:
+            msg = channel.recv()
+            if msg is None or int(msg[0]) == STOP:
+                break
+            op = int(msg[0])
+            if op == CALL:
+                _answer(channel, rank_kv)
+                continue
+            payload: Any = None
+            if op == STEP and int(msg[-1]):
+                payload = channel.recv_bytes() or b"[]"
+            elif op == KV:
+                cache = runner.kv_caches[int(msg[1])]
+                payload = channel.recv_payload(cache.dtype, (2, int(msg[2]), *cache.shape[2:]))
+            inbox.put((op, msg, payload))
+    except BaseException as e:  # noqa: BLE001 (the loop raises it)
+        inbox.put(e)
+        return
+    inbox.put(None)
+
+
 def follow_steps(runner: Any, channel: Channel, rank_kv: RankKV | None = None) -> None:
     """Another rank's loop: run what rank 0 sends until STOP or the channel's end."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(runner, channel, rank_kv, inbox), name="tp-channel", daemon=True).start()
     while True:
-        msg = channel.recv()
-        if msg is None or int(msg[0]) == STOP:
+        item = inbox.get()
+        if item is None:
             return
-        op = int(msg[0])
+        if isinstance(item, BaseException):
+            raise item
+        op, msg, payload = item
         if op == STEP:
-            batch, gather, has_parts = decode_step(msg)
+            batch, gather, _ = decode_step(msg)
             parts = None
-            if has_parts:
-                payload = channel.recv_bytes() or b"[]"
+            if payload is not None:
                 parts = rank_kv.parts(payload, runner) if rank_kv is not None else _Failed(payload)
             runner.forward(batch, step_hook(runner, gather, parts))
             if parts is not None:
                 settle_parts(runner.tp.group, parts)
-        elif op == CALL:
-            _answer(channel, rank_kv)
         elif op == COPY:
             runner.copy_local(decode_copy(msg))
         elif op == KV:
-            layer, n = int(msg[1]), int(msg[2])
-            blocks = msg[3:3 + n].tolist()
-            cache = runner.kv_caches[layer]
-            runner.write_local(layer, blocks, channel.recv_payload(cache.dtype, (2, n, *cache.shape[2:])))
+            runner.write_local(int(msg[1]), msg[3:3 + int(msg[2])].tolist(), payload)
         else:
             raise TPError(f"unexpected tensor-parallel message {op}")

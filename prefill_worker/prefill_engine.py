@@ -66,6 +66,19 @@ class PrefillEngine:
         self.engine.add_request(request_id, token_ids, params, output_offset)
         self._tickets[request_id] = ticket
 
+    def bytes_sent(self) -> dict[str, int]:
+        """KV bytes sent so far by backend, by every tensor-parallel rank of the worker (cumulative)."""
+        total = dict(self.sender.bytes_sent)
+        if self.engine.rank_kv is not None and self.engine.check_broken() is None:
+            try:
+                replies = self.engine.call_ranks({"op": "bytes_sent"})
+            except Exception:  # noqa: BLE001 (a rank gone: the engine is broken now; rank 0's count stays)
+                replies = []
+            for reply in replies:
+                for backend, n in reply.get("bytes_sent", {}).items():
+                    total[backend] = total.get(backend, 0) + n
+        return total
+
     def close(self) -> None:
         """Release the KV sender's connections and the engine's tensor-parallel ranks."""
         self.sender.close()

@@ -52,7 +52,9 @@ class PrefillRankKV:
         return PartSend(self.sender, layout.rank, layout.size, layout.num_kv_heads, decode_items(payload))
 
     def call(self, request: dict) -> dict:
-        raise ValueError(f"a prefill worker's ranks take no requests ({request.get('op')!r})")
+        if request.get("op") == "bytes_sent":
+            return {"bytes_sent": dict(self.sender.bytes_sent)}
+        raise ValueError(f"unknown request {request.get('op')!r}")
 
     def close(self) -> None:
         if self.sender is not None:

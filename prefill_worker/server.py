@@ -238,7 +238,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             worker_id=self.worker_id, role=wk.WORKER_ROLE_PREFILL, running=load.running,
             queued=load.waiting + self._inbox.qsize(), kv_blocks_used=load.blocks_used,
             kv_blocks_free=load.blocks_free, queued_prefill_tokens=self._queued_tokens,
-            kv_bytes_sent=dict(self.prefill.sender.bytes_sent), prefix_cache_hit_tokens=self._cached_tokens,
+            kv_bytes_sent=self.prefill.bytes_sent(), prefix_cache_hit_tokens=self._cached_tokens,
             prompt_tokens=self._prompt_tokens, **step_stats_to_proto(self.step_totals),
             **prefix_cache_to_proto(request or wk.StatsRequest(), self.engine.prefix_cache_changes,
                                     self.engine.block_size),

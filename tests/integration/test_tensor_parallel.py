@@ -134,6 +134,11 @@ def _serve(c: LocalCluster, prompts: list[list[int]]) -> tuple[list[list[int]], 
     return got, sum(prefill.prefill.sender.bytes_sent.values()), total
 
 
+def _all_ranks_sent(c: LocalCluster) -> int:
+    """The KV bytes every rank of the prefill worker sent, as its Stats reports them."""
+    return sum(c.prefill_workers[0].prefill.bytes_sent().values())
+
+
 @pytest.mark.parametrize("backend", ["shm", "tcp", "grpc"])
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2), (2, 2)])
 def test_cluster_between_tensor_parallel_degrees_equals_transformers(checkpoint, backend, p_tp, d_tp):
@@ -144,8 +149,29 @@ def test_cluster_between_tensor_parallel_degrees_equals_transformers(checkpoint,
         assert [len(w.engine_ranks()) for w in c.workers] == [p_tp, d_tp]  # the workers run split as asked
         assert len(c.decode_workers[0].decode.rank_endpoints) == (d_tp if d_tp > 1 else 0)  # a receiver per rank
         got, sent, total = _serve(c, PROMPTS[:4])
+        assert _all_ranks_sent(c) == total  # every KV head sent once, by the rank holding it
     assert got == [ref(p, N) for p in PROMPTS[:4]]
     assert sent == total // p_tp  # prefill rank 0 sent its own heads only: 2 of the 4 KV heads with 2 ranks
+
+
+def test_a_transfer_is_refused_until_every_decode_rank_has_its_heads(checkpoint, monkeypatch):
+    """P1 -> D2 whose prefill worker leaves out decode rank 1's part: decode rank 0 asks its rank,
+    refuses the commit naming the missing heads, every block comes back; with the parts restored the
+    same cluster serves transformers' tokens."""
+    from kv_transfer import parts
+
+    path = str(checkpoint("llama-gqa", num_attention_heads=8, num_key_value_heads=4))
+    ref = hf_greedy(path)
+    full_plan = parts.plan
+    monkeypatch.setattr(parts, "plan", lambda k, a, b: [p for p in full_plan(k, a, b) if p.dst != 1])
+    with _cluster(path, "tcp", 1, 2) as c:
+        c.router.orchestrator.max_retries = 0
+        with c.client() as client, pytest.raises(Exception, match=r"rank 1: KV heads \[2, 3\]"):
+            client.complete(PROMPTS[1], SamplingParams(max_tokens=N, temperature=0.0))
+        assert c.wait_blocks_free()
+        monkeypatch.setattr(parts, "plan", full_plan)
+        got, _, _ = _serve(c, PROMPTS[1:2])
+    assert got == [ref(PROMPTS[1], N)]
 
 
 def test_replicated_kv_heads_are_sent_by_the_replicas_in_turn(checkpoint):
