@@ -74,6 +74,10 @@ class DecodeWorkerServer(DecodeWorkerService):
                   ticket.cached_tokens, ticket.transfer_id)
         return wk.ReserveResponse(ticket=ticket.to_proto())
 
+    def kv_endpoints(self) -> list[str]:
+        """Where prefill workers send this worker's KV: each tensor-parallel rank's receiver, or the one."""
+        return self.decode.rank_endpoints or [self.address]
+
     def _received_held(self) -> int:
         return self.decode.committed_cached_tokens
 

@@ -112,6 +112,8 @@ class WorkerActor:
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "gc_frozen": self.gc_frozen,  # objects kept out of the garbage collector's scans
             "ranks": self.server.engine_ranks(),  # tensor-parallel ranks: [this process's pid, children's ...]
+            # a decode worker's KV receivers (one per tensor-parallel rank on the direct path)
+            "kv_endpoints": self.server.kv_endpoints() if hasattr(self.server, "kv_endpoints") else [],
         }
 
     def connect_kv(self, endpoints: list[str], timeout_s: float) -> dict[str, str]:

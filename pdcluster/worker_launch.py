@@ -91,17 +91,22 @@ def check_backend_placement(kv_backend: str, workers: list[dict[str, Any]]) -> N
 
 
 def check_kv_pairs(workers: list[dict[str, Any]], timeout_s: float) -> None:
-    """Every prefill worker handshakes with every decode worker's KV receiver now, so a backend that
+    """Every prefill worker (each of its tensor-parallel ranks) handshakes with every decode worker's
+    KV receivers (each rank's on the direct path) now, so a backend that
     cannot work for some pair (another node for shm, no process group for torch_distributed, an
     unreachable data port for tcp, a different KV layout) is an error at `up` / `scale`, not at the first request."""
     import ray
 
-    decode = [w["address"] for w in workers if w["role"] == "decode"]
+    by_address = {}  # KV endpoint -> the decode worker (and rank) it belongs to
+    for w in workers:
+        if w["role"] == "decode":
+            ends = w.get("kv_endpoints") or [w["address"]]
+            by_address.update({e: w["worker_id"] + (f" rank {r}" if len(ends) > 1 else "") for r, e in enumerate(ends)})
+    decode = list(by_address)
     prefill = [w for w in workers if w["role"] == "prefill"]
     if not decode or not prefill:
         return
     refs = {ray.get_actor(w["worker_id"]).connect_kv.remote(decode, timeout_s): w["worker_id"] for w in prefill}
-    by_address = {w["address"]: w["worker_id"] for w in workers if w["role"] == "decode"}
     problems = []
     for ref, worker_id in refs.items():
         try:

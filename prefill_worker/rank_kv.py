@@ -8,9 +8,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer import KVFaults, KVSender, create_sender
+from kv_transfer import KVFaults, KVSender, KVTransferError, create_sender
 from kv_transfer.parts import PartSend, decode_items
 from proto.cluster_auth import CarrySecret
+
+
+def connect_all(sender: KVSender, endpoints: list[str], timeout_s: float) -> dict[str, str]:
+    """Handshake with each KV endpoint now; endpoint -> why it cannot take this sender's transfers."""
+    errors: dict[str, str] = {}
+    for endpoint in endpoints:
+        try:
+            sender.connect(endpoint, timeout_s)
+        except KVTransferError as e:
+            errors[endpoint] = str(e)
+    return errors
 
 
 @dataclass
@@ -54,6 +65,8 @@ class PrefillRankKV:
     def call(self, request: dict) -> dict:
         if request.get("op") == "bytes_sent":
             return {"bytes_sent": dict(self.sender.bytes_sent)}
+        if request.get("op") == "connect":
+            return {"errors": connect_all(self.sender, request["endpoints"], request["timeout_s"])}
         raise ValueError(f"unknown request {request.get('op')!r}")
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from engine.sampling_params import SamplingParams
 from engine.step_stats import StepTotals
 from kv_transfer import KVTransferError, TransferTicket
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
-from prefill_worker.rank_kv import PrefillRankKV, SenderSettings
+from prefill_worker.rank_kv import PrefillRankKV, SenderSettings, connect_all
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
@@ -88,12 +88,14 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
     def connect_kv(self, endpoints: list[str], timeout_s: float) -> dict[str, str]:
         """Handshake with each decode worker's KV receiver now (at start-up); returns endpoint ->
         reason for those that cannot take this worker's transfers (layout, node, backend, network)."""
-        errors: dict[str, str] = {}
-        for endpoint in endpoints:
-            try:
-                self.prefill.sender.connect(endpoint, timeout_s)
-            except KVTransferError as e:
-                errors[endpoint] = str(e)
+        errors = connect_all(self.prefill.sender, endpoints, timeout_s)
+        if self.engine.rank_kv is not None:  # each tensor-parallel rank sends its own heads: its own handshakes
+            replies = self.engine.call_ranks({"op": "connect", "endpoints": endpoints, "timeout_s": timeout_s})
+            for rank, reply in enumerate(replies, 1):
+                for endpoint, why in reply.get("errors", {}).items():
+                    errors.setdefault(endpoint, f"tensor-parallel rank {rank}: {why}")
+                if "error" in reply:
+                    errors.update({e: f"tensor-parallel rank {rank}: {reply['error']}" for e in endpoints})
         return errors
 
     # ------------------------------------------------------------------ engine loop

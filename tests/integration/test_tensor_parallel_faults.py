@@ -33,6 +33,8 @@ def test_a_rank_killed_under_load_loses_no_token_and_its_worker_comes_back(clust
     reference = hf_greedy(str(builtin_path), pad_token_id=3)
     decode = [w for w in cluster.workers if w["role"] == "decode"]
     assert all(len(w["ranks"]) == 2 for w in decode)  # rank 0 (the actor) and one child
+    # a KV receiver per rank (the direct path), each handshaken by the prefill workers at `up`
+    assert all(len(set(w["kv_endpoints"])) == 2 for w in decode)
     prompts = _prompts(6, 30, seed=7)
     started = [threading.Event() for _ in prompts]
     before = _retries(cluster)
