@@ -55,7 +55,9 @@ class DecodeEngine(LockedEngine):
         rank_kv = engine.rank_kv
         self.rank_endpoints = ([self.receiver.endpoint, *rank_kv.endpoints(engine.rank_info)]
                                if rank_kv is not None and engine.rank_info else [])
-        self.kv_heads = engine.kv_heads  # KVSink: a part sent here must carry these heads
+        # KVSink: a part sent here must carry these heads (without a receiver per rank, rank 0 takes
+        # every head and hands each rank its own)
+        self.kv_heads = engine.kv_heads if self.rank_endpoints else (0, engine.model_cfg.num_kv_heads)
 
     # ------------------------------------------------------------------ reservation
     def reserve(
@@ -98,7 +100,7 @@ class DecodeEngine(LockedEngine):
                 rank_endpoints=self.rank_endpoints,
             )
             if self.rank_endpoints:  # the other ranks take their heads' parts from now on
-                self.engine.call_ranks({"op": "expect", "ticket": dataclasses.asdict(ticket)})
+                self._expect_on_ranks(ticket)
             self._reserved[ticket.transfer_id] = seq
             if on_commit is not None:
                 self._on_commit[ticket.transfer_id] = on_commit
@@ -112,7 +114,7 @@ class DecodeEngine(LockedEngine):
 
     def write_layer(self, ticket: TransferTicket, layer: int, kv: torch.Tensor, first_block: int = 0) -> None:
         self.engine.write_kv(layer, ticket.block_ids[first_block : first_block + kv.shape[1]], kv,
-                             ticket.first_head if ticket.num_heads else None)
+                             ticket.first_head, local=bool(ticket.num_heads and self.rank_endpoints))
 
     def check_parts(self, ticket: TransferTicket) -> None:
         """KVSink: a transfer sent in parts commits only once every other rank has all its heads."""
@@ -120,6 +122,19 @@ class DecodeEngine(LockedEngine):
             why = reply.get("missing") or reply.get("error")
             if why:
                 raise KVTransferError(f"tensor-parallel rank {rank}: {why}")
+
+    def _expect_on_ranks(self, ticket: TransferTicket) -> None:
+        """Under the lock: every rank expects the transfer's parts, or the reservation is undone."""
+        try:
+            replies = self.engine.call_ranks({"op": "expect", "ticket": dataclasses.asdict(ticket)})
+            refused = [f"rank {r}: {reply['error']}" for r, reply in enumerate(replies, 1) if "error" in reply]
+        except Exception as e:  # noqa: BLE001 (a rank gone: the engine is broken now)
+            refused = [str(e)]
+        if refused:
+            self._drop_reserved(ticket.transfer_id)
+            self.receiver.forget(ticket.transfer_id)
+            raise KVTransferError(f"the tensor-parallel ranks cannot take transfer {ticket.transfer_id!r}: "
+                                  + "; ".join(refused))
 
     def _forget_on_ranks(self, transfer_id: str) -> None:
         if self.rank_endpoints:
@@ -160,7 +175,7 @@ class DecodeEngine(LockedEngine):
                 seq.logprobs.append(logprob)
             self._committed.append(seq)
             callback = self._on_commit.pop(ticket.transfer_id, None)
-            self._forget_on_ranks(ticket.transfer_id)
+        self._forget_on_ranks(ticket.transfer_id)  # (outside the lock: a round trip to each rank)
         if callback is not None:
             callback()
 

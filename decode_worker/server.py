@@ -18,6 +18,7 @@ import grpc
 
 from decode_worker.decode_engine import DecodeEngine
 from decode_worker.rank_kv import DecodeRankKV
+from kv_transfer import KVTransferError
 from decode_worker.service import DecodeWorkerService
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -63,7 +64,7 @@ class DecodeWorkerServer(DecodeWorkerService):
                                          transfer_id=request.transfer_id or None,
                                          output_offset=request.resume_offset,
                                          reuse_prefix=request.reuse_cached_prefix)
-        except ValueError:
+        except (ValueError, KVTransferError):  # a bad request; a rank that cannot take the transfer
             self._streams.pop(rid, None)
             raise
         if ticket is None:

@@ -162,14 +162,16 @@ class Engine:
         """One layer's K/V of `num_blocks` blocks as transfers carry it: every KV head of the model."""
         return self.runner.kv_layer_shape(num_blocks)
 
-    def write_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor, first_head: int | None = None) -> None:
-        """K/V that arrived from elsewhere (`kv_layer_shape`) into `block_ids` of `layer`, on every rank;
-        with `first_head`: only the model's KV heads [first_head, first_head + kv.shape[3]), all held here."""
-        if first_head is not None:
+    def write_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor, first_head: int = 0,
+                 local: bool = False) -> None:
+        """K/V of the model's KV heads [first_head, first_head + kv.shape[3]) (all: `kv_layer_shape`)
+        that arrived from elsewhere into `block_ids` of `layer`, each rank its heads of them; `local`:
+        heads this rank holds, written here only (the direct path: the other ranks receive their own)."""
+        if local:
             self.runner.write_local(layer, block_ids, kv, first_head - self.kv_heads[0])
             return
         try:
-            self.runner.write_blocks(layer, block_ids, kv)
+            self.runner.write_blocks(layer, block_ids, kv, first_head)
         except TPError as e:
             self.broken = str(e)
             raise

@@ -238,12 +238,16 @@ class ModelRunner:
         c = self.kv_caches[0]
         return (2, num_blocks, c.shape[2], self.model_cfg.num_kv_heads, c.shape[4])
 
-    def write_blocks(self, layer: int, blocks: list[int], kv: torch.Tensor) -> None:
-        """Write K/V with every KV head (`kv_layer_shape`) into `blocks` of `layer`; with tensor
-        parallelism each rank gets its heads (the other ranks through rank 0's channel)."""
-        if self.tp is not None:
-            kv = self.tp.scatter_heads(layer, blocks, kv)
-        self.write_local(layer, blocks, kv)
+    def write_blocks(self, layer: int, blocks: list[int], kv: torch.Tensor, first_head: int = 0) -> None:
+        """Write K/V of the model's KV heads [first_head, first_head + kv.shape[3]) (all of them:
+        `kv_layer_shape`) into `blocks` of `layer`; with tensor parallelism each rank gets its heads of
+        them (the other ranks through rank 0's channel)."""
+        if self.tp is None:
+            self.write_local(layer, blocks, kv, first_head)
+            return
+        own = self.tp.scatter_heads(layer, blocks, kv, first_head)
+        if own is not None:
+            self.write_local(layer, blocks, own[1], own[0])
 
     @torch.inference_mode()
     def write_local(self, layer: int, blocks: list[int], kv: torch.Tensor, head: int = 0) -> None:
@@ -281,7 +285,7 @@ class ModelRunner:
         try:
             hidden, sample_rows = self.forward(batch, step_hook(self, blocks, parts, layer_send and layer_send.send))
             if parts is not None:
-                settle_parts(self.tp.group if self.tp is not None else None, parts)
+                settle_parts(self.tp.group if self.tp is not None else None, parts, self.device)
         except BaseException as e:
             if self.tp is None or isinstance(e, TPError):
                 raise

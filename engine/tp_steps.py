@@ -21,7 +21,8 @@ Messages (int64 arrays on the control channel, engine/tp_group.py):
     [STEP, n, (computed, new, table_len, *table, *new token ids) x n, g, *blocks to gather per layer, p]
                                   p = 1: a payload frame follows, the step's direct transfers (RankKV.parts)
     [COPY, n, *sources, *destinations]
-    [KV, layer, n, *blocks] + a payload frame: the rank's heads of those blocks' K/V
+    [KV, layer, n, head, heads, *blocks] + a payload frame: K/V of the rank's heads [head, head + heads)
+                                  (its own indices) of those blocks
     [CALL] + a JSON payload       rank 0 -> a rank's RankKV.call, answered [REPLY] + a JSON payload
     [STOP]                        or the channel's end: the follower exits
 """
@@ -104,16 +105,25 @@ class TPContext:
             return None
         return torch.cat([parts[r] for r, _ in self.layout.assembly()], dim=3)
 
-    def heads_of(self, rank: int, full: torch.Tensor) -> torch.Tensor:
-        """Rank `rank`'s KV heads of K/V with all of them (dim 3)."""
-        other = self.layout.of_rank(rank)
-        return full[:, :, :, other.first_kv_head:other.first_kv_head + other.kv_heads]
-
-    def scatter_heads(self, layer: int, blocks: list[int], full: torch.Tensor) -> torch.Tensor:
-        """Rank 0: send each other rank its heads of `full` for `blocks` of `layer`; returns its own."""
-        for r, ch in enumerate(self.leader.channels, 1):
-            ch.send(torch.tensor([KV, layer, len(blocks), *blocks]), self.heads_of(r, full))
-        return self.heads_of(0, full)
+    def scatter_heads(self, layer: int, blocks: list[int], kv: torch.Tensor, first_head: int = 0,
+                      ) -> tuple[int, torch.Tensor] | None:
+        """Rank 0: send each other rank its heads of `kv` (the model's KV heads [first_head,
+        first_head + kv.shape[3])) for `blocks` of `layer`; returns rank 0's own (offset in its
+        heads, K/V), or None when it holds none of them."""
+        own = None
+        for r in range(self.layout.size):
+            other = self.layout.of_rank(r)
+            lo = max(other.first_kv_head, first_head)
+            hi = min(other.first_kv_head + other.kv_heads, first_head + kv.shape[3])
+            if lo >= hi:
+                continue
+            piece = kv[:, :, :, lo - first_head:hi - first_head]
+            if r == 0:
+                own = (lo - other.first_kv_head, piece)
+            else:
+                self.leader.channels[r - 1].send(
+                    torch.tensor([KV, layer, len(blocks), lo - other.first_kv_head, hi - lo, *blocks]), piece)
+        return own
 
 
 def encode_step(batch: list[Any], gather: list[int], parts: bool = False) -> torch.Tensor:
@@ -197,9 +207,10 @@ def step_hook(runner: Any, gather: list[int], parts: RankSend | None,
     return hook
 
 
-def settle_parts(group: Any, parts: RankSend) -> None:
-    """After a step's pass, on every rank: commit this rank's parts, then sum the failure flags."""
-    flags = torch.tensor(parts.finish(), dtype=torch.int64)
+def settle_parts(group: Any, parts: RankSend, device: torch.device) -> None:
+    """After a step's pass, on every rank: commit this rank's parts, then sum the failure flags (on
+    the ranks' device: NCCL takes no host tensors)."""
+    flags = torch.tensor(parts.finish(), dtype=torch.int64, device=device)
     if group is not None and flags.numel():
         group.all_reduce(flags)
     parts.fail(flags.tolist())
@@ -230,7 +241,7 @@ def _answer(channel: Channel, rank_kv: RankKV | None) -> None:
     channel.send(torch.tensor([REPLY]), bytes_tensor(json.dumps(reply).encode()))
 
 
-def _read(runner: Any, channel: Channel, rank_kv: RankKV | None, inbox: queue.SimpleQueue) -> None:
+def _read(runner: Any, channel: Channel, rank_kv: RankKV | None, inbox: queue.Queue) -> None:
     """A follower's channel reader: answers CALLs at once (a step in progress does not delay rank 0's
     reservations and commits) and queues everything else, with its payload, in order; None: the end."""
     try:
@@ -247,7 +258,8 @@ def _read(runner: Any, channel: Channel, rank_kv: RankKV | None, inbox: queue.Si
                 payload = channel.recv_bytes() or b"[]"
             elif op == KV:
                 cache = runner.kv_caches[int(msg[1])]
-                payload = channel.recv_payload(cache.dtype, (2, int(msg[2]), *cache.shape[2:]))
+                payload = channel.recv_payload(cache.dtype, (2, int(msg[2]), cache.shape[2], int(msg[4]),
+                                                             *cache.shape[4:]))
             inbox.put((op, msg, payload))
     except BaseException as e:  # noqa: BLE001 (the loop raises it)
         inbox.put(e)
@@ -257,7 +269,7 @@ def _read(runner: Any, channel: Channel, rank_kv: RankKV | None, inbox: queue.Si
 
 def follow_steps(runner: Any, channel: Channel, rank_kv: RankKV | None = None) -> None:
     """Another rank's loop: run what rank 0 sends until STOP or the channel's end."""
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    inbox: queue.Queue = queue.Queue(maxsize=256)  # bounded: rank 0's KV sends wait when this rank lags
     threading.Thread(target=_read, args=(runner, channel, rank_kv, inbox), name="tp-channel", daemon=True).start()
     while True:
         item = inbox.get()
@@ -273,10 +285,10 @@ def follow_steps(runner: Any, channel: Channel, rank_kv: RankKV | None = None) -
                 parts = rank_kv.parts(payload, runner) if rank_kv is not None else _Failed(payload)
             runner.forward(batch, step_hook(runner, gather, parts))
             if parts is not None:
-                settle_parts(runner.tp.group, parts)
+                settle_parts(runner.tp.group, parts, runner.device)
         elif op == COPY:
             runner.copy_local(decode_copy(msg))
         elif op == KV:
-            runner.write_local(int(msg[1]), msg[3:3 + int(msg[2])].tolist(), payload)
+            runner.write_local(int(msg[1]), msg[5:5 + int(msg[2])].tolist(), payload, int(msg[3]))
         else:
             raise TPError(f"unexpected tensor-parallel message {op}")

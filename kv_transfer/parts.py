@@ -13,6 +13,7 @@ KV head on every rank (kv_transfer/base.py). `PartSend` is one sending rank's sh
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -25,6 +26,10 @@ from engine.tp_layout import kv_head_range
 from kv_transfer.base import KVSender, TransferTicket
 
 log = logging.getLogger("pdcluster.kv")
+# a step's parts commit together within this (under the tensor-parallel group's 60 s timeout, which
+# bounds the flags' all-reduce the other ranks wait in)
+PART_DEADLINE_S = 40.0
+_POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kv-parts")
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,10 @@ class PartSend:
     parts and returns per transfer 1 if any of its parts failed (else 0); `fail(flags)` takes every
     rank's flags summed (rank 0: which transfers to abort)."""
 
-    def __init__(self, sender: KVSender, rank: int, size: int, num_kv_heads: int, items: list[PartItem]) -> None:
+    def __init__(self, sender: KVSender, rank: int, size: int, num_kv_heads: int, items: list[PartItem],
+                 deadline_s: float = PART_DEADLINE_S) -> None:
         self.sender = sender
+        self.deadline_s = deadline_s
         self.items = items
         self.payload = encode_items(items)
         own_first, _ = kv_head_range(num_kv_heads, size, rank)
@@ -123,29 +130,35 @@ class PartSend:
                 self.errors[i] = f"KV part failed at layer {layer}: {e}"
 
     def finish(self) -> list[int]:
+        """Commit every part at once (a failed one is aborted, in the background), waiting at most
+        `deadline_s`: the other ranks wait in the flags' all-reduce, whose timeout is the group's."""
         t0 = time.monotonic()
-        try:
-            return self._finish()
-        finally:
-            self.finish_ms = (time.monotonic() - t0) * 1e3
-
-    def _finish(self) -> list[int]:
+        jobs = {}
         for i in range(len(self.items)):
             for ticket, _ in self.parts[i]:
-                if self.errors[i] is not None:
-                    break
-                try:
-                    self.sender.commit(ticket, 0, None)
-                except Exception as e:  # noqa: BLE001
-                    self.errors[i] = f"KV part {ticket.transfer_id!r} failed: {e}"
-            if self.errors[i] is not None:
-                log.warning("%s", self.errors[i])
-                for ticket, _ in self.parts[i]:
-                    try:
-                        self.sender.abort(ticket, self.errors[i])
-                    except Exception:  # noqa: BLE001 (the receiver may be gone; the transfer fails anyway)
-                        pass
+                if self.errors[i] is None:
+                    jobs[_POOL.submit(self.sender.commit, ticket, 0, None)] = (i, ticket)
+                else:  # its streams and staged bytes released; the transfer's abort tells the receivers
+                    _POOL.submit(self._abort_quietly, ticket, self.errors[i])
+        done, late = concurrent.futures.wait(jobs, timeout=self.deadline_s)
+        for future in done:
+            i, ticket = jobs[future]
+            if future.exception() is not None and self.errors[i] is None:
+                self.errors[i] = f"KV part {ticket.transfer_id!r} failed: {future.exception()}"
+        for future in late:
+            i, ticket = jobs[future]
+            self.errors[i] = self.errors[i] or f"KV part {ticket.transfer_id!r} did not commit within {self.deadline_s:.0f}s"
+        for error in self.errors:
+            if error is not None:
+                log.warning("%s", error)
+        self.finish_ms = (time.monotonic() - t0) * 1e3
         return [int(e is not None) for e in self.errors]
+
+    def _abort_quietly(self, ticket: TransferTicket, reason: str) -> None:
+        try:
+            self.sender.abort(ticket, reason)
+        except Exception:  # noqa: BLE001 (the receiver may be gone; the transfer fails anyway)
+            pass
 
     def fail(self, flags: list[int]) -> None:
         for i, flag in enumerate(flags):

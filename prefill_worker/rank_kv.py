@@ -5,22 +5,30 @@ kv_transfer/parts.py)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer import KVFaults, KVSender, KVTransferError, create_sender
+from kv_transfer import KVFaults, KVSender, create_sender
 from kv_transfer.parts import PartSend, decode_items
 from proto.cluster_auth import CarrySecret
 
 
 def connect_all(sender: KVSender, endpoints: list[str], timeout_s: float) -> dict[str, str]:
-    """Handshake with each KV endpoint now; endpoint -> why it cannot take this sender's transfers."""
+    """Handshake with every KV endpoint at once (within about `timeout_s` in all); endpoint -> why it
+    cannot take this sender's transfers."""
     errors: dict[str, str] = {}
-    for endpoint in endpoints:
-        try:
-            sender.connect(endpoint, timeout_s)
-        except KVTransferError as e:
-            errors[endpoint] = str(e)
+    if not endpoints:
+        return errors
+    pool = concurrent.futures.ThreadPoolExecutor(min(8, len(endpoints)), thread_name_prefix="kv-connect")
+    jobs = {pool.submit(sender.connect, e, timeout_s): e for e in endpoints}
+    done, late = concurrent.futures.wait(jobs, timeout=timeout_s + 1.0)
+    pool.shutdown(wait=False, cancel_futures=True)  # a late handshake ends by its own deadline
+    for job in done:
+        if job.exception() is not None:
+            errors[jobs[job]] = str(job.exception())
+    for job in late:
+        errors[jobs[job]] = f"no handshake within {timeout_s:.0f}s"
     return errors
 
 
@@ -65,8 +73,8 @@ class PrefillRankKV:
     def call(self, request: dict) -> dict:
         if request.get("op") == "bytes_sent":
             return {"bytes_sent": dict(self.sender.bytes_sent)}
-        if request.get("op") == "connect":
-            return {"errors": connect_all(self.sender, request["endpoints"], request["timeout_s"])}
+        if request.get("op") == "connect":  # answered within rank 0's wait on the channel (the group's timeout)
+            return {"errors": connect_all(self.sender, request["endpoints"], min(request["timeout_s"], 45.0))}
         raise ValueError(f"unknown request {request.get('op')!r}")
 
     def close(self) -> None:

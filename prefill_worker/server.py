@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.step_stats import StepTotals
-from kv_transfer import KVTransferError, TransferTicket
+from kv_transfer import TransferTicket
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
 from prefill_worker.rank_kv import PrefillRankKV, SenderSettings, connect_all
 from proto import generate_pb2 as gen

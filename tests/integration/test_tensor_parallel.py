@@ -116,10 +116,11 @@ def test_offline_disaggregated_between_degrees_equals_transformers(checkpoint, p
 
 
 # ------------------------------------------------------------------ a cluster of tensor-parallel workers
-def _cluster(path: str, backend: str, p_tp: int, d_tp: int, direct: bool = True) -> LocalCluster:
+def _cluster(path: str, backend: str, p_tp: int, d_tp: int, direct: tuple[bool, bool] = (True, True)) -> LocalCluster:
     base = EngineConfig(model=path, dtype="float32", num_blocks=64, max_model_len=128, num_threads=1)
-    kv = {"kv_backend": backend, "direct_kv": direct}
-    return LocalCluster(base, 1, 1, prefill={"kv_timeout_s": 10.0, **kv}, decode=kv, router={"request_timeout_s": 60},
+    kv = {"kv_backend": backend}
+    return LocalCluster(base, 1, 1, prefill={"kv_timeout_s": 10.0, "direct_kv": direct[0], **kv},
+                        decode={"direct_kv": direct[1], **kv}, router={"request_timeout_s": 60},
                         prefill_engine=dataclasses.replace(base, tensor_parallel_size=p_tp),
                         decode_engine=dataclasses.replace(base, tensor_parallel_size=d_tp))
 
@@ -184,12 +185,15 @@ def test_replicated_kv_heads_are_sent_by_the_replicas_in_turn(checkpoint):
     assert sent == total  # rank 0 sent the head once (to decode rank 0); rank 1 sent it to decode rank 1
 
 
-def test_the_fallback_path_through_rank_0_still_serves(checkpoint):
-    """direct_kv=False: prefill rank 0 gathers and sends every head, decode rank 0 scatters them."""
+@pytest.mark.parametrize("direct", [(False, False), (True, False), (False, True)], ids=["both", "decode", "prefill"])
+def test_the_fallback_path_through_rank_0_still_serves(checkpoint, direct):
+    """direct_kv=False on either side: a prefill worker without per-rank senders gathers every head on
+    rank 0; a decode worker without per-rank receivers takes every head (whole, or in parts) at rank 0
+    and hands each rank its own."""
     path = str(checkpoint("llama-gqa", num_attention_heads=8, num_key_value_heads=4))
     ref = hf_greedy(path)
-    with _cluster(path, "grpc", 2, 2, direct=False) as c:
-        assert c.decode_workers[0].decode.rank_endpoints == []
+    with _cluster(path, "grpc", 2, 2, direct=direct) as c:
+        assert len(c.decode_workers[0].decode.rank_endpoints) == (2 if direct[1] else 0)
         got, sent, total = _serve(c, PROMPTS[:3])
     assert got == [ref(p, N) for p in PROMPTS[:3]]
-    assert sent == total
+    assert sent == (total // 2 if direct[0] else total)
