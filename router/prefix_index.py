@@ -54,6 +54,11 @@ class PrefixIndex:
             if bs:
                 self._held.setdefault(worker_id, set()).update(blocks.hashes(bs))
 
+    def knows(self, worker_id: str) -> bool:
+        """Whether a snapshot of the worker's cache came (before it, nothing is expected there)."""
+        with self._lock:
+            return bool(self._block_size.get(worker_id))
+
     def forget(self, worker_id: str) -> None:
         """The worker is gone or restarted: nothing is known of its cache until its next snapshot."""
         with self._lock:

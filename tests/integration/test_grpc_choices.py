@@ -74,6 +74,10 @@ def _kv_sent(cluster: LocalCluster) -> int:
 
 def test_later_choices_reuse_the_first_choice_prompt_kv(cluster):
     prompt = [1] + [(7 * j + 2) % 3000 + 40 for j in range(60)]  # new to the cluster: 3 full blocks + 13 tokens
+    index = cluster.router.orchestrator.pool.index
+    deadline = time.monotonic() + 15  # the router indexes a worker's cache from its first snapshot on
+    while not all(index.knows(w.worker_id) for w in cluster.decode_workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sent = _kv_sent(cluster)
     params = SamplingParams(max_tokens=4, temperature=0.0, n=4)
     with cluster.client() as client:

@@ -98,6 +98,9 @@ def test_own_server_with_fewer_threads_than_open_streams(checkpoint, backend):
         s = create_sender(backend, d.compat_hash, timeout_s=5.0)
         try:
             assert d.receiver.endpoint.startswith("127.0.0.1:")
+            # handshake first, as `up` does: a handshake sent along with the first streams could queue
+            # behind them on the two server threads (what is tested here is the commits)
+            s.connect(d.receiver.endpoint)
             tickets = [d.reserve(f"r{i}", list(range(3, 30)), PARAMS) for i in range(5)]
             for layer in range(d.num_layers):
                 for t in tickets:  # five streams open, two server threads
