@@ -90,11 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':<16}{'TP 1':>8}{'TP 2':>12}{'TP2/TP1':>10}")
     for key in ("prefill_ms", "decode_step_ms"):
         print(f"{key:<16}{med[1][key]:>8.1f}{med[2][key]:>12.1f}{med[2][key] / med[1][key]:>10.2f}")
+    write_runs(args, rows, med)
+    return 0
+
+
+def write_runs(args: argparse.Namespace, rows: dict, medians: dict) -> None:
+    """With `--out`: the arguments, every repeat and the medians, as JSON."""
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows,
-                                        "medians": med}, indent=2))
-    return 0
+                                        "medians": medians}, indent=2))
 
 
 if __name__ == "__main__":

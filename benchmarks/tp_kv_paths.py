@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 from pathlib import Path
 
+from benchmarks.tensor_parallel import write_runs
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from pdcluster.local_cluster import LocalCluster
@@ -83,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         d, f = med["direct"][key], med["fallback"][key]
         runs = " ".join(f"{v:.1f}" for v in rows["direct"][key]) + " / " + " ".join(f"{v:.1f}" for v in rows["fallback"][key])
         print(f"{key:<16}{d:>10.1f}{f:>10.1f}{d / f if f else float('nan'):>8.2f}   {runs}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows,
-                                        "medians": med}, indent=2))
+    write_runs(args, rows, med)
     return 0
 
 

@@ -49,6 +49,7 @@ class DecodeEngine(LockedEngine):
         self._by_request: dict[str, str] = {}  # request id -> transfer id, while reserved
         self._committed: deque[Sequence] = deque()
         self._on_commit: dict[str, Callable[[], None]] = {}
+        self._settled: set[str] = set()  # transfers in parts every other rank is done with (check_parts)
         self.committed_cached_tokens = 0  # cumulative: prompt tokens of committed KV held here already
         self.receiver: KVReceiver = create_receiver(backend, self, **receiver_kwargs)
         # tensor parallel with a receiver on every rank (the direct path): tickets name them all
@@ -117,11 +118,16 @@ class DecodeEngine(LockedEngine):
                              ticket.first_head, local=bool(ticket.num_heads and self.rank_endpoints))
 
     def check_parts(self, ticket: TransferTicket) -> None:
-        """KVSink: a transfer sent in parts commits only once every other rank has all its heads."""
-        for rank, reply in enumerate(self.engine.call_ranks({"op": "missing", "id": ticket.transfer_id}), 1):
+        """KVSink: a transfer sent in parts commits only once every other rank has all its heads (a
+        rank that has them is done with the transfer: the commit need not tell it again)."""
+        replies = self.engine.call_ranks({"op": "settle", "id": ticket.transfer_id})
+        for rank, reply in enumerate(replies, 1):
             why = reply.get("missing") or reply.get("error")
             if why:
                 raise KVTransferError(f"tensor-parallel rank {rank}: {why}")
+        with self._lock:
+            if ticket.transfer_id in self._reserved:  # (an abort in between has told the ranks already)
+                self._settled.add(ticket.transfer_id)
 
     def _expect_on_ranks(self, ticket: TransferTicket) -> None:
         """Under the lock: every rank expects the transfer's parts, or the reservation is undone."""
@@ -175,7 +181,10 @@ class DecodeEngine(LockedEngine):
                 seq.logprobs.append(logprob)
             self._committed.append(seq)
             callback = self._on_commit.pop(ticket.transfer_id, None)
-        self._forget_on_ranks(ticket.transfer_id)  # (outside the lock: a round trip to each rank)
+            settled = ticket.transfer_id in self._settled
+            self._settled.discard(ticket.transfer_id)
+        if not settled:  # a whole transfer: the ranks still expect it (outside the lock: a round trip each)
+            self._forget_on_ranks(ticket.transfer_id)
         if callback is not None:
             callback()
 
@@ -186,6 +195,7 @@ class DecodeEngine(LockedEngine):
         with self._lock:
             seq = self._reserved.pop(transfer_id, None)
             self._on_commit.pop(transfer_id, None)
+            self._settled.discard(transfer_id)
             if seq is not None:
                 self._forget_on_ranks(transfer_id)
                 del self._by_request[seq.request_id]

@@ -1,8 +1,8 @@
 """The direct KV path on a tensor-parallel decode worker's other ranks: each runs a KV receiver of
 the worker's backend on a gRPC server of its own, which writes the parts sent to it (its KV heads of
 a transfer, kv_transfer/parts.py) into its own cache. Rank 0 puts every rank's endpoint in the
-tickets it hands out, and asks each rank (engine/tp_steps.py CALL) to expect a transfer, whether its
-parts all came, or to forget it.
+tickets it hands out, and asks each rank (engine/tp_steps.py CALL) to expect a transfer, to settle it
+(whether its parts all came; if so it is done there), or to forget it.
 """
 
 from __future__ import annotations
@@ -83,8 +83,11 @@ class DecodeRankKV:
         if op == "expect":
             receiver.expect(TransferTicket(**request["ticket"]))
             return {}
-        if op == "missing":
-            return {"missing": receiver.parts_missing(request["id"])}
+        if op == "settle":  # rank 0 commits the transfer once every rank has its heads: then forgotten here
+            missing = receiver.parts_missing(request["id"])
+            if missing is None:
+                receiver.forget(request["id"])
+            return {"missing": missing}
         if op == "forget":
             receiver.forget(request["id"])
             return {}

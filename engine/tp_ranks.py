@@ -46,7 +46,7 @@ def handshake(ctx: TPContext, num_blocks: int) -> None:
         try:
             msg = ch.recv()
         finally:
-            ch.sock.settimeout(ctx.group.timeout_s)  # from now rank 0 only sends: a stuck rank fails it
+            ch.sock.settimeout(ctx.group.timeout_s)  # from now on a stuck rank fails rank 0's sends and calls
         if msg is None or int(msg[0]) != READY:
             raise TPError("a tensor-parallel rank failed while loading its shard of the model")
         ctx.rank_info.append(msg[1:].tolist())
@@ -112,9 +112,8 @@ class LocalRanks:
         return [(r, p.exitcode) for r, p in enumerate(self.processes, 1) if p.exitcode is not None]
 
     def _check(self) -> None:
-        for r, p in enumerate(self.processes, 1):
-            if p.exitcode is not None:
-                raise TPError(f"tensor-parallel rank {r} exited (code {p.exitcode}) before it joined; its log says why")
+        for r, code in self.exited():
+            raise TPError(f"tensor-parallel rank {r} exited (code {code}) before it joined; its log says why")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the other ranks (STOP, then the channel's end; a rank still alive after `timeout_s` is

@@ -10,7 +10,7 @@ KV that leaves or enters a tensor-parallel worker takes one of two paths (docs/t
   sender or receiver of their own, started in each rank's process); a prefill step then carries its
   transfers (a payload frame), every rank sends its heads of them after each layer and commits its
   parts, and the ranks sum their failure flags (one all-reduce) before rank 0 commits. A decode
-  worker's rank 0 asks its ranks (CALL) to expect a transfer, whether its parts came, to forget it.
+  worker's rank 0 asks its ranks (CALL) to expect a transfer, to settle it (its parts came?), to forget it.
 - the fallback through rank 0: a prefill step names blocks whose slices are gathered on rank 0
   after each layer (rank 0 sends every KV head); a decode worker's rank 0 writes its heads of a
   received layer and sends each other rank its heads' slice (KV messages, ahead of any step).
@@ -164,9 +164,9 @@ class _Shadow:
     num_computed_tokens: int
 
 
-def decode_step(msg: torch.Tensor) -> tuple[list[Any], list[int], bool]:
-    """The STEP message -> ScheduledSeq items over shadow sequences, the blocks to gather, whether
-    a payload of direct transfers follows."""
+def decode_step(msg: torch.Tensor) -> tuple[list[Any], list[int]]:
+    """The STEP message -> ScheduledSeq items over shadow sequences, and the blocks to gather
+    (whether a payload follows is its last value)."""
     from engine.model_runner import ScheduledSeq
 
     values = msg.tolist()
@@ -179,8 +179,7 @@ def decode_step(msg: torch.Tensor) -> tuple[list[Any], list[int], bool]:
         tokens = values[i:i + new]
         i += new
         batch.append(ScheduledSeq(_Shadow(_Tokens(start, tokens), table, start), new))
-    g = values[i]
-    return batch, values[i + 1:i + 1 + g], bool(values[i + 1 + g])
+    return batch, values[i + 1:i + 1 + values[i]]
 
 
 def decode_copy(msg: torch.Tensor) -> list[tuple[int, int]]:
@@ -214,22 +213,6 @@ def settle_parts(group: Any, parts: RankSend, device: torch.device) -> None:
     if group is not None and flags.numel():
         group.all_reduce(flags)
     parts.fail(flags.tolist())
-
-
-class _Failed:
-    """A rank with no RankKV asked to send parts: every transfer fails (the ranks stay in step)."""
-
-    def __init__(self, payload: bytes) -> None:
-        self.n = len(json.loads(payload))
-
-    def send(self, layer: int, cache: torch.Tensor) -> None:
-        pass
-
-    def finish(self) -> list[int]:
-        return [1] * self.n
-
-    def fail(self, flags: list[int]) -> None:
-        pass
 
 
 def _answer(channel: Channel, rank_kv: RankKV | None) -> None:
@@ -279,10 +262,9 @@ def follow_steps(runner: Any, channel: Channel, rank_kv: RankKV | None = None) -
             raise item
         op, msg, payload = item
         if op == STEP:
-            batch, gather, _ = decode_step(msg)
-            parts = None
-            if payload is not None:
-                parts = rank_kv.parts(payload, runner) if rank_kv is not None else _Failed(payload)
+            batch, gather = decode_step(msg)
+            # (rank 0 sends transfers in parts only when its ranks were given a RankKV)
+            parts = rank_kv.parts(payload, runner) if payload is not None else None
             runner.forward(batch, step_hook(runner, gather, parts))
             if parts is not None:
                 settle_parts(runner.tp.group, parts, runner.device)

@@ -160,13 +160,11 @@ class KVReceiver(ABC):
         for key in [k for k, p in self._pending.items() if p.ticket.num_heads and parse_part_id(k)[0] == transfer_id]:
             del self._pending[key]
 
-    def parts_missing(self, transfer_id: str, forget: bool = True) -> str | None:
+    def parts_missing(self, transfer_id: str) -> str | None:
         """Why this receiver's KV heads of the transfer are not all in (None: every one came in a
-        committed part); `forget`: drop what it knows of the transfer's parts."""
+        committed part)."""
         with self._lock:
             missing = uncovered(sink_heads(self.sink), self._parts.get(transfer_id, []))
-            if forget:
-                self._drop_parts(transfer_id)
         return f"KV heads {missing} of {transfer_id!r} did not arrive at {self.endpoint}" if missing else None
 
     def _granted(self, ticket: TransferTicket) -> None:
@@ -281,7 +279,7 @@ class KVReceiver(ABC):
                     (pending.ticket.first_head, pending.ticket.num_heads))
                 return
         if in_parts:
-            why = self.parts_missing(transfer_id, forget=False)
+            why = self.parts_missing(transfer_id)
             if why is not None:
                 raise KVTransferError(f"commit of {transfer_id!r}: {why}")
             check = getattr(self.sink, "check_parts", None)

@@ -62,18 +62,6 @@ def plan(num_kv_heads: int, src_size: int, dst_size: int) -> list[Part]:
     return parts
 
 
-def check_pair(num_kv_heads: int, prefill_size: int, decode_size: int) -> None:
-    """Raise ValueError unless prefill ranks of degree `prefill_size` can fill every KV head of decode
-    ranks of degree `decode_size` (both split or replicate the KV heads)."""
-    parts = plan(num_kv_heads, prefill_size, decode_size)
-    for r in range(decode_size):
-        first, n = kv_head_range(num_kv_heads, decode_size, r)
-        got = sorted(h for p in parts if p.dst == r for h in range(p.first_head, p.first_head + p.num_heads))
-        if got != list(range(first, first + n)):
-            raise ValueError(f"prefill tensor_parallel_size {prefill_size} cannot fill decode rank {r} of "
-                             f"{decode_size} (KV heads {first}..{first + n - 1})")
-
-
 def receivers(ticket: TransferTicket) -> list[str]:
     """The KV endpoint of each decode rank."""
     return list(ticket.rank_endpoints) or [ticket.kv_endpoint]
@@ -114,18 +102,22 @@ class PartSend:
             ends = receivers(item.ticket)
             self.parts.append([(item.ticket.part(p.dst, p.first_head, p.num_heads, ends[p.dst]), p.first_head - own_first)
                                for p in plan(num_kv_heads, size, len(ends)) if p.src == rank])
+        self.index = [torch.tensor(item.blocks, dtype=torch.long) for item in items]  # made once, not per layer
         self.errors: list[str | None] = [None] * len(items)
         self.finish_ms = 0.0  # committing the parts (the transfer not hidden behind the pass)
 
     def send(self, layer: int, cache: torch.Tensor) -> None:
         """`cache`: this rank's cache layer (2, num_blocks, block_size, its KV heads, head_dim)."""
-        for i, item in enumerate(self.items):
+        for i in range(len(self.items)):
             if self.errors[i] is not None or not self.parts[i]:
                 continue
-            kv = cache[:, item.blocks]
+            if self.index[i].device != cache.device:
+                self.index[i] = self.index[i].to(cache.device)
+            index = self.index[i]
             try:
-                for ticket, offset in self.parts[i]:
-                    self.sender.send_layer(ticket, layer, kv[:, :, :, offset:offset + ticket.num_heads].contiguous())
+                for ticket, offset in self.parts[i]:  # one copy each: those blocks' heads of the part
+                    kv = cache[:, index, :, offset:offset + ticket.num_heads]
+                    self.sender.send_layer(ticket, layer, kv.contiguous())
             except Exception as e:  # noqa: BLE001 (one failed transfer must not fail the batch)
                 self.errors[i] = f"KV part failed at layer {layer}: {e}"
 

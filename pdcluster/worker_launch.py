@@ -55,16 +55,14 @@ def cluster_kv_backend(cfg: ClusterConfig) -> str:
 
 
 def check_tensor_parallel(cfg: ClusterConfig) -> None:
-    """A pool whose tensor_parallel_size cannot split the model, or a prefill and a decode pool whose
-    degrees cannot meet (kv_transfer/parts.py), is an error at `up`, naming them, before any worker
-    starts (a worker would fail loading its shard)."""
+    """A pool whose tensor_parallel_size cannot split the model is an error at `up`, naming the pool,
+    before any worker starts (a worker would fail loading its shard). Any two degrees that each split
+    the model can exchange KV (kv_transfer/parts.py plans every such pair), so no pair is checked."""
     if all(p.tensor_parallel_size == 1 for p in cfg.pools):
         return
     from engine.builtin_model import resolve_model_path
     from engine.config import ModelConfig
     from engine.tp_ranks import layout_for
-
-    from kv_transfer.parts import check_pair
 
     model = ModelConfig.from_pretrained(resolve_model_path(cfg.model.path))
     for i, pool in enumerate(cfg.pools):
@@ -72,13 +70,6 @@ def check_tensor_parallel(cfg: ClusterConfig) -> None:
             layout_for(model, 0, pool.tensor_parallel_size)
         except ValueError as e:
             raise LaunchError(f"pools[{i}].tensor_parallel_size (pool {pool.name!r}): {e}") from None
-    # every prefill pool must be able to fill every decode pool's ranks, each its own KV heads
-    for p in cfg.pools_by_role("prefill"):
-        for d in cfg.pools_by_role("decode"):
-            try:
-                check_pair(model.num_kv_heads, p.tensor_parallel_size, d.tensor_parallel_size)
-            except ValueError as e:
-                raise LaunchError(f"pools {p.name!r} -> {d.name!r} cannot exchange KV: {e}") from None
 
 
 def check_backend_placement(kv_backend: str, workers: list[dict[str, Any]]) -> None:

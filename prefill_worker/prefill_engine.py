@@ -48,7 +48,7 @@ class PrefillEngine:
         self.sends_parts = sender.sends_parts and (engine.tensor_parallel_size == 1 or engine.rank_kv is not None)
         self._tickets: dict[str, TransferTicket] = {}
         self._errors: dict[str, str] = {}
-        self._parts: tuple[list, PartSend] | None = None  # this step's direct transfers
+        self._parts: tuple[list[str], PartSend] | None = None  # this step's direct transfers: request ids, sends
 
     def add(self, request_id: str, token_ids: list[int], params: SamplingParams, ticket: TransferTicket,
             output_offset: int = 0) -> None:
@@ -121,7 +121,7 @@ class PrefillEngine:
                               seq.block_table[self._tickets[seq.request_id].cached_tokens // bs:]) for seq in direct]
             parts = PartSend(self.sender, 0, self.engine.tensor_parallel_size, self.engine.model_cfg.num_kv_heads,
                              items)
-            self._parts = (direct, parts)
+            self._parts = ([seq.request_id for seq in direct], parts)
         # per prompt the blocks the receiver does not hold already; after each layer their K/V come
         # as one copy (2, blocks, block_size, every KV head, hd), so the blocks may be reused at once
         spans, blocks = [], []
@@ -149,10 +149,10 @@ class PrefillEngine:
             finished = self.engine.step(self._layer_hook)
         finally:
             if self._parts is not None:  # what a rank's part of a transfer said when it failed
-                for seq, error in zip(self._parts[0], self._parts[1].errors):
+                for rid, error in zip(self._parts[0], self._parts[1].errors):
                     if error is not None:
-                        self._errors.setdefault(seq.request_id, error)
-        parts_ms = {seq.request_id: self._parts[1].finish_ms for seq in self._parts[0]} if self._parts else {}
+                        self._errors.setdefault(rid, error)
+        direct, parts_ms = (self._parts[0], self._parts[1].finish_ms) if self._parts else ([], 0.0)
         for seq in finished:
             sampled_at = time.monotonic()
             rid = seq.request_id
@@ -174,8 +174,9 @@ class PrefillEngine:
             if error is not None or not hand_on:
                 self._safe_abort(ticket, error or "finished at prefill")
             # the direct path commits its parts inside the step: transfer time, not compute
-            commit_ms += parts_ms.get(rid, 0.0)
-            compute_ms = (sampled_at - (seq.first_scheduled_time or seq.arrival_time)) * 1e3 - parts_ms.get(rid, 0.0)
+            in_step = parts_ms if rid in direct else 0.0
+            commit_ms += in_step
+            compute_ms = (sampled_at - (seq.first_scheduled_time or seq.arrival_time)) * 1e3 - in_step
             results.append(PrefillResult(rid, token, lp, seq.finish_reason, seq.num_cached_tokens, error, commit_ms,
                                          seq.queue_ms, compute_ms, seq.prompt_logprobs))
         return results

@@ -1,4 +1,4 @@
-"""benchmarks/tensor_parallel.py runs end to end (tiny sizes): both engines, every measure, the JSON."""
+"""benchmarks/tensor_parallel.py and benchmarks/tp_kv_paths.py run end to end (tiny sizes): every measure, the JSON."""
 
 from __future__ import annotations
 
@@ -19,3 +19,16 @@ def test_the_step_time_benchmark_measures_both_degrees(tmp_path, capsys):
     assert set(medians) == {"1", "2"}
     assert all(medians[tp][k] > 0 for tp in medians for k in ("prefill_ms", "decode_step_ms"))
     assert "TP2/TP1" in capsys.readouterr().out
+
+
+def test_the_kv_paths_benchmark_measures_both_paths(tmp_path, capsys):
+    """benchmarks/tp_kv_paths.py: the direct path's prefill rank 0 sends half the bytes of the fallback's."""
+    from benchmarks.tp_kv_paths import main as kv_paths
+
+    out = tmp_path / "tp_kv.json"
+    assert kv_paths(["--model", "builtin:tiny-llama", "--repeats", "1", "--requests", "1", "--prompt-tokens", "40",
+                     "--out", str(out)]) == 0
+    medians = json.loads(out.read_text())["medians"]
+    assert medians["direct"]["rank0_kv_mb"] * 2 == pytest.approx(medians["fallback"]["rank0_kv_mb"])
+    assert all(medians[p]["ttft_ms"] > 0 for p in ("direct", "fallback"))
+    assert "fallback" in capsys.readouterr().out

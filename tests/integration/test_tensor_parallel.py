@@ -181,8 +181,10 @@ def test_replicated_kv_heads_are_sent_by_the_replicas_in_turn(checkpoint):
     ref = hf_greedy(path)
     with _cluster(path, "tcp", 2, 2) as c:
         got, sent, total = _serve(c, PROMPTS[:3])
+        both = _all_ranks_sent(c)
     assert got == [ref(p, N) for p in PROMPTS[:3]]
-    assert sent == total  # rank 0 sent the head once (to decode rank 0); rank 1 sent it to decode rank 1
+    # the head goes to each of the two decode ranks: rank 0 sent it once, so rank 1 sent the other
+    assert (sent, both) == (total, 2 * total)
 
 
 @pytest.mark.parametrize("direct", [(False, False), (True, False), (False, True)], ids=["both", "decode", "prefill"])
