@@ -9,9 +9,9 @@ import torch
 
 from loadgen.scaling import choose_factor
 from loadgen.scaling import scale_lengths as scaled
-from loadgen.workload import read_azure
+from loadgen.workload import NAMED, read_azure, workloads_dir
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/workloads/AzureLLMInferenceTrace_conv.csv"
+DEFAULT_TRACE = workloads_dir() / NAMED["azure-conv"][0]  # the shipped trace (loadgen/traces), or $PDCLUSTER_WORKLOADS
 
 
 def load_trace(path: Path, num_requests: int, seed: int | None) -> list[tuple[int, int]]:

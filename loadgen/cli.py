@@ -4,8 +4,8 @@ Sends streamed `POST /v1/completions` requests (temperature 0, max_tokens = the 
 length, `ignore_eos` only with --ignore-eos) at open-loop arrival times and measures on the client:
 TTFT, TPOT, inter-token latency, end-to-end latency, throughput, SLO attainment and goodput.
 
-Workloads: azure-conv, azure-code, mooncake-conv, mooncake-synthetic (files in shared/workloads next
-to the repository), any Azure .csv / Mooncake .jsonl file, or `synthetic` (--synthetic-input/-output).
+Workloads: azure-conv, azure-code, mooncake-conv, mooncake-synthetic (shipped in loadgen/traces;
+$PDCLUSTER_WORKLOADS names another directory), any Azure .csv / Mooncake .jsonl file, or `synthetic` (--synthetic-input/-output).
 Multi-turn chat: `multiturn` (conversations from --conversations, --turns, --first-prompt-len,
 --message-len, --output-len, --think-time) or `multiturn:TRACE` (a Mooncake trace's conversations,
 grouped by hash_ids): each turn's prompt is the history plus a new message, sent --think-time after

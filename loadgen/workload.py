@@ -34,12 +34,12 @@ from typing import Any
 from loadgen.prompts import PromptBuilder
 from loadgen.scaling import LengthStats, Scaling, block_tokens, choose_factor, scale_lengths
 
-WORKLOADS_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads"
+WORKLOADS_DIR = Path(__file__).resolve().parent / "traces"  # shipped with the package (traces/README.md)
 WORKLOADS_ENV = "PDCLUSTER_WORKLOADS"  # another directory holding the named traces
 
 
 def workloads_dir() -> Path:
-    """Where the named traces are: $PDCLUSTER_WORKLOADS, else ../shared/workloads next to the repository."""
+    """Where the named traces are: $PDCLUSTER_WORKLOADS, else the copies shipped in loadgen/traces."""
     return Path(os.environ[WORKLOADS_ENV]) if os.environ.get(WORKLOADS_ENV) else WORKLOADS_DIR
 MOONCAKE_BLOCK = 512
 _AZURE = "Azure/AzurePublicDataset, 2023 LLM inference trace, {} service (CC-BY-4.0)"

@@ -3,7 +3,7 @@
 
 Workload
     The first `--num-requests` rows (default 64) of an Azure LLM inference trace (default: the
-    conversation trace, `shared/workloads/AzureLLMInferenceTrace_conv.csv` next to the repository;
+    conversation trace, `loadgen/traces/AzureLLMInferenceTrace_conv.csv`, shipped with the project;
     source: Azure/AzurePublicDataset, CC-BY-4.0), or a seeded random sample of rows (kept in trace
     order) with `--seed`. Only the lengths are used (columns ContextTokens, GeneratedTokens).
 

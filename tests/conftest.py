@@ -17,16 +17,6 @@ def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
         os.environ["PDCLUSTER_CACHE"] = str(tmp_path_factory.mktemp("pdcluster-cache"))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _workloads() -> None:
-    """The named traces: ../shared/workloads when it is there, else the excerpts in tests/data/workloads
-    (their first rows, same sources and licences; see the README there)."""
-    from loadgen.workload import NAMED, WORKLOADS_ENV, workloads_dir
-
-    if not all((workloads_dir() / f).is_file() for f, _ in NAMED.values()):
-        os.environ[WORKLOADS_ENV] = str(Path(__file__).resolve().parent / "data" / "workloads")
-
-
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """`checkpoint(shape, **overrides)` -> path of a tiny random checkpoint (cached per session)."""

@@ -16,7 +16,7 @@ from benchmarks import engine_vs_vllm as bench
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT / "tests/data/workloads/AzureLLMInferenceTrace_conv.csv"
+TRACE = ROOT / "loadgen/traces/AzureLLMInferenceTrace_conv.csv"
 
 
 def test_side_by_side_run_reports_both_systems(tmp_path, monkeypatch, capsys):

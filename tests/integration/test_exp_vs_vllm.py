@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_serving_side_by_side_reports_every_system(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests/data/fake_vllm"), str(ROOT)]))
-    monkeypatch.setenv("PDCLUSTER_WORKLOADS", str(ROOT / "tests/data/workloads"))
     rc = exp.main(["--systems", "vllm,colocated", "--rates", "4", "--num-requests", "6", "--max-context", "256",
                    "--max-output", "8", "--time-limit-s", "60",
                    "--slo-ttft-ms", "20000", "--slo-tpot-ms", "2000", "--vllm-python", sys.executable,

@@ -21,6 +21,7 @@ from loadgen.scaling import choose_factor, scale_lengths
 from loadgen.sse import SSEDecoder, parse_chunk
 from loadgen.workload import (
     NAMED,
+    WORKLOADS_ENV,
     LengthDist,
     WorkloadConfig,
     load_workload,
@@ -32,13 +33,36 @@ from loadgen.workload import (
 
 
 def _trace(name: str) -> Path:
-    path = (workloads_dir() / NAMED[name][0]).resolve()
-    if not path.is_file():
-        pytest.skip(f"{path} is not present")
-    return path
+    return (workloads_dir() / NAMED[name][0]).resolve()
 
 
 # ------------------------------------------------------------------------------------------ workloads
+FULL_ROWS = {"azure-conv": 19366, "azure-code": 8819, "mooncake-conv": 12031, "mooncake-synthetic": 3993}
+
+
+def test_the_named_traces_ship_whole_inside_the_package(monkeypatch):
+    """A clone or an install with nothing beside it has every named trace, every row of it."""
+    monkeypatch.delenv(WORKLOADS_ENV, raising=False)
+    root = Path(loadgen_cli.__file__).resolve().parent
+    assert workloads_dir() == root / "traces"
+    for name, rows in FULL_ROWS.items():
+        path = _trace(name)
+        assert path.parent == root / "traces"
+        reader = read_azure if path.suffix == ".csv" else read_mooncake
+        assert sum(1 for _ in reader(path)) == rows, name
+    licences = (root / "traces" / "README.md").read_text()
+    assert "CC-BY-4.0" in licences and "Apache-2.0" in licences
+    assert (root / "traces" / "LICENSE-Apache-2.0").read_text().lstrip().startswith("Apache License")
+
+
+def test_another_directory_of_traces_is_read_when_named(tmp_path, monkeypatch):
+    (tmp_path / NAMED["azure-code"][0]).write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                                                   "2023-11-16 18:15:46.6805900,374,44\n")
+    monkeypatch.setenv(WORKLOADS_ENV, str(tmp_path))
+    w = load_workload(WorkloadConfig("azure-code", 1))
+    assert w.path == str((tmp_path / NAMED["azure-code"][0]).resolve()) and w.requests[0].prompt_len == 374
+
+
 def test_azure_csv_timestamps_become_offsets_from_the_first_row(tmp_path):
     f = tmp_path / "t.csv"
     f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
