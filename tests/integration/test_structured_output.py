@@ -226,3 +226,36 @@ def test_auto_tool_choice_parses_a_call_the_model_writes(client, stream):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": 2})]
     assert calls[0].id and calls[0].type == "function"
+
+
+STRICT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                            "n": {"type": "integer", "minimum": -999, "maximum": 999},
+                                            "tags": {"type": "array", "maxItems": 3,
+                                                     "items": {"type": "string", "maxLength": 6}}},
+          "required": ["name", "n", "tags"], "additionalProperties": False}
+FORMS = [{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": STRICT, "strict": True}}},
+         {"structured_outputs": {"json": STRICT}}, {"guided_json": STRICT},
+         {"tools": [{"type": "function", "function": {"name": "f", "parameters": STRICT}}],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         {"response_format": {"type": "json_object"}}]
+
+
+def test_every_json_form_parses_strictly_at_any_temperature_and_seed(cluster):
+    """Seeds 0-9 at temperatures 0.7, 1.0 and 1.3, each JSON form in turn, through the disaggregated
+    cluster: strict json.loads (no control character in a string) and the schema."""
+    url = f"http://{cluster.http.address}/v1/chat/completions"
+    for i, (temperature, seed) in enumerate((t, s) for t in (0.7, 1.0, 1.3) for s in range(10)):
+        form = FORMS[i % len(FORMS)]
+        r = httpx.post(url, timeout=120, json={"model": MODEL, "messages": MSGS, "max_tokens": 120,
+                                               "temperature": temperature, "seed": seed, **form})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        msg, any_object = choice["message"], "json_object" in json.dumps(form)
+        if any_object and choice["finish_reason"] == "length":
+            continue  # an object of any size may run past max_tokens
+        assert choice["finish_reason"] in ("stop", "tool_calls"), (form, choice)
+        text = msg["tool_calls"][0]["function"]["arguments"] if "tools" in form else msg["content"]
+        value = json.loads(text)
+        assert isinstance(value, dict)
+        if not any_object:
+            jsonschema.validate(value, STRICT)
