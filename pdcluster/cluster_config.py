@@ -111,8 +111,9 @@ class RouterConfig:
     max_queued_prompt_tokens: Annotated[StrictInt, Field(ge=1)] = 262144
     tls_cert: Text | None = None  # PEM certificate chain: the gRPC and HTTP ports serve TLS only
     tls_key: Text | None = field(default=None, repr=False)  # its PEM private key (both or neither)
-    # disaggregated: prompts up to this long may prefill on their decode worker
-    local_prefill_max_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    # disaggregated: prompts up to this long may prefill on their decode worker (512: measured best,
+    # docs/results/serving_vs_vllm.md)
+    local_prefill_max_tokens: Annotated[StrictInt, Field(ge=0)] = 512
     # pick workers by what their prefix caches hold as well as by load (router/prefix_policy.py), and
     # a decode worker shares the blocks of a prompt it holds; false: by load only, all KV moves
     prefix_aware: StrictBool = True

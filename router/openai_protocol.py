@@ -22,7 +22,7 @@ from proto import generate_pb2 as gen
 
 # Accepted and ignored: they do not change what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                            "safety_identifier", "parallel_tool_calls"})
+                            "safety_identifier"})
 
 
 def _zero(v: Any) -> bool:
@@ -50,7 +50,8 @@ COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "t
                            "response_format", "structured_outputs", "guided_json", "guided_regex",
                            "guided_choice", "guided_grammar"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "best_of", "echo"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _U32, _U64 = 2**32 - 1, 2**64 - 1
 MAX_CHOICES = 128  # router requests one HTTP request may become: prompts x max(n, best_of)

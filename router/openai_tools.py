@@ -8,6 +8,8 @@ forced call generates under, and the model's output turned into OpenAI's `tool_c
 - `"required"`: the output is constrained (structured output, engine/guided.py) to a JSON array of
   one or more `{"name": <a tool>, "arguments": <its parameters' schema>}`; it always parses.
 - a named function: the output is constrained to that function's parameters' schema: the arguments.
+- `parallel_tool_calls: false`: at most one call. `required` is constrained to an array of exactly one;
+  under `auto` only the first call the model writes is returned (what follows it is dropped).
 
 The tools are passed to the chat template (`tools=`), which renders them if it knows how.
 """
@@ -33,6 +35,7 @@ class Tools:
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # function name -> parameters schema
     choice: str = "none"  # none | auto | required | named
     named: str | None = None  # the function of a named tool_choice
+    parallel: bool = True  # parallel_tool_calls: false -> at most one call
 
     def constraint(self) -> tuple[str, str] | None:
         """(kind, spec) of the structured output a forced call generates under; None: free text."""
@@ -43,7 +46,7 @@ class Tools:
             calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _hoist(n, p, defs)},
                       "required": ["name", "arguments"], "additionalProperties": False}
                      for n, p in self.params.items()]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if self.parallel else {"maxItems": 1})}
             return "json", json.dumps({**schema, "$defs": defs} if defs else schema)
         return None
 
@@ -56,7 +59,7 @@ class Tools:
             found = _json(text)
             calls = [_call(c["name"], c.get("arguments", {})) for c in found
                      if isinstance(c, dict) and c.get("name") in self.params] if isinstance(found, list) else []
-            return (None, calls) if calls else (text, [])
+            return (None, calls[:1] if not self.parallel else calls) if calls else (text, [])
         if self.choice != "auto" or OPEN not in text:
             return text, []
         found = []
@@ -65,6 +68,8 @@ class Tools:
             if not isinstance(c, dict) or c.get("name") not in self.params:
                 return text, []  # not a well-formed call of a known tool: all of it is content
             found.append(_call(c["name"], c.get("arguments", c.get("parameters", {}))))
+            if not self.parallel:
+                break
         if not found:
             return text, []
         content = text[:text.index(OPEN)].strip()
@@ -105,14 +110,16 @@ def _call(name: str, arguments: Any) -> dict[str, Any]:
 
 def parse_tools(body: dict[str, Any]) -> Tools | None:
     """`tools` and `tool_choice` of a chat body -> Tools (None: no tools given). 400s name the field."""
-    raw, choice = body.get("tools"), body.get("tool_choice")
+    raw, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "expected true or false")
     if raw is None or raw == []:
         if choice not in (None, "none", "auto"):
             raise bad("tool_choice", f"{choice!r} needs tools")
         return None
     if not isinstance(raw, list):
         raise bad("tools", "expected a list of {'type': 'function', 'function': {...}}")
-    out = Tools(tools=raw)
+    out = Tools(tools=raw, parallel=parallel is not False)
     for i, t in enumerate(raw):
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         name = f.get("name") if isinstance(f, dict) else None

@@ -54,6 +54,10 @@ def test_repo_file_is_the_default_deployment():
     assert cfg.kv_transfer.backend == "auto" and cfg.kv_transfer.compression == "none"
     assert (cfg.timeouts.startup_s, cfg.timeouts.request_s) == (180, 600)
     assert (cfg.slo.ttft_ms, cfg.slo.tpot_ms) == (1000, 50)
+    # the routing that measured best (docs/results/serving_vs_vllm.md, kv_aware_serving.md): local
+    # prefill of short prompts on, prefix-aware choice on, conditional disaggregation off
+    assert (cfg.router.local_prefill_max_tokens, cfg.router.prefix_aware, cfg.router.local_prefill_uncached_tokens) == (
+        512, True, 0)
 
 
 @pytest.mark.parametrize("text", ["", "# only comments\n", "{}\n"])

@@ -80,6 +80,25 @@ def test_required_is_constrained_to_a_list_of_calls_of_the_tools():
     assert [x["function"]["name"] for x in c["message"]["tool_calls"]] == ["get_weather", "get_time"]
 
 
+def test_parallel_tool_calls_false_gives_at_most_one_call():
+    two = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert len(_answer(_chat(tools=[WEATHER, TIME], parallel_tool_calls=True), two)["message"]["tool_calls"]) == 2
+    auto = _chat(tools=[WEATHER, TIME], parallel_tool_calls=False)
+    c = _answer(auto, "Checking. " + two)
+    assert c["message"]["content"] == "Checking." and c["finish_reason"] == "tool_calls"
+    assert [x["function"]["name"] for x in c["message"]["tool_calls"]] == ["get_weather"]
+    required = _chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(required.grpc.sampling.guided.spec)
+    jsonschema.validate([{"name": "get_time", "arguments": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):  # the constraint itself allows one call only
+        jsonschema.validate([{"name": "get_time", "arguments": {}}] * 2, schema)
+    shaper = StreamShaper(_chat(tools=[WEATHER, TIME], stream=True, parallel_tool_calls=False), FMT)
+    (tc,) = [c["choices"][0]["delta"]["tool_calls"] for c in shaper.chunks(gen.GenerateResponse(text=two, finish_reason="stop"))
+             if "tool_calls" in c["choices"][0]["delta"]]
+    assert [x["function"]["name"] for x in tc] == ["get_weather"]
+
+
 def _streamed(pieces: list[str]) -> list[dict]:
     """The chunks of an auto-tools chat stream whose messages carry `pieces` (the last one finishing)."""
     shaper = StreamShaper(_chat(tools=[WEATHER], stream=True), FMT)
@@ -112,6 +131,7 @@ def test_streamed_auto_without_a_call_sends_all_the_text():
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
