@@ -110,8 +110,10 @@ def check_kv_pairs(workers: list[dict[str, Any]], timeout_s: float) -> None:
         raise LaunchError("KV transfer between these prefill and decode workers cannot work:\n" + "\n".join(problems))
 
 
-def worker_options(cfg: ClusterConfig, role: str, host: str, secret: str | None = None) -> dict[str, Any]:
-    """The keyword arguments of a `role` worker's server (PrefillWorkerServer / DecodeWorkerServer)."""
+def worker_options(cfg: ClusterConfig, role: str, host: str, secret: str | None = None,
+                   device: str = "cpu") -> dict[str, Any]:
+    """The keyword arguments of a `role` worker's server (PrefillWorkerServer / DecodeWorkerServer)
+    whose engine runs on `device` (its pool's: "cpu" or "cuda")."""
     kv = cfg.kv_transfer
     options: dict[str, Any] = {"host": host, "kv_backend": cluster_kv_backend(cfg),
                                "request_timeout_s": cfg.timeouts.request_s, "cluster_secret": secret}
@@ -119,6 +121,9 @@ def worker_options(cfg: ClusterConfig, role: str, host: str, secret: str | None 
     if role == "prefill":
         if shm:
             options["kv_options"] = {"in_place": kv.shm_in_place, "verify_in_place": kv.shm_verify}
+        elif options["kv_backend"] == "torch_distributed" and device == "cuda":
+            # the sender's group is gloo unless told; a decode worker's receiver picks NCCL for a CUDA cache
+            options["kv_options"] = {"dist_backend": "nccl"}
         options["kv_timeout_s"] = kv.timeout_s
         options["kv_compression"] = kv.compression
         # the driver's environment wins: Ray workers do not all inherit it
@@ -144,7 +149,7 @@ def start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime
     if engine_kwargs.get("num_threads") is None:  # one torch thread per pinned CPU, else per Ray CPU, shared by the ranks
         cpus = len(pool.cpus) if pool.cpus else int(pool.resources.get("num_cpus", 1))
         engine_kwargs["num_threads"] = max(1, cpus // pool.tensor_parallel_size)
-    options = worker_options(cfg, pool.role, host, secret)
+    options = worker_options(cfg, pool.role, host, secret, pool.device)
     actors, pending = [], {}
     for wid in worker_ids:
         actor = WorkerActor.options(name=wid, **_actor_options(pool, lifetime, cluster_resources,

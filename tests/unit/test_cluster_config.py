@@ -374,6 +374,19 @@ def test_the_shm_writer_options_reach_the_workers_that_use_them(backend, in_plac
     assert "kv_options" not in worker_options(cfg, "colocated", "127.0.0.1")
 
 
+def test_a_prefill_worker_on_cuda_pinned_to_torch_distributed_sends_over_nccl(monkeypatch):
+    """Its decode worker's receiver builds NCCL groups for a CUDA cache; the sender must ask for
+    NCCL too (its default is gloo), else every pair is refused at `up`."""
+    from pdcluster.launcher import KV_FAULTS_ENV, worker_options
+
+    monkeypatch.delenv(KV_FAULTS_ENV, raising=False)
+    cfg = ClusterConfig.from_dict({"kv_transfer": {"backend": "torch_distributed"}})
+    on_cuda = worker_options(cfg, "prefill", "127.0.0.1", device="cuda")
+    assert on_cuda["kv_options"] == {"dist_backend": "nccl"}
+    assert "kv_options" not in worker_options(cfg, "prefill", "127.0.0.1")  # CPU: gloo, the sender's default
+    assert "kv_options" not in worker_options(cfg, "decode", "127.0.0.1", device="cuda")
+
+
 def test_a_pool_tensor_parallel_size_reaches_its_engines():
     cfg = ClusterConfig.from_dict({"pools": [
         {"name": "p", "role": "prefill", "tensor_parallel_size": 2},
