@@ -1,6 +1,7 @@
-"""`auto` backend: per decode worker, NCCL between two GPU caches, shared memory on this node, else a
-TCP data connection, else gRPC (`choose_backend`, a pure function). Both sides compose planes; a
-refusal other than placement (incompatible layout, bad endpoint) is raised as it is.
+"""`auto` backend: per decode worker, NCCL between two GPU caches on two GPUs, shared memory on this
+node (two workers sharing one GPU included), else a TCP data connection, else gRPC
+(`choose_backend`, a pure function). Both sides compose planes; a refusal other than placement
+(incompatible layout, bad endpoint) is raised as it is.
 `dist_backend="gloo"` joins CPU caches over torch.distributed (the same path, testable without
 GPUs); "off": never.
 """
@@ -35,11 +36,14 @@ class Placement:
     same_node: bool  # the shm handshake proved one node and one /dev/shm
     tcp: bool = False  # the receiver advertised a data port, and connecting + authenticating worked
     both_cuda: bool = False  # both KV caches on CUDA, and a group with the receiver was built (NCCL)
+    # the torch_distributed handshake showed the receiver's KV on this sender's GPU (node and GPU
+    # uuid equal; e.g. two workers with num_gpus 0.5 on one GPU): NCCL cannot pair two ranks there
+    same_gpu: bool = False
 
 
 def choose_backend(p: Placement) -> str:
     """The backend for an endpoint: the fastest one that works between the two."""
-    if p.both_cuda:
+    if p.both_cuda and not p.same_gpu:
         return "torch_distributed"  # GPU to GPU, no host copy
     if p.same_node:
         return "shm"
@@ -103,10 +107,13 @@ class AutoSender(KVSender):
         (decided on first use)."""
         with self._lock:
             if endpoint not in self._choice:
+                # one GPU: the torch_distributed handshake is refused before any group is built
                 dist = self.dist is not None and self._works(self.dist, endpoint, torch_dist_sender.PLACEMENT)
+                one_gpu = self.dist is not None and self.dist.plane.shares_gpu(endpoint)
                 same_node = not dist and self._works(self.shm, endpoint, shm_sender.PLACEMENT)
                 tcp = not (dist or same_node) and self._works(self.tcp, endpoint, tcp_sender.PLACEMENT)
-                self._choice[endpoint] = choose_backend(Placement(same_node, tcp, both_cuda=dist))
+                placement = Placement(same_node, tcp, both_cuda=dist, same_gpu=one_gpu)
+                self._choice[endpoint] = choose_backend(placement)
             return self._choice[endpoint]
 
     def connect(self, endpoint: str, timeout: float | None = None) -> None:

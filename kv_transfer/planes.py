@@ -143,10 +143,11 @@ class Channels:
 
     def reset(self, channel: Any, why: str, made: Callable[[Any], bool] | None = None) -> None:
         """Drop a channel and the handshake that made it (with `made`: if its response says so):
-        the next layer to the endpoint handshakes anew."""
+        the next layer to the endpoint handshakes anew. The handshake goes first: a stream checking
+        it in between would find the channel retired and cache that as the endpoint's refusal."""
+        self.control._forget_handshake(channel.endpoint, made)
         with self.lock:
             self._drop_locked(channel, why)
-        self.control._forget_handshake(channel.endpoint, made)
 
     def keys(self) -> dict[str, str]:
         """endpoint -> key of its live channel."""

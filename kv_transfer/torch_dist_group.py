@@ -1,25 +1,36 @@
 """The torch_distributed data plane's channel: per (sender, receiver) a 2-rank process group over a
 `PrefixStore(pair key, the receiver's TCPStore)`; the receiver is rank 0. No global default group.
 
-NCCL ignores tags and matches point-to-point operations in order, so "nccl" is only safe with one
-transfer in flight per pair; gloo between CPU caches is what is tested.
+NCCL ignores tags: it matches a pair's sends and recvs in the order each side posts them. So each
+side posts its layers' point-to-point operations in one sequence per pair (`PairOrder`): the sender
+numbers each send as it posts it (the number is the tag, and travels in the layer's `KVLayer`), and
+the receiver posts the recv of send n only once it has posted those of 0 .. n-1, whatever order the
+messages arrive in, on however many threads. Any number of transfers may be in flight on a pair,
+under NCCL as under gloo (where the tags match too); gloo between CPU caches is what is tested,
+including with every tag made equal so that gloo matches by order alone.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-from typing import Any
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from engine.tp_group import make_process_group
 from kv_transfer.base import KVTransferError
+from kv_transfer.shm_receiver import node_id
+from kv_transfer.wire import Late, Unavailable
 
 DIST_BACKENDS = ("gloo", "nccl")
 OFF = "off"  # a receiver's dist_backend when it hosts no process groups (auto without a GPU cache)
 FIRST_TAG = 1 << 30  # the pair's first exchange (layers count their tags up from 0)
-TAG_LIMIT = 1 << 31  # gloo tags are non-negative int32
+SEQ_LIMIT = FIRST_TAG  # a pair's sends are numbered 0, 1, ... modulo this (gloo tags are non-negative int32)
+T = TypeVar("T")
 
 
 def check_dist_backend(backend: str) -> str:
@@ -38,6 +49,20 @@ def device_for(backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def gpu_identity(device: torch.device) -> str:
+    """The physical GPU `device` is, as "hostname/boot id/GPU uuid" (the node as shm's handshake
+    names it, then the uuid CUDA reports, the same whatever CUDA_VISIBLE_DEVICES numbers it as);
+    "" for a device that is not a CUDA GPU."""
+    if device.type != "cuda":
+        return ""
+    return f"{node_id()}/{torch.cuda.get_device_properties(device).uuid}"
+
+
+def same_gpu(mine: str, theirs: str) -> bool:
+    """Whether two `gpu_identity`s are one GPU (NCCL cannot pair two ranks on it); "" is no GPU."""
+    return bool(mine) and mine == theirs
 
 
 def local_address_towards(host: str, port: int) -> str:
@@ -84,6 +109,57 @@ def build_pair(backend: str, store: Any, key: str, rank: int, hostname: str, dev
             shutdown(pg)
         raise
     return pg
+
+
+class PairOrder:
+    """One pair's sequence of point-to-point operations, the same on both sides: the sender numbers
+    its sends in the order it posts them (`post_next`), the receiver posts each recv in that order
+    (`post_at`). Closed (`close`) when the pair is dropped: every waiter fails at once."""
+
+    def __init__(self, first: int = 0) -> None:
+        self._turn = threading.Condition()
+        self._next = first  # the number of the next operation to post
+        self._closed: str | None = None
+
+    def post_next(self, post: Callable[[int], T]) -> tuple[int, T]:
+        """Sender: run `post(n)` for the next number n (under the pair's lock: numbers and posting
+        order agree); returns (n, what it returned). Raises once the order is closed."""
+        with self._turn:
+            if self._closed is not None:
+                raise Unavailable(self._closed)
+            seq = self._next
+            done = post(seq)
+            self._next = (seq + 1) % SEQ_LIMIT
+            return seq, done
+
+    def post_at(self, seq: int, post: Callable[[], T], timeout_s: float) -> T:
+        """Receiver: run `post()` as operation `seq`, once every earlier one has been posted; waits at
+        most `timeout_s` for them (then a gap that never filled: `Late`), fails at once for a number
+        already posted or out of range, or once the order is closed (`Unavailable`). A failed
+        `post()` leaves `seq` unposted: the caller drops the pair."""
+        deadline = time.monotonic() + timeout_s
+        with self._turn:
+            while self._closed is None and self._next != seq:
+                if not 0 <= seq < SEQ_LIMIT or (seq - self._next) % SEQ_LIMIT >= SEQ_LIMIT // 2:
+                    raise KVTransferError(f"send {seq} of the pair came twice or out of order "
+                                          f"(next: {self._next})")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Late(f"send {self._next} of the pair never came (waited {timeout_s:g}s for it, "
+                               f"holding send {seq})")
+                self._turn.wait(left)
+            if self._closed is not None:
+                raise Unavailable(self._closed)
+            done = post()
+            self._next = (seq + 1) % SEQ_LIMIT
+            self._turn.notify_all()
+            return done
+
+    def close(self, why: str) -> None:
+        with self._turn:
+            if self._closed is None:
+                self._closed = why
+            self._turn.notify_all()
 
 
 def shutdown(pg: Any) -> None:

@@ -1,7 +1,14 @@
 """The torch_distributed data plane, receiver side: it hosts the TCPStore, builds its side of each
 sender's pair (kv_transfer/torch_dist_group.py) and receives a layer by a point-to-point recv,
-posted only after the message passed the ticket's checks (a refused message never posts one).
-A failed recv drops the pair.
+posted only after the message passed the ticket's checks (a refused message never posts one), and
+only in the pair's sequence: the recv of send n (the message's `dist_tag`) waits until those of
+0 .. n-1 have been posted (`PairOrder.post_at`), so that NCCL, which matches by posting order,
+pairs every recv with its own send however the messages of the transfers in flight interleave.
+
+Each message naming a live pair stands for one send posted on it. So when such a message is
+refused, its send is left unmatched and would shift every later match: the pair is dropped at once
+(as it is after a failed recv, or a gap in the sequence that does not fill within `timeout_s`);
+recvs waiting on it fail, and the sender's next transfer handshakes for a new pair.
 """
 
 from __future__ import annotations
@@ -19,7 +26,16 @@ from kv_transfer.base import KVTransferError, TransferTicket
 from kv_transfer.checksum import tensor_checksum
 from kv_transfer.control_receiver import ControlReceiver, sink_device
 from kv_transfer.planes import ReceivePlane
-from kv_transfer.torch_dist_group import OFF, build_pair, check_dist_backend, device_for, shutdown
+from kv_transfer.torch_dist_group import (
+    OFF,
+    PairOrder,
+    build_pair,
+    check_dist_backend,
+    device_for,
+    gpu_identity,
+    same_gpu,
+    shutdown,
+)
 from kv_transfer.wire import check_digest, split_host_port
 from proto import kv_transfer_pb2
 
@@ -33,13 +49,16 @@ class _RecvPair:
     pg: Any = None
     error: str | None = None
     thread: threading.Thread | None = None
+    order: PairOrder = field(default_factory=PairOrder)  # its recvs are posted in the sender's send order
 
 
 class TorchDistReceivePlane(ReceivePlane):
     """The TCPStore it hosts (`store_host`: the endpoint's host unless given; `store_port` 0: any
     free port; `store_address` says which), the group backend (None: "nccl" when the sink's cache is
     on CUDA, else "gloo"; "off": no store and no groups, senders are refused) and `timeout_s`, which
-    bounds building a pair's group and each receive."""
+    bounds building a pair's group, each wait for a recv's turn and each receive. A sender on this
+    plane's GPU (`gpu_id`, from `gpu_identity`) is offered no pair: NCCL cannot pair two ranks on
+    one device."""
 
     name = "torch_distributed"
 
@@ -53,11 +72,12 @@ class TorchDistReceivePlane(ReceivePlane):
         self._pairs: dict[str, _RecvPair] = {}
         self._store: Any = None
         self.dist_backend, self.device = OFF, torch.device("cpu")
-        self.store_host = self.store_address = ""
+        self.store_host = self.store_address = self.gpu_id = ""
         if dist_backend == OFF:
             return
         self.dist_backend = check_dist_backend(dist_backend)
         self.device = device_for(self.dist_backend)
+        self.gpu_id = gpu_identity(self.device)
         self.store_host = split_host_port(control.endpoint)[0] if store_host is None else store_host
         try:
             self._store = torch.distributed.TCPStore(
@@ -73,8 +93,10 @@ class TorchDistReceivePlane(ReceivePlane):
     def handshake_fields(self, request: kv_transfer_pb2.HandshakeRequest) -> dict[str, Any]:
         if not request.dist_backend or self.dist_backend == OFF:
             return {}  # another plane's sender, or process groups off here
-        refused = {"dist_backend": self.dist_backend}  # no store: the sender refuses, naming both
-        if request.dist_backend != self.dist_backend or self.control.closed:
+        # no store: the sender refuses, naming both backends, or the one GPU
+        refused = {"dist_backend": self.dist_backend, "gpu_id": self.gpu_id}
+        if (request.dist_backend != self.dist_backend or self.control.closed
+                or same_gpu(self.gpu_id, request.gpu_id)):
             return refused
         sender = request.sender_id or "anonymous"
         key = f"{sender}/{secrets.token_hex(6)}"
@@ -93,7 +115,7 @@ class TorchDistReceivePlane(ReceivePlane):
             pair.thread.start()
         for p in old:
             self._drop(p)
-        return {"dist_store": self.store_address, "dist_pair": key, "dist_backend": self.dist_backend}
+        return {**refused, "dist_store": self.store_address, "dist_pair": key}
 
     def _build(self, pair: _RecvPair, store: Any) -> None:
         try:
@@ -110,13 +132,14 @@ class TorchDistReceivePlane(ReceivePlane):
         finally:
             pair.ready.set()
 
-    def _drop(self, pair: _RecvPair) -> None:
+    def _drop(self, pair: _RecvPair, why: str = "") -> None:
         with self._pairs_lock:
             if self._pairs.get(pair.key) is pair:
                 del self._pairs[pair.key]
             pg, pair.pg = pair.pg, None
             if pair.error is None:
-                pair.error = f"torch_distributed group {pair.key} was dropped"
+                pair.error = f"torch_distributed group {pair.key} was dropped{why}"
+        pair.order.close(pair.error)
         if pg is not None:
             shutdown(pg)
 
@@ -130,21 +153,20 @@ class TorchDistReceivePlane(ReceivePlane):
         return bool(msg.dist_pair)
 
     def receive(self, msg: kv_transfer_pb2.KVLayer) -> None:
-        # who is asking and what they claim, before a single recv is posted
-        ticket = self.control.authorize(msg.transfer_id, msg.auth_token)
-        dtype, shape = self._check(msg, ticket)
         with self._pairs_lock:
             pair = self._pairs.get(msg.dist_pair)
-        if pair is None:
-            raise KVTransferError(f"layer {msg.layer}: unknown torch_distributed pair {msg.dist_pair!r}")
-        if not pair.ready.wait(self.timeout_s):
-            raise KVTransferError(f"layer {msg.layer}: torch_distributed group {pair.key} not built in time")
-        pg = pair.pg
-        if pair.error is not None or pg is None:
-            raise KVTransferError(f"layer {msg.layer}: {pair.error or 'group gone'}")
-        buf = torch.empty(shape, dtype=dtype, device=pair.device)
         try:
-            pg.recv([buf], 1, msg.dist_tag).wait(datetime.timedelta(seconds=self.timeout_s))
+            buf, work = self._post(msg, pair)
+        except Exception as e:
+            if pair is not None:  # its send is left unmatched: no later recv may take its bytes
+                self._drop(pair, f" (layer {msg.layer} of {msg.transfer_id!r}, send {msg.dist_tag}, refused)")
+            if isinstance(e, KVTransferError):
+                raise
+            raise KVTransferError(
+                f"layer {msg.layer}: torch_distributed recv over {msg.dist_pair} failed: {e}"
+            ) from None
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:
             self._drop(pair)  # gloo closes the pair on a timeout; no later message may use it
             raise KVTransferError(
@@ -153,6 +175,27 @@ class TorchDistReceivePlane(ReceivePlane):
             ) from None
         check_digest(msg, "received", tensor_checksum(buf))
         self.control._on_layer(msg.transfer_id, msg.auth_token, msg.layer, buf)
+
+    def _post(self, msg: kv_transfer_pb2.KVLayer, pair: _RecvPair | None) -> tuple[torch.Tensor, Any]:
+        """Check who is asking and what they claim, then post the recv in the pair's order; the
+        buffer and the recv's work."""
+        ticket = self.control.authorize(msg.transfer_id, msg.auth_token)
+        dtype, shape = self._check(msg, ticket)
+        if pair is None:
+            raise KVTransferError(f"layer {msg.layer}: unknown torch_distributed pair {msg.dist_pair!r}")
+        if not pair.ready.wait(self.timeout_s):
+            raise KVTransferError(f"layer {msg.layer}: torch_distributed group {pair.key} not built in time")
+        pg = pair.pg
+        if pair.error is not None or pg is None:
+            raise KVTransferError(f"layer {msg.layer}: {pair.error or 'group gone'}")
+        buf = torch.empty(shape, dtype=dtype, device=pair.device)
+        work = pair.order.post_at(msg.dist_tag, lambda: self._post_recv(pg, buf, msg.dist_tag),
+                                  self.timeout_s)
+        return buf, work
+
+    def _post_recv(self, pg: Any, buf: torch.Tensor, tag: int) -> Any:
+        """Post the asynchronous point-to-point recv of the pair's send `tag`."""
+        return pg.recv([buf], 1, tag)
 
     def _check(self, msg: kv_transfer_pb2.KVLayer, ticket: TransferTicket) -> tuple[torch.dtype, tuple[int, ...]]:
         """The framing checks that can be made before the bytes arrive (their checksum comes after)."""

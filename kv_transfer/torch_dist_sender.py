@@ -1,15 +1,22 @@
 """The torch_distributed data plane, sender side: a layer goes by a point-to-point send over the
-pair's process group (kv_transfer/torch_dist_group.py); the wait happens in `flush` / `commit`.
+pair's process group (kv_transfer/torch_dist_group.py), numbered in the pair's sequence as it is
+posted (`PairOrder.post_next`: numbers and posting order agree, whichever stream thread posts); the
+number is the tag, and the receiver posts its recvs in that order. The wait happens in `flush` /
+`commit`.
 
-A refused message leaves its send unmatched and a timed-out send closes the group, so after any
-failure of a transfer whose sends are not all complete the pair is dropped with its handshake: the
-next transfer to that endpoint handshakes again and gets a new pair.
+A send is known to be matched only once the receiver acknowledged its message (a flush returned).
+So when a transfer fails or is aborted with sends not yet acknowledged (a refused message leaves
+its send unmatched, a lost one leaves a gap; the receiver drops its side of the pair then), their
+pair is dropped with its handshake: the next transfer to that endpoint handshakes again and gets a
+new pair, and no later recv can take an unmatched send's bytes. Transfers still in flight on the
+dropped pair fail with it. To keep that to one pair, a transfer's unacknowledged sends all go over
+one pair, and none follows a message of it that posted none (the receiver stops reading a stream
+at its first refused message).
 """
 
 from __future__ import annotations
 
 import datetime
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +27,13 @@ from kv_transfer.checksum import tensor_checksum
 from kv_transfer.control_sender import ControlSender
 from kv_transfer.planes import Channels, SendPlane
 from kv_transfer.torch_dist_group import (
-    TAG_LIMIT,
+    PairOrder,
     build_pair,
     check_dist_backend,
     device_for,
+    gpu_identity,
     local_address_towards,
+    same_gpu,
     shutdown,
 )
 from kv_transfer.wire import split_host_port
@@ -32,7 +41,7 @@ from proto import kv_transfer_pb2
 
 # phrases of the refusals that mean "not between these two" (auto falls back on them)
 PLACEMENT = ("does not take the torch_distributed backend", "runs torch_distributed over",
-             "cannot reach the KV receiver's store", "cannot build the")
+             "cannot reach the KV receiver's store", "cannot build the", "on this worker's GPU")
 
 
 @dataclass(eq=False)
@@ -42,15 +51,23 @@ class _SendPair:
     pg: Any
     store: Any
     device: torch.device
-    tags: itertools.count[int] = field(default_factory=itertools.count)
+    order: PairOrder = field(default_factory=PairOrder)  # numbers the sends as they are posted
     broken: str | None = None
-    # transfer id -> the sends posted for it, with the tensors they read from
-    works: dict[str, list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
 
     def shut(self) -> None:
-        self.works.clear()
+        self.order.close(self.broken or f"torch_distributed pair {self.key} was shut")
         shutdown(self.pg)
         self.store = None
+
+
+@dataclass(eq=False)
+class _Unacknowledged:
+    """A transfer's sends posted since its last acknowledged flush: over one pair only, and none
+    after a message that posted none (the receiver refuses that one and reads no further)."""
+
+    pair: _SendPair | None
+    works: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # with the tensors they read from
+    stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,7 +79,8 @@ class _Staged:
 
 class TorchDistSendPlane(SendPlane):
     """`dist_backend`: "gloo" (CPU tensors) or "nccl" (CUDA); the control's `timeout_s` also bounds
-    connecting to a receiver's store, building its group, and each wait for a send to complete."""
+    connecting to a receiver's store, building its group, and each wait for a send to complete. A
+    receiver on this plane's GPU (`gpu_id`) is refused at the handshake, before any group is built."""
 
     name = "torch_distributed"
     max_message_bytes = None  # one point-to-point send per layer
@@ -71,13 +89,26 @@ class TorchDistSendPlane(SendPlane):
         self.dist_backend = check_dist_backend(dist_backend)
         super().__init__(control)
         self.device = device_for(self.dist_backend)
+        self.gpu_id = gpu_identity(self.device)
         self.channels = Channels(control, lambda e, key: f"torch_distributed channel {key} to {e} was reset")
         self._pairs: dict[str, _SendPair] = self.channels.live
+        self._sent: dict[str, _Unacknowledged] = {}  # transfer id -> ...; under channels.lock
 
     def handshake_request(self, request: kv_transfer_pb2.HandshakeRequest) -> None:
         request.dist_backend = self.dist_backend
+        request.gpu_id = self.gpu_id
+
+    def shares_gpu(self, endpoint: str) -> bool:
+        """Whether the endpoint's handshake, once completed, showed its KV on this plane's GPU."""
+        response = self.control.accepted(endpoint)
+        return response is not None and same_gpu(self.gpu_id, response.gpu_id)
 
     def accept(self, endpoint: str, response: kv_transfer_pb2.HandshakeResponse) -> str | None:
+        if same_gpu(self.gpu_id, response.gpu_id):
+            return (
+                f"KV receiver at {endpoint} has its KV cache on this worker's GPU ({self.gpu_id}): "
+                "NCCL cannot pair two ranks on one device; use shm between them (auto does)"
+            )
         if not response.dist_store or not response.dist_pair:
             if response.dist_backend:
                 return (
@@ -122,46 +153,62 @@ class TorchDistSendPlane(SendPlane):
         return _Staged(kv.detach().to(device=self.device, copy=True, memory_format=torch.contiguous_format))
 
     def fields(self, ticket: TransferTicket, staged: _Staged) -> dict[str, Any]:
-        """After the handshake and its pair: post the send, name it."""
+        """After the handshake and its pair: post the send as the pair's next, name it. A message
+        whose send was not posted names no pair, and the receiver refuses it: the transfer is over,
+        the endpoint has no live pair now, the transfer's unacknowledged sends went over another
+        (since dropped), or an earlier message of the transfer posted none. So a failed transfer
+        never leaves a send unmatched on a pair that lives on."""
         digest = tensor_checksum(staged.tensor)
+        gone = {"checksum": digest, "dist_pair": "gone", "dist_tag": 0}
         pair = self._pairs.get(ticket.kv_endpoint)
-        if pair is None or pair.broken is not None:  # reset meanwhile: the receiver refuses it (no such pair)
-            key, tag = (pair.key if pair is not None else "gone"), 0
-        else:
-            key, tag = pair.key, next(pair.tags) % TAG_LIMIT
-            try:
-                work = self._post_send(pair, staged.tensor, tag)
-            except Exception as e:  # the channel is closed (receiver gone): drop it, the receiver refuses this
-                self.channels.reset(pair, f"send failed: {e}")
-            else:
-                with self.channels.lock:
-                    pair.works.setdefault(ticket.transfer_id, []).append((work, staged.tensor))
-        return {"checksum": digest, "dist_pair": key, "dist_tag": tag}
+        with self.channels.lock:
+            if ticket.transfer_id not in self.control._transfers:  # committed or failed meanwhile
+                return gone
+            sent = self._sent.setdefault(ticket.transfer_id, _Unacknowledged(pair))
+            sent.stopped = sent.stopped or pair is None or sent.pair is not pair or pair.broken is not None
+            if sent.stopped:
+                return gone
+        try:
+            tag, work = pair.order.post_next(lambda seq: self._post_send(pair, staged.tensor, seq))
+        except Exception as e:
+            if not isinstance(e, KVTransferError):  # the channel is closed (receiver gone): drop it
+                self._reset(pair, f"send failed: {e}")
+            sent.stopped = True  # (else dropped meanwhile)
+            return gone
+        with self.channels.lock:
+            settled = self._sent.get(ticket.transfer_id) is not sent
+            if not settled:
+                sent.works.append((work, staged.tensor))
+        if settled:  # the transfer failed meanwhile and `flushed` did not see this send: maybe unmatched
+            self._reset(pair, f"transfer {ticket.transfer_id!r} failed while a send was posted")
+        return {"checksum": digest, "dist_pair": pair.key, "dist_tag": tag}
 
     def _post_send(self, pair: _SendPair, tensor: torch.Tensor, tag: int) -> Any:
         """Post the asynchronous point-to-point send (a test hook: bytes may be altered here)."""
         return pair.pg.send([tensor], 0, tag)
 
     def flushed(self, ticket: TransferTicket, ok: bool, timeout: float) -> None:
-        """Wait for the transfer's sends (ok: the receiver took them all) or, after a failure,
-        drop the pair if any of them may be left unmatched."""
-        pair = self._pairs.get(ticket.kv_endpoint)
-        if pair is None:
-            return
+        """Wait for the transfer's sends (ok: the receiver took them all) or, after a failure, drop
+        their pair if it is still live: any of them may be left unmatched (a send that completed is
+        no proof: NCCL may complete a small send before its recv is posted)."""
         with self.channels.lock:
-            works = pair.works.pop(ticket.transfer_id, [])
-        if not works:
+            sent = self._sent.pop(ticket.transfer_id, None)
+        if sent is None or sent.pair is None or not sent.works:
             return
         if not ok:
-            if not all(w.is_completed() for w, _ in works):
-                self.channels.reset(pair, f"transfer {ticket.transfer_id!r} failed with sends unmatched")
+            self._reset(sent.pair, f"transfer {ticket.transfer_id!r} failed with sends not acknowledged")
             return
         try:
-            for w, _ in works:
+            for w, _ in sent.works:
                 w.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
         except Exception as e:
-            self.channels.reset(pair, f"send failed: {e}")
+            self._reset(sent.pair, f"send failed: {e}")
             raise KVTransferError(f"torch_distributed send to {ticket.kv_endpoint} failed: {e}") from None
+
+    def _reset(self, pair: _SendPair, why: str) -> None:
+        """Drop `pair` and the handshake that made it (not a newer one), unless dropped already."""
+        if pair.broken is None:
+            self.channels.reset(pair, why, lambda response: response.dist_pair == pair.key)
 
     def finished(self, ticket: TransferTicket, layers: int) -> None:
         self.flushed(ticket, False, 0.0)  # commit's flush settled the sends; after a failure nothing may linger
@@ -174,6 +221,8 @@ class TorchDistSendPlane(SendPlane):
     def close(self) -> None:
         """Shut every pair's group down."""
         self.channels.close()
+        with self.channels.lock:
+            self._sent.clear()
 
 
 class TorchDistSender(ControlSender):

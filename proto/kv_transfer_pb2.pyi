@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("compat_hash", "layout_version", "model_id", "dtype", "block_size", "sender_id", "node_id", "shm_probe", "dist_backend", "tcp")
+    __slots__ = ("compat_hash", "layout_version", "model_id", "dtype", "block_size", "sender_id", "node_id", "shm_probe", "dist_backend", "tcp", "gpu_id")
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class HandshakeRequest(_message.Message):
     SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
     DIST_BACKEND_FIELD_NUMBER: _ClassVar[int]
     TCP_FIELD_NUMBER: _ClassVar[int]
+    GPU_ID_FIELD_NUMBER: _ClassVar[int]
     compat_hash: str
     layout_version: int
     model_id: str
@@ -29,10 +30,11 @@ class HandshakeRequest(_message.Message):
     shm_probe: str
     dist_backend: str
     tcp: bool
-    def __init__(self, compat_hash: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., sender_id: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe: _Optional[str] = ..., dist_backend: _Optional[str] = ..., tcp: _Optional[bool] = ...) -> None: ...
+    gpu_id: str
+    def __init__(self, compat_hash: _Optional[str] = ..., layout_version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., sender_id: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe: _Optional[str] = ..., dist_backend: _Optional[str] = ..., tcp: _Optional[bool] = ..., gpu_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("ok", "reason", "compat_hash", "node_id", "shm_probe_data", "dist_store", "dist_pair", "dist_backend", "tcp_port", "tcp_conn", "tcp_token", "shm_cache", "shm_cache_offset", "shm_cache_blocks", "shm_cache_layers", "first_kv_head", "kv_heads")
+    __slots__ = ("ok", "reason", "compat_hash", "node_id", "shm_probe_data", "dist_store", "dist_pair", "dist_backend", "tcp_port", "tcp_conn", "tcp_token", "shm_cache", "shm_cache_offset", "shm_cache_blocks", "shm_cache_layers", "first_kv_head", "kv_heads", "gpu_id")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +52,7 @@ class HandshakeResponse(_message.Message):
     SHM_CACHE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FIRST_KV_HEAD_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    GPU_ID_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
     compat_hash: str
@@ -67,7 +70,8 @@ class HandshakeResponse(_message.Message):
     shm_cache_layers: int
     first_kv_head: int
     kv_heads: int
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., compat_hash: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe_data: _Optional[bytes] = ..., dist_store: _Optional[str] = ..., dist_pair: _Optional[str] = ..., dist_backend: _Optional[str] = ..., tcp_port: _Optional[int] = ..., tcp_conn: _Optional[str] = ..., tcp_token: _Optional[bytes] = ..., shm_cache: _Optional[str] = ..., shm_cache_offset: _Optional[int] = ..., shm_cache_blocks: _Optional[int] = ..., shm_cache_layers: _Optional[int] = ..., first_kv_head: _Optional[int] = ..., kv_heads: _Optional[int] = ...) -> None: ...
+    gpu_id: str
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., compat_hash: _Optional[str] = ..., node_id: _Optional[str] = ..., shm_probe_data: _Optional[bytes] = ..., dist_store: _Optional[str] = ..., dist_pair: _Optional[str] = ..., dist_backend: _Optional[str] = ..., tcp_port: _Optional[int] = ..., tcp_conn: _Optional[str] = ..., tcp_token: _Optional[bytes] = ..., shm_cache: _Optional[str] = ..., shm_cache_offset: _Optional[int] = ..., shm_cache_blocks: _Optional[int] = ..., shm_cache_layers: _Optional[int] = ..., first_kv_head: _Optional[int] = ..., kv_heads: _Optional[int] = ..., gpu_id: _Optional[str] = ...) -> None: ...
 
 class KVLayer(_message.Message):
     __slots__ = ("transfer_id", "auth_token", "layer", "dtype", "shape", "checksum", "payload", "compression", "scales", "first_block", "shm_name", "shm_offset", "shm_nbytes", "dist_pair", "dist_tag", "tcp_conn", "tcp_tag", "shm_in_place", "shm_checksummed")

@@ -1,8 +1,11 @@
 """What is particular to the torch_distributed KV transfer backend (bytes over a gloo point-to-point
 pair, control over a real gRPC server on loopback, into a real DecodeEngine): only metadata crosses
 gRPC, refused messages never post a recv, a refused transfer resets the pair, an unreachable store
-or a receiver without the backend is refused at connect, a grpc sender is taken too, close with
+or a receiver without the backend is refused at connect, a receiver on the sender's GPU is refused
+before any group is built (and `auto` takes shm to it), a grpc sender is taken too, close with
 transfers in flight, a sender in another OS process works, and no store, group or thread is left.
+Order under NCCL's matching rule (many transfers in flight on one pair) is in
+tests/integration/test_kv_transfer_torch_dist_order.py.
 
 The conformance tests every backend passes (bytes land in the reserved blocks, refusals, abort,
 timeouts, bytes corrupted after their checksum, prefill -> decode matches the offline `LLM`, the
@@ -27,6 +30,7 @@ from decode_worker import DecodeEngine
 from kv_transfer.checksum import checksum
 from kv_transfer import KVTransferError, create_sender
 from kv_transfer.control_receiver import GrpcReceiver
+from kv_transfer.shm_receiver import node_id
 from kv_transfer.torch_dist_receiver import TorchDistReceiver
 from kv_transfer.torch_dist_sender import TorchDistSender
 from tests.integration.kv_helpers import (
@@ -121,6 +125,39 @@ def test_unreachable_store_or_a_receiver_without_the_backend_is_refused(decode, 
         s.close()
         d.close()
     assert _cache_is_zero(decode) and decode.num_reserved == 1
+
+
+def test_a_receiver_on_this_workers_gpu_is_refused_before_any_group_and_auto_takes_shm(decode, checkpoint):
+    """Two workers sharing one GPU (num_gpus 0.5 each) cannot form an NCCL pair: the handshake
+    compares the GPUs (`gpu_identity`, set here by hand: gloo stands in for NCCL on CPUs) and
+    neither side builds a group; `auto` moves that KV through shared memory, and still takes a
+    process group to a receiver on another GPU."""
+    one_gpu = f"{node_id()}/0b42632a-bc5c-f731-724b-6936a19c4b24"
+    decode.receiver.planes["torch_distributed"].gpu_id = one_gpu
+    s = TorchDistSender(decode.compat_hash, timeout_s=5.0)
+    try:
+        s.plane.gpu_id = one_gpu
+        with pytest.raises(KVTransferError, match="has its KV cache on this worker's GPU"):
+            s.connect(decode.receiver.endpoint)
+        assert not s.plane.pairs and not decode.receiver.planes["torch_distributed"].pairs
+    finally:
+        s.close()
+
+    d = DecodeEngine(_decode_engine(checkpoint), backend="auto", dist_backend="gloo", timeout_s=5.0)
+    d.receiver.planes["torch_distributed"].gpu_id = one_gpu
+    senders = [create_sender("auto", d.compat_hash, timeout_s=5.0, dist_backend="gloo") for _ in range(2)]
+    try:
+        senders[0].dist.plane.gpu_id = one_gpu
+        senders[1].dist.plane.gpu_id = f"{node_id()}/5d1c0e77-0000-4e1a-9c4f-1f2e3d4c5b6a"  # another GPU
+        for i, (s, backend) in enumerate(zip(senders, ["shm", "torch_distributed"])):
+            ticket = d.reserve(f"r{i}", list(range(3 + i, 40)), PARAMS)
+            transfer(s, d, ticket, _layer(d, ticket, seed=i))
+            assert s.backend_for(d.receiver.endpoint) == backend and set(s.bytes_sent) == {backend}
+        assert len(d.receiver.planes["torch_distributed"].pairs) == 1  # the other GPU's only
+    finally:
+        for s in senders:
+            s.close()
+        d.close()
 
 
 def test_a_grpc_sender_is_taken_too(decode):
