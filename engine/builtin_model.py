@@ -12,6 +12,10 @@ Its tokenizer is a byte-level BPE (so any UTF-8 text, emoji included, round-trip
 with the `tokenizers` library on a synthetic English corpus generated in this module. Special
 tokens follow the Llama convention: <unk>=0, <s>=1 (bos), </s>=2 (eos), <pad>=3.
 
+"tiny-moe" (Qwen3-MoE: 8 experts, each token routed to 2; 37,281,216 parameters, 16,047,552 read
+per token) and "moe-400m" (a realistic MoE shape: 406,176,896 parameters, 75,875,456 per token) share
+the tokenizer; "llama-200m" is a realistic dense shape.
+
 The weights are random: the model writes gibberish, but it is real, exercises the real code
 paths (GQA, RoPE, RMSNorm, SwiGLU), and greedy decoding of it is reproducible.
 """
@@ -69,6 +73,23 @@ BUILTIN_MODELS["llama-200m"] = {
     "dtype": "bfloat16",
     "config": {**BUILTIN_MODELS["tiny-llama"]["config"], "hidden_size": 1024, "num_hidden_layers": 16,
                "num_attention_heads": 16, "num_key_value_heads": 8, "intermediate_size": 2816},
+}
+
+# A mixture-of-experts model (Qwen3-MoE: q/k norms, 8 experts of which each token is routed to 2,
+# renormalised), with tiny-llama's tokenizer, attention shape and initialisation.
+_TINY = BUILTIN_MODELS["tiny-llama"]["config"]
+_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "head_dim": 48}
+BUILTIN_MODELS["tiny-moe"] = {**BUILTIN_MODELS["tiny-llama"], "family": "Qwen3Moe", "router_scale": 4.0,
+                              "config": {**_TINY, **_MOE}}
+# A realistic MoE shape for performance work: Qwen3-30B-A3B's proportions (8 query heads per KV
+# head, queries wider than the hidden size, top-8 routing over narrow experts) scaled down to 64
+# experts of width 0.4 x hidden.
+BUILTIN_MODELS["moe-400m"] = {
+    **BUILTIN_MODELS["tiny-moe"], "dtype": "bfloat16",
+    "config": {**_TINY, **_MOE, "hidden_size": 640, "num_hidden_layers": 12, "num_attention_heads": 16,
+               "num_key_value_heads": 2, "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 8,
+               "moe_intermediate_size": 256},
 }
 
 # Each message as "<|role|>\ncontent\n", then "<|assistant|>\n" when a generation prompt is asked
@@ -203,12 +224,14 @@ def _build_tokenizer(spec: dict[str, Any]):
 
 def _build_model(spec: dict[str, Any]):
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     dtype = spec.get("dtype", "float32")
-    config = LlamaConfig(**spec["config"], dtype=dtype)
+    family = spec.get("family", "Llama")
+    config = getattr(transformers, f"{family}Config")(**spec["config"], dtype=dtype)
     torch.manual_seed(spec["seed"])
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = getattr(transformers, f"{family}ForCausalLM")(config).to(torch.float32).eval()
     with torch.no_grad():
         # Greedy outputs must be reproducible across different but equivalent compute orders
         # (batched vs single, paged vs contiguous attention, prefill vs cached decode, different
@@ -222,6 +245,10 @@ def _build_model(spec: dict[str, Any]):
         # so the gap-to-noise ratio (~1e3 at the smallest gap over 300 positions in float32) is
         # what keeps greedy stable; bfloat16 noise (~0.2 at std 4) can flip near-ties.
         model.lm_head.weight.mul_(spec["lm_head_scale"])
+        # Likewise a router's top-k must not sit on a near-tie between two experts.
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(spec["router_scale"])
     model = model.to(getattr(torch, dtype))  # initialised in float32 on every dtype: same draws
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_TOKEN_ID,

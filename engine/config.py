@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 KV_LAYOUT_VERSION = 2  # bump when the paged-KV tensor layout or the KV wire format changes (2: XXH3-64 checksums); part of the compatibility hash
 
@@ -84,6 +86,12 @@ class ModelConfig:
     max_position_embeddings: int
     sliding_window: int | None
     eos_token_ids: frozenset[int]
+    # mixture of experts (engine/models/moe.py): no experts, a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's
+    norm_topk_prob: bool = True  # the top-k routing weights are renormalised to sum to 1
+    moe_layers: frozenset[int] = frozenset()  # the layers whose MLP is the experts
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -132,10 +140,11 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             max_position_embeddings=hf.max_position_embeddings,
             sliding_window=sliding,
             eos_token_ids=eos_ids,
+            **_experts(arch, hf),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -148,6 +157,22 @@ class ModelConfig:
              self.hidden_size, str(dtype), block_size, KV_LAYOUT_VERSION],
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _experts(arch: str, hf: Any) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture-of-experts checkpoint ({} for a dense one)."""
+    if arch == "MixtralForCausalLM":  # every layer; the top-k weights always renormalised
+        return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True,
+                    moe_layers=frozenset(range(hf.num_hidden_layers)))
+    if arch == "Qwen3MoeForCausalLM":  # every decoder_sparse_step-th layer, except mlp_only_layers
+        step, dense = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
+        layers = frozenset(i for i in range(hf.num_hidden_layers)
+                           if hf.num_experts > 0 and i not in dense and (i + 1) % step == 0)
+        return dict(num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
+                    moe_layers=layers)
+    return {}
 
 
 def _rope_parameters(hf: Any) -> dict:

@@ -8,19 +8,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.checkpoint_names import Piece, expected_pieces, fused_shards, is_stacked, piece_of
 from engine.config import ModelConfig
 from engine.models.llama import LlamaModel
 from engine.packed_linear import pack_linears
 from engine.tp_layout import TPLayout
-
-# checkpoint name suffix -> (fused parameter suffix, shard index in the fused tensor)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -34,14 +26,27 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _target(name: str) -> tuple[str, int | None]:
-    """Map a checkpoint tensor name to (engine parameter name, fused shard index or None)."""
-    if name.startswith("model."):
-        name = name[len("model.") :]
-    for src, (dst, shard) in _FUSED.items():
-        if f".{src}." in f".{name}":
-            return name.replace(src, dst), shard
-    return name, None
+def _read(f, name: str, piece: Piece, layout: TPLayout | None, dtype: torch.dtype):
+    """(piece, tensor in `dtype`) for the checkpoint tensor `name`: with tensor parallelism only
+    the rank's slice (engine/tp_layout.py) is read. A stacked experts tensor (E, ...) is handed on
+    one expert (and gate/up shard) at a time."""
+    if is_stacked(piece.target) and piece.expert is None:  # transformers' stacked form: read whole
+        whole = f.get_tensor(name).to(dtype)
+        shards = fused_shards(piece.target)
+        for expert, rows in enumerate(whole):
+            for shard, part in zip(shards, rows.chunk(len(shards), dim=0)):
+                sub = Piece(piece.target, shard, expert)
+                cut = layout.shard(sub.target, shard) if layout is not None else None
+                yield sub, part if cut is None else part.narrow(*cut)
+        return
+    cut = layout.shard(piece.target, piece.shard) if layout is not None else None
+    if cut is None:
+        yield piece, f.get_tensor(name).to(dtype)
+        return
+    dim, start, length = cut  # only this rank's slice is read
+    index = [slice(None)] * len(f.get_slice(name).get_shape())
+    index[dim] = slice(start, start + length)
+    yield piece, f.get_slice(name)[tuple(index)].to(dtype)
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
@@ -56,49 +61,39 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     params = dict(model.named_parameters())
     heads, kv_heads, inter = ((layout.heads, layout.kv_heads, layout.inter) if layout is not None
                               else (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size))
+    moe_inter = layout.moe_inter if layout is not None else cfg.moe_intermediate_size
     q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
-    split = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [inter] * 2}
-    loaded: set[str] = set()
+    split = {".qkv_proj.": [q, kv, kv], ".gate_up_proj.": [inter] * 2, ".experts.gate_up_proj": [moe_inter] * 2}
+    loaded: set[Piece] = set()
     for file in _weight_files(Path(cfg.path)):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if "rotary_emb" in name:
                     continue
-                target, shard = _target(name)
-                if target not in params:
+                piece = piece_of(name)
+                if piece.target not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {file.name}")
-                part = layout.shard(target, shard) if layout is not None else None
-                if part is None:
-                    tensor = f.get_tensor(name).to(dtype)
-                else:  # only this rank's slice is read
-                    dim, start, length = part
-                    index = [slice(None)] * len(f.get_slice(name).get_shape())
-                    index[dim] = slice(start, start + length)
-                    tensor = f.get_slice(name)[tuple(index)].to(dtype)
-                param = params[target]
-                if shard is None:
-                    dst = param.data
-                else:
-                    kind = next(k for k in split if target.endswith(k + ".weight") or target.endswith(k + ".bias"))
-                    sizes = split[kind]
-                    dst = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
-                if dst.shape != tensor.shape:
-                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-                dst.copy_(tensor)
-                loaded.add(f"{target}#{shard}")
-    if cfg.tie_word_embeddings or "lm_head.weight#None" not in loaded:
+                for part, tensor in _read(f, name, piece, layout, dtype):
+                    dst = params[part.target].data
+                    if part.expert is not None:
+                        dst = dst[part.expert]
+                    if part.shard is not None:
+                        sizes = next(v for k, v in split.items() if k in part.target)
+                        dst = dst.narrow(0, sum(sizes[:part.shard]), sizes[part.shard])
+                    if dst.shape != tensor.shape:
+                        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                    dst.copy_(tensor)
+                    loaded.add(part)
+    if cfg.tie_word_embeddings or Piece("lm_head.weight") not in loaded:
         if not cfg.tie_word_embeddings:
             raise ValueError(f"checkpoint {cfg.path} has no lm_head.weight and does not tie embeddings")
         model.lm_head.weight = model.embed_tokens.weight
-        loaded.add("lm_head.weight#None")
-    expected = {
-        f"{n}#{s}" if any(n.endswith(k + suffix) for k in split for suffix in (".weight", ".bias")) else f"{n}#None"
-        for n in params
-        for s in ([0, 1, 2] if "qkv_proj" in n else [0, 1] if "gate_up_proj" in n else [None])
-    }
-    missing = sorted(expected - loaded)
+        loaded.add(Piece("lm_head.weight"))
+    missing = sorted(expected_pieces({n: p.shape[0] if is_stacked(n) else 0 for n, p in params.items()}) - loaded,
+                     key=str)
     if missing:
-        raise ValueError(f"checkpoint {cfg.path} is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        names = [f"{m.target}{'' if m.expert is None else f'[{m.expert}]'}" for m in missing[:5]]
+        raise ValueError(f"checkpoint {cfg.path} is missing tensors: {names}{' ...' if len(missing) > 5 else ''}")
     if pack:
         pack_linears(model)
     return model.eval()

@@ -8,7 +8,8 @@ With N ranks, rank r holds:
   column-parallel (the rank's rows of q, k and v), `o_proj` row-parallel (the columns of its query
   heads): each rank's output is a partial sum, and one all-reduce adds them.
 - MLP: `gate_up_proj` column-parallel (rows [r*I/N, (r+1)*I/N) of gate and of up), `down_proj`
-  row-parallel (those columns), then one all-reduce.
+  row-parallel (those columns), then one all-reduce. Routed experts (engine/models/moe.py) alike,
+  each expert split by its own intermediate size; the router is replicated.
 - everything else whole (replicated): the embedding (a lookup: nothing to split in compute, and a
   vocab-parallel one would add an all-reduce per step), the norms, and the LM head, which only
   rank 0 runs (it samples): sharding it would save memory on the other ranks but add a gather of
@@ -42,6 +43,7 @@ class TPLayout:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    moe_intermediate_size: int = 0  # each routed expert's (0: a dense model)
 
     def __post_init__(self) -> None:
         n = self.size
@@ -55,6 +57,9 @@ class TPLayout:
         if self.intermediate_size % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the model's intermediate size "
                              f"{self.intermediate_size}")
+        if self.moe_intermediate_size % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide the experts' intermediate size "
+                             f"{self.moe_intermediate_size}")
 
     @property
     def heads(self) -> int:
@@ -80,6 +85,11 @@ class TPLayout:
         """The MLP's intermediate rows on this rank."""
         return self.intermediate_size // self.size
 
+    @property
+    def moe_inter(self) -> int:
+        """Each routed expert's intermediate rows on this rank."""
+        return self.moe_intermediate_size // self.size
+
     def shard(self, target: str, fused_shard: int | None) -> tuple[int, int, int] | None:
         """The slice (dim, start, length) of the checkpoint tensor that loads into `target` (the
         engine's parameter name; `fused_shard`: 0/1/2 for q/k/v in qkv_proj, 0/1 for gate/up), or
@@ -87,6 +97,10 @@ class TPLayout:
         if self.size == 1:
             return None
         hd = self.head_dim
+        if target.endswith(".experts.gate_up_proj"):  # one expert's gate or up (the fused shard)
+            return 0, self.rank * self.moe_inter, self.moe_inter
+        if target.endswith(".experts.down_proj"):
+            return 1, self.rank * self.moe_inter, self.moe_inter
         if ".qkv_proj." in target:
             if fused_shard == 0:
                 return 0, self.rank * self.heads * hd, self.heads * hd
@@ -101,7 +115,8 @@ class TPLayout:
 
     def of_rank(self, rank: int) -> TPLayout:
         """Another rank's layout in the same group."""
-        return TPLayout(rank, self.size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size)
+        return TPLayout(rank, self.size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
+                        self.moe_intermediate_size)
 
     def assembly(self) -> list[tuple[int, int]]:
         """How the model's KV heads are put together from the ranks' caches: (rank, its KV heads to

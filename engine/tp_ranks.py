@@ -27,7 +27,7 @@ log = logging.getLogger("pdcluster.engine")
 
 def layout_for(model_cfg: ModelConfig, rank: int, size: int) -> TPLayout:
     return TPLayout(rank, size, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
-                    model_cfg.intermediate_size)
+                    model_cfg.intermediate_size, model_cfg.moe_intermediate_size)
 
 
 def lead(model_cfg: ModelConfig, leader: Leader, backend: str, join_timeout_s: float,

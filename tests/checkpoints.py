@@ -26,6 +26,16 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "mistral": ("Mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
     "qwen2-bias": ("Qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    # mixture of experts: every layer routed, top-2 of 4, weights renormalised
+    "mixtral": ("Mixtral", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                num_experts_per_tok=2, sliding_window=None)),
+    # top-2 of 8, renormalised
+    "qwen3-moe": ("Qwen3Moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                                   num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)),
+    # not renormalised, top-3 of 6, and a dense first layer (mlp_only_layers) before the routed one
+    "qwen3-moe-dense-first": ("Qwen3Moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                               num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+                                               norm_topk_prob=False, mlp_only_layers=[0])),
 }
 
 
@@ -48,6 +58,10 @@ def make_checkpoint(out: Path, shape: str = "llama-gqa", dtype: torch.dtype = to
         # Random models have near-uniform logits; scaling the head keeps top-2 far apart so greedy
         # decisions do not flip under equivalent but differently ordered float arithmetic.
         model.lm_head.weight.mul_(8.0)
+        # and routers too: a near-tie between two experts would flip on compute-order noise
+        for name, param in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.mul_(4.0)
         if getattr(model.model.layers[0].self_attn.q_proj, "bias", None) is not None:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and with routed experts Mixtral and Qwen3-MoE:
+engine/models/moe.py) over a paged KV cache.
 
 Numerics follow transformers' implementation step for step (RMSNorm in float32, RoPE with
 rotate_half, computed in halves bit for bit alike, SiLU-gated MLP) so greedy output matches
@@ -19,12 +20,11 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
+from engine.models.moe import Reduce, SparseMoE
 from engine.rope import rope_cos_sin
 
 if TYPE_CHECKING:
     from engine.tp_layout import TPLayout
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]  # sum over the tensor-parallel ranks, in place
 
 
 class RMSNorm(nn.Module):
@@ -112,10 +112,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None,
+                 index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layout, reduce)
-        self.mlp = MLP(cfg, layout, reduce)
+        # a mixture-of-experts model's sparse layers route each token to a few experts
+        self.mlp = SparseMoE(cfg, layout, reduce) if index in cfg.moe_layers else MLP(cfg, layout, reduce)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -132,7 +134,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, reduce) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, reduce, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions

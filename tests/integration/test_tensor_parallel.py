@@ -1,6 +1,6 @@
 """Tensor parallelism inside one engine (engine/tp_*.py): two CPU processes in a gloo group, the
 model split Megatron-style. Greedy output equals transformers' generate() token for token on GQA
-8:4, MQA (the KV head replicated) and Qwen2 with biases, through chunked prefill and preemption;
+8:4, MQA (the KV head replicated), Qwen2 with biases and two mixture-of-experts models, through chunked prefill and preemption;
 forked choices (n) copy their blocks on every rank; a rank that dies fails the next step with a
 clear error (no hang); sizes the model cannot be split by are refused before any process starts."""
 
@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([15, 31, 47, 60, 1])]
 N = 12
 SHAPES = {"gqa-8-4": ("llama-gqa", dict(num_attention_heads=8, num_key_value_heads=4)),
-          "mqa": ("llama-mqa-tied", {}), "qwen2-bias": ("qwen2-bias", {})}
+          "mqa": ("llama-mqa-tied", {}), "qwen2-bias": ("qwen2-bias", {}),
+          # every expert sharded across the ranks; a dense first layer beside routed ones
+          "mixtral": ("mixtral", {}), "qwen3-moe-dense-first": ("qwen3-moe-dense-first", {})}
 
 
 def _llm(path: str, tp: int = 2, **kw) -> LLM:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.builtin_model import resolve_model_path
 from pdcluster import LLM, SamplingParams
 from tests.checkpoints import SHAPES, VOCAB
 
@@ -77,9 +78,10 @@ def test_greedy_matches_transformers_in_half_precision(checkpoint, dtype):
         assert all(e.runner.kv_caches[0].dtype == tdtype for e in llm.engines)
 
 
-def test_builtin_model_matches_transformers(builtin_path):
-    hf = AutoModelForCausalLM.from_pretrained(builtin_path).eval()
-    llm = LLM("builtin:tiny-llama", num_blocks=64, max_model_len=512)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe"])
+def test_builtin_model_matches_transformers(name):
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(f"builtin:{name}")).eval()
+    llm = LLM(f"builtin:{name}", num_blocks=64, max_model_len=512)
     texts = ["Hello, world", "The quick brown fox jumps over the lazy dog because"]
     outs = llm.generate(texts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     for text, out in zip(texts, outs):
