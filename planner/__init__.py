@@ -1,6 +1,7 @@
 """Capacity planner: hardware catalog, cost model, discrete-event simulator, placement search.
 
-catalog.py + hardware.yaml (devices) -> models.py (model shapes) -> cost_model.py (step times:
+catalog.py + hardware.yaml (devices) -> models.py (model shapes: model_shape.py, model_presets.py,
+model_config.py) -> parallel.py (tensor or expert parallelism per worker) -> cost_model.py (step times:
 roofline, or fitted by calibrate.py) -> simulator.py (the cluster, event by event; its parts, router
 and workers, in sim_*.py) -> plan.py (a plan as a cluster to simulate) -> search.py (goodput by
 simulation, ranking) -> report.py (table, Pareto plot, cluster.yaml). cli.py is `pdcluster plan`;

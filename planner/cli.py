@@ -17,10 +17,11 @@ import math
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from loadgen.arrivals import KINDS
+from planner.describe import default_layout, model_lines, parallel_lines, typical_context
 from planner.reuse import add_routing_args, plan_reuse, routing_of
 
 DOC = __doc__
@@ -66,7 +67,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0, help="arrival times (and synthetic lengths)")
     m = p.add_argument_group("model and hardware")
     m.add_argument("--model", default="builtin:tiny-llama",
-                   help="a preset (Llama-3-8B, Llama-3-70B, Llama-2-13B, Qwen2.5-7B, ...), builtin:NAME or a checkpoint dir")
+                   help="a preset (Llama-3-8B, Llama-3-70B, Qwen2.5-7B, DeepSeek-V3, gpt-oss-120b, Qwen3-30B-A3B, "
+                        "Mixtral-8x7B, ...), builtin:NAME or a checkpoint dir")
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8"],
                    help="weights and KV cache on GPUs (cpu pools run the calibrated float32 engine)")
     m.add_argument("--catalog", action="append", default=[], metavar="FILE",
@@ -121,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-pools", default=None, help="hardware for prefill (default: --pools)")
     g.add_argument("--decode-pools", default=None, help="hardware for decode (default: --pools)")
     g.add_argument("--modes", default="disaggregated,colocated")
-    g.add_argument("--tp", type=_ints, default=(1, 2, 4, 8), help="tensor-parallel degrees, e.g. 1,2,4")
+    g.add_argument("--tp", type=_ints, default=None,
+                   help="devices per worker, e.g. 1,2,4 (default 1,2,4,8; for a mixture-of-experts model also 16,32: "
+                        "expert parallelism may span nodes); each in the layouts planner/parallel.py allows")
     g.add_argument("--max-num-batched-tokens", type=_ints, default=(2048,), help="token budgets per step, e.g. 2048,8192")
     g.add_argument("--max-num-seqs", type=_ints, default=(256,), help="sequences per worker, e.g. 128,256")
     g.add_argument("--max-workers", type=int, default=8, help="most workers per pool")
@@ -170,14 +174,15 @@ def _plan(argv: list[str]) -> int:
     least = args.num_requests
     args.num_requests = max(least, args.max_requests)
     workload = _workload(args)
+    ctx.kv_context = typical_context(workload)
     slo = SLOTarget(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile, getattr(args, "slo_criterion", "percentile"))
-    space = SearchSpace(pre, dec, modes, args.tp, args.max_num_batched_tokens, args.max_num_seqs, args.max_workers,
+    tps = args.tp or ((1, 2, 4, 8, 16, 32) if ctx.model.experts is not None else (1, 2, 4, 8))
+    space = SearchSpace(pre, dec, modes, tps, args.max_num_batched_tokens, args.max_num_seqs, args.max_workers,
                         caps, **routing_of(args))
     command = "pdcluster plan " + shlex.join(argv)
     print("\n".join(workload.describe()))
     m = ctx.model
-    print(f"model      {m.name}: {m.params / 1e9:.3g}B parameters, {m.num_layers} layers, {m.num_heads} heads "
-          f"({m.num_kv_heads} KV) x {m.head_dim}; KV {m.kv_bytes_per_token(2) / 1024:g} KiB/token in 16-bit")
+    print("\n".join(model_lines(m, ctx.kv_context)))
     for h in dict.fromkeys(pre + dec):
         hw = ctx.catalog[h]
         print(f"hardware   {h}: {hw.tflops_bf16:g} TFLOP/s, {hw.hbm_gbps:g} GB/s, {hw.hbm_gb:g} GB, "
@@ -224,11 +229,14 @@ def _plan(argv: list[str]) -> int:
               f"at {best.rate:.3g} req/s)")]
     if not args.model_path and not (args.model.startswith("builtin:") or Path(args.model).is_dir()):
         header.append(f"set model.path to a local checkpoint directory of {m.name}")
+    header += [f"{pool}: planned as expert parallel (experts whole per GPU, attention data-parallel); "
+               "cluster.yaml has no key for it: serve it with an engine that does" for pool in best.plan.pools if pool.ep]
     write_cluster_yaml(yaml_path, best, ctx, slo, model_path, longest, header)
     written.append(yaml_path)
     if why:
         print(why)
     print(why_mode(result.ranked))
+    print("\n".join(parallel_lines(best.plan, ctx)))
     if searcher.block_keys is not None:  # what the workload's prefix reuse is worth to the best plan
         head = workload.head(searcher.requests_at(best.rate))
         print("\n".join(plan_reuse(build_cluster(best.plan, ctx), head, best.rate, ctx.block_size)))
@@ -239,13 +247,17 @@ def _plan(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------------- simulate
 def _pool_arg(s: str):
+    """HARDWARE[:COUNT[:DEVICES]]; DEVICES as N or tpN (tensor parallel) or epN (expert parallel)."""
     from planner.plan import Pool
 
     parts = s.split(":")
     try:
-        return Pool(parts[0], int(parts[1]) if len(parts) > 1 else 1, int(parts[2]) if len(parts) > 2 else 1)
+        layout = parts[2] if len(parts) > 2 else "1"
+        ep = layout.startswith("ep")
+        return Pool(parts[0], int(parts[1]) if len(parts) > 1 else 1, int(layout.removeprefix("ep").removeprefix("tp")),
+                    ep=ep)
     except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"{s!r}: expected HARDWARE[:COUNT[:TP]]") from None
+        raise argparse.ArgumentTypeError(f"{s!r}: expected HARDWARE[:COUNT[:N|tpN|epN]]") from None
 
 
 def _simulate(argv: list[str]) -> int:
@@ -256,9 +268,10 @@ def _simulate(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="pdcluster plan simulate", description="simulate one cluster at one rate")
     _workload_args(p)
-    p.add_argument("--prefill", type=_pool_arg, default=None, help="HARDWARE[:COUNT[:TP]] (disaggregated)")
-    p.add_argument("--decode", type=_pool_arg, default=None, help="HARDWARE[:COUNT[:TP]] (disaggregated)")
-    p.add_argument("--colocated", type=_pool_arg, default=None, help="HARDWARE[:COUNT[:TP]] (colocated mode)")
+    p.add_argument("--prefill", type=_pool_arg, default=None,
+                   help="HARDWARE[:COUNT[:N|tpN|epN]] (disaggregated; N devices per worker, epN: expert parallel)")
+    p.add_argument("--decode", type=_pool_arg, default=None, help="HARDWARE[:COUNT[:N|tpN|epN]] (disaggregated)")
+    p.add_argument("--colocated", type=_pool_arg, default=None, help="HARDWARE[:COUNT[:N|tpN|epN]] (colocated mode)")
     p.add_argument("--rate", type=float, required=True, help="requests/s")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -273,8 +286,13 @@ def _simulate(argv: list[str]) -> int:
     else:
         raise ValueError("give --prefill and --decode, or --colocated")
     ctx = _context(args, [x.hardware for x in plan.pools])
+    plan = replace(plan, prefill=default_layout(plan.prefill, ctx) if plan.prefill else None,
+                   decode=default_layout(plan.decode, ctx))
     workload = _workload(args)
+    ctx.kv_context = typical_context(workload)
     print("\n".join(workload.describe()))
+    print("\n".join(model_lines(ctx.model, ctx.kv_context)))
+    print("\n".join(parallel_lines(plan, ctx)))
     arrivals = workload.arrivals(args.rate)
     t0 = time.perf_counter()
     keys = workload.block_keys(ctx.block_size)

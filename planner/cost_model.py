@@ -18,13 +18,27 @@ Roofline (per step, on tp devices):
     TP      = 2 * L all-reduces of tokens * hidden * dtype bytes: ring 2 (tp-1)/tp * size / intra + latency
     time    = max(compute, memory) + TP + step_overhead
 
+Mixture of experts, latent attention, windows (planner/model_shape.py; dense models as above):
+
+    P_layers  = the parameters a token multiplies: its top-k routed and the shared experts
+    weights   = the non-expert part + per MoE layer the distinct experts the step's tokens touch,
+                E (1 - (1 - k/E)^tokens) (batch 1 reads k experts, a large batch all E)
+    attention = latent attention's own flops: prefill as the model computes it (K, V up-projected,
+                heads x (qk_head_dim + v_head_dim) per pair), decode absorbed into the latent
+                (heads x (2 (kv_lora_rank + rope) + 2 kv_lora_rank) per context token); windowed
+                layers attend to and read at most the window of each sequence
+    layouts   = TP or EP per worker (planner/parallel.py): EP reads the non-expert weights on every
+                device and pays 2 all-to-alls per MoE layer (k hidden vectors per token, over NVLink,
+                or the NICs across nodes) instead of the all-reduces; TP holds latent KV once per rank
+
 Fitted (the real engine, `pdcluster plan calibrate`):
 
     prefill = a + b * sum_new + c * sum_attn          (= a + b*sum(len) + c*sum(len^2) for whole prompts)
     decode  = a + b * sum_context + c * batch
 
 KV capacity (tokens a worker's cache holds): roofline: (tp * memory * mem_util - weights) / KV bytes
-per token; fitted: the calibrated engine's own block count.
+per token (x the copies a layout holds; windowed layers at the workload's typical context);
+fitted: the calibrated engine's own block count.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ from typing import Any, Protocol
 
 from planner.catalog import Hardware
 from planner.models import ModelShape
+from planner.parallel import allowed, held_bytes, kv_copies
 
 CPU_COEFFICIENTS = Path(__file__).with_name("cpu_coefficients.json")
 
@@ -62,37 +77,76 @@ class RooflineParams:
     activation_reserve: float = 0.05  # fraction of device memory kept for activations
     step_overhead_s: float = 1e-3  # scheduling, sampling, kernel launches per step
     allreduce_latency_s: float = 8e-6
+    alltoall_latency_s: float = 2e-5  # one expert-parallel dispatch or combine
 
 
 @dataclass
 class RooflineCostModel:
     hw: Hardware
     model: ModelShape
-    tp: int = 1
+    tp: int = 1  # devices per worker
     dtype_bytes: int = 2
     params: RooflineParams = field(default_factory=RooflineParams)
+    ep: bool = False  # expert parallelism over the tp devices (planner/parallel.py)
+    kv_context: int | None = None  # typical tokens per sequence, for windowed layers' share of the cache
 
     def __post_init__(self) -> None:
-        m, b = self.model, self.dtype_bytes
-        self.kv_bytes_per_token = m.kv_bytes_per_token(b)
+        m, b, p = self.model, self.dtype_bytes, self.params
+        self.kv_bytes_per_token = m.kv_bytes_per_token(b, self.kv_context)
         self.weight_bytes = m.weight_bytes(b)
         self._layer_flops = 2.0 * m.matmul_params_per_token
-        self._attn_flops = 2.0 * m.num_layers * m.q_dim
+        self._attention_flops()
         self._lm_flops = 2.0 * m.vocab_size * m.hidden_size
-        p = self.params
         self._compute_prefill = self.tp * self.hw.flops * p.prefill_compute_eff
         self._compute_decode = self.tp * self.hw.flops * p.decode_compute_eff
         self._bandwidth = self.tp * self.hw.mem_bw * p.memory_eff
-        # weights are read once per step, by all tp devices together
-        self._weight_read = (self.weight_bytes - m.embedding_params * b) / self._bandwidth
-        usable = self.tp * self.hw.mem_bytes * (p.mem_util - p.activation_reserve) - self.weight_bytes
-        self.kv_capacity_tokens = max(0, int(usable // self.kv_bytes_per_token))
-        if self.tp > 1:
+        copies = kv_copies(m, self.tp, self.ep)
+        full, windowed = m.kv_split(b)
+        self._kv_full, self._kv_win, self._window = full * copies, windowed * copies, m.sliding_window
+        # weights are read once per step, by all tp devices together (EP: the non-expert part by each)
+        routed = m.routed_expert_bytes(b)
+        dense_read = self.weight_bytes - m.embedding_params * b - routed
+        self._weight_read = dense_read / (self.hw.mem_bw * p.memory_eff if self.ep else self._bandwidth)
+        self._expert_read = m.moe_layers * m.expert_bytes(b) / self._bandwidth  # per distinct expert
+        held = held_bytes(m, b, self.tp, self.ep)
+        usable = self.tp * self.hw.mem_bytes * (p.mem_util - p.activation_reserve) - held
+        self.kv_capacity_tokens = max(0, int(usable // (self.kv_bytes_per_token * copies)))
+        self._tp_per_token = self._tp_fixed = 0.0
+        if self.ep:
+            self._expert_parallel()
+        elif self.tp > 1:
             ar_bytes = 2 * (self.tp - 1) / self.tp * m.hidden_size * b / (self.hw.intra_node_gbps * 1e9)
             self._tp_per_token = 2 * m.num_layers * ar_bytes
             self._tp_fixed = 2 * m.num_layers * p.allreduce_latency_s
+
+    def _attention_flops(self) -> None:
+        """Per query-key pair (prefill, causal: the pairs are counted as a full square) and per
+        context token (decode), for the layers without a window and for the windowed ones."""
+        m = self.model
+        windowed = m.windowed_layers
+        full = m.num_layers - windowed
+        if m.mla is not None:
+            a = m.mla
+            prefill, decode = m.num_heads * (a.qk_head_dim + a.v_head_dim), m.num_heads * (
+                2 * a.latent_dim + 2 * a.kv_lora_rank)
         else:
-            self._tp_per_token = self._tp_fixed = 0.0
+            prefill, decode = 2 * m.q_dim, 4 * m.q_dim
+        self._attn_flops = 2.0 * full * m.q_dim if m.mla is None else float(full * prefill)
+        self._attn_dec = self._attn_flops * 2 if m.mla is None else float(full * decode)
+        self._attn_win, self._attn_win_dec = float(windowed * prefill), float(windowed * decode)
+
+    def _expert_parallel(self) -> None:
+        """Two all-to-alls per MoE layer, each moving k hidden vectors per token, (d-1)/d of them to
+        other devices, every device sending its share: over NVLink within a node, else the NICs."""
+        m, d, p = self.model, self.tp, self.params
+        gbps = self.hw.intra_node_gbps if d <= self.hw.max_tp else self.hw.inter_node_gbps
+        per_token = m.experts.per_token * m.hidden_size * self.dtype_bytes * (d - 1) / d / d
+        self._tp_per_token = 2 * m.moe_layers * per_token / (gbps * 1e9)
+        self._tp_fixed = 2 * m.moe_layers * p.alltoall_latency_s
+
+    def _experts_read(self, tokens: int) -> float:
+        e = self.model.experts
+        return 0.0 if e is None else self._expert_read * e.distinct(tokens)
 
     @property
     def fits(self) -> bool:
@@ -101,13 +155,21 @@ class RooflineCostModel:
 
     def prefill_time(self, sum_new: int, sum_attn: int, sum_prior: int = 0, n_seqs: int = 1) -> float:
         flops = self._layer_flops * sum_new + self._attn_flops * sum_attn + self._lm_flops * n_seqs
-        mem = self._weight_read + (sum_new + sum_prior) * self.kv_bytes_per_token / self._bandwidth
+        mem = self._weight_read + (sum_new + sum_prior) * self._kv_full / self._bandwidth
+        if self._kv_win:  # windowed layers: each new token attends to at most the window
+            flops += self._attn_win * min(sum_attn, 2 * sum_new * self._window)
+            mem += (sum_new + min(sum_prior, n_seqs * self._window)) * self._kv_win / self._bandwidth
+        mem += self._experts_read(sum_new)
         comm = self._tp_fixed + self._tp_per_token * sum_new
         return max(flops / self._compute_prefill, mem) + comm + self.params.step_overhead_s
 
     def decode_time(self, batch: int, sum_context: int) -> float:
-        flops = (self._layer_flops + self._lm_flops) * batch + self._attn_flops * 2 * sum_context
-        mem = self._weight_read + (sum_context + batch) * self.kv_bytes_per_token / self._bandwidth
+        flops = (self._layer_flops + self._lm_flops) * batch + self._attn_dec * sum_context
+        mem = self._weight_read + (sum_context + batch) * self._kv_full / self._bandwidth
+        if self._kv_win:  # windowed layers read at most the window of each sequence
+            flops += self._attn_win_dec * min(sum_context, batch * self._window)
+            mem += min(sum_context + batch, batch * self._window) * self._kv_win / self._bandwidth
+        mem += self._experts_read(batch)
         comm = self._tp_fixed + self._tp_per_token * batch
         return max(flops / self._compute_decode, mem) + comm + self.params.step_overhead_s
 
@@ -184,8 +246,10 @@ def fitted_from(coeffs: dict[str, Any], role: str = "decode") -> FittedCostModel
 
 def cost_model_for(hw: Hardware, model: ModelShape, tp: int = 1, dtype_bytes: int = 2,
                    coefficients: dict[str, Any] | None = None,
-                   params: RooflineParams | None = None, role: str = "decode") -> CostModel:
-    """Fitted coefficients for `cpu` (they must be for this model), else the roofline."""
+                   params: RooflineParams | None = None, role: str = "decode", ep: bool = False,
+                   kv_context: int | None = None) -> CostModel:
+    """Fitted coefficients for `cpu` (they must be for this model), else the roofline (`ep`: expert
+    parallelism over the tp devices; `kv_context`: typical tokens per sequence, for windowed layers)."""
     if hw.is_cpu and coefficients is not None:
         fitted_model = coefficients.get("model_shape", {})
         if fitted_model and fitted_model.get("name") != model.name:
@@ -194,7 +258,11 @@ def cost_model_for(hw: Hardware, model: ModelShape, tp: int = 1, dtype_bytes: in
         if tp != 1:
             raise ValueError("cpu workers have tp 1")
         return fitted_from(coefficients, role)
-    if tp > hw.max_tp:
+    if not ep and tp > hw.max_tp:
         raise ValueError(f"tp {tp} exceeds {hw.name}'s max_tp {hw.max_tp}")
-    return RooflineCostModel(hw, model, tp, dtype_bytes, params or RooflineParams())
+    special = ep or model.experts is not None or model.mla is not None
+    if special and ("ep" if ep else "tp") not in allowed(model, hw, tp):
+        raise ValueError(f"{model.name} on {tp} {hw.name}: {'ep' if ep else 'tp'} not allowed "
+                         f"(allowed: {', '.join(allowed(model, hw, tp)) or 'none'}; planner/parallel.py)")
+    return RooflineCostModel(hw, model, tp, dtype_bytes, params or RooflineParams(), ep, kv_context)
 

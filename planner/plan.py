@@ -1,6 +1,7 @@
 """A plan (pools of hardware, counts, tensor parallelism, batch limits) and the cluster it simulates as.
 
     plan = Plan("disaggregated", Pool("H100-SXM", 2, tp=1), Pool("A100-80GB", 3, tp=2))
+    moe = Plan("disaggregated", Pool("H200", 1, tp=8, ep=True), Pool("H200", 2, tp=16, ep=True))
     ctx = PlanContext(model_shape("Llama-3-8B"), load_catalog())
     cluster = build_cluster(plan, ctx)     # a simulator.ClusterSpec
     plan.cost_per_hour(ctx.catalog)
@@ -24,6 +25,7 @@ from typing import Any
 from planner.catalog import Hardware
 from planner.cost_model import CostModel, RooflineParams, cost_model_for, live_for
 from planner.models import DTYPE_BYTES, ModelShape
+from planner.parallel import layout_label
 from planner.simulator import ClusterSpec, WorkerSpec
 
 
@@ -31,10 +33,11 @@ from planner.simulator import ClusterSpec, WorkerSpec
 class Pool:
     hardware: str
     count: int
-    tp: int = 1
+    tp: int = 1  # devices per worker
+    ep: bool = False  # those devices run expert parallelism, not tensor parallelism (planner/parallel.py)
 
     def __str__(self) -> str:
-        return f"{self.count}x {self.hardware}" + (f" tp{self.tp}" if self.tp > 1 else "")
+        return f"{self.count}x {self.hardware}" + layout_label(self.tp, self.ep)
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,8 @@ class Plan:
         return f"P {self.prefill} | D {self.decode}{local}"
 
     def with_counts(self, n_prefill: int, n_decode: int) -> Plan:
-        pre = Pool(self.prefill.hardware, n_prefill, self.prefill.tp) if self.prefill else None
-        return dataclasses.replace(self, prefill=pre, decode=Pool(self.decode.hardware, n_decode, self.decode.tp))
+        pre = dataclasses.replace(self.prefill, count=n_prefill) if self.prefill else None
+        return dataclasses.replace(self, prefill=pre, decode=dataclasses.replace(self.decode, count=n_decode))
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class PlanContext:
     roofline: RooflineParams = field(default_factory=RooflineParams)
     block_size: int = 16
     gpu_overheads: Overheads = field(default_factory=Overheads)
+    kv_context: int | None = None  # typical tokens per sequence (windowed layers' share of the KV cache)
 
     def hardware(self, name: str) -> Hardware:
         if name not in self.catalog:
@@ -100,7 +104,8 @@ class PlanContext:
     def cost(self, pool: Pool, role: str = "decode") -> CostModel:
         hw = self.hardware(pool.hardware)
         dtype_bytes = DTYPE_BYTES["float32"] if hw.is_cpu and self.coefficients else DTYPE_BYTES[self.dtype]
-        return cost_model_for(hw, self.model, pool.tp, dtype_bytes, self.coefficients, self.roofline, role)
+        return cost_model_for(hw, self.model, pool.tp, dtype_bytes, self.coefficients, self.roofline, role,
+                              pool.ep, self.kv_context)
 
     def overheads(self, plan: Plan) -> Overheads:
         if all(self.hardware(p.hardware).is_cpu for p in plan.pools) and self.coefficients:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from loadgen.metrics import SLO, percentile
+from planner.parallel import allowed, layout_label
 from planner.plan import Plan, PlanContext, Pool, build_cluster, fits
 from planner.reuse import plan_threshold
 from planner.simulator import ClusterSpec, SimResult, Simulator, WorkerSpec
@@ -249,9 +250,8 @@ class Searcher:
         for mode, phase, pool, mnbt, mns in jobs:
             g = self.unit_goodput(mode, pool, phase, mnbt, mns)
             units[(mode, phase, pool, mnbt, mns)] = g
-            labels[f"{phase} {pool.hardware}" + (f" tp{pool.tp}" if pool.tp > 1 else "")
-                   + f" mnbt {mnbt} mns {mns}"] = g
-            self.progress(f"unit {phase} {pool.hardware} tp{pool.tp}")
+            labels[f"{phase} {pool.hardware}" + layout_label(pool.tp, pool.ep) + f" mnbt {mnbt} mns {mns}"] = g
+            self.progress(f"unit {phase} {pool.hardware}{layout_label(pool.tp, pool.ep) or ' tp1'}")
         composed = self.compose(units, space, target_rate)
         ranked = self._verify(composed, target_rate, verify, space)
         return SearchResult(ranked, composed, labels, self.simulations)
@@ -264,21 +264,28 @@ class Searcher:
                 for tp in space.tps:
                     if "disaggregated" in space.modes:
                         for hw in space.prefill_hardware:
-                            if self._ok(hw, tp):
-                                yield "disaggregated", "prefill", Pool(hw, 1, tp), mnbt, mns
+                            for pool in self._pools(hw, tp):
+                                yield "disaggregated", "prefill", pool, mnbt, mns
                         for hw in space.decode_hardware:
-                            if self._ok(hw, tp):
-                                yield "disaggregated", "decode", Pool(hw, 1, tp), mnbt, mns
+                            for pool in self._pools(hw, tp):
+                                yield "disaggregated", "decode", pool, mnbt, mns
                     if "colocated" in space.modes:
                         for hw in dict.fromkeys(space.prefill_hardware + space.decode_hardware):
-                            if self._ok(hw, tp):
-                                yield "colocated", "colocated", Pool(hw, 1, tp), mnbt, mns
+                            for pool in self._pools(hw, tp):
+                                yield "colocated", "colocated", pool, mnbt, mns
 
-    def _ok(self, hw: str, tp: int) -> bool:
-        h = self.ctx.hardware(hw)
-        if tp > h.max_tp or (h.is_cpu and self.ctx.coefficients and tp > 1):
-            return False
-        return fits(Pool(hw, 1, tp), self.ctx, self.longest)
+    def _pools(self, hw: str, tp: int) -> list[Pool]:
+        """One worker of `tp` devices of `hw` in each layout the rule allows (planner/parallel.py;
+        a dense model: tensor parallelism within a node) that holds the weights and a longest request."""
+        h, m = self.ctx.hardware(hw), self.ctx.model
+        if h.is_cpu and self.ctx.coefficients and tp > 1:
+            return []
+        if m.experts is None and m.mla is None:
+            layouts = ("tp",) if tp <= h.max_tp else ()
+        else:
+            layouts = allowed(m, h, tp)
+        pools = [Pool(hw, 1, tp, ep=layout == "ep") for layout in layouts]
+        return [p for p in pools if fits(p, self.ctx, self.longest)]
 
     def estimate(self, plan: Plan, g: float) -> Evaluation:
         cat = self.ctx.catalog
