@@ -2,7 +2,10 @@
 
 Per layer the cache is one tensor `kv[2, num_blocks, block_size, num_kv_heads, head_dim]`; viewed
 flat, token slot `s = block_id * block_size + offset` is row `s` of `kv[0].view(-1, kvh, hd)`.
-The model runner turns block tables into the indices below once per step; every layer reuses them.
+The model runner turns block tables into the indices below once per step, one set per distinct
+sliding window of the model's layers (engine/config.py `layer_windows`); the layers sharing a window
+reuse it. A windowed set names only the blocks inside the window, so blocks the block manager has
+taken back (engine/block_manager.py `release_outside_window`) are never read.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import torch.nn.functional as F
 
 @dataclass
 class SeqSpan:
-    """One sequence's slice of a packed batch: queries `[q_start, q_end)` see `ctx_len` keys."""
+    """One sequence's slice of a packed batch: queries `[q_start, q_end)` see `ctx_len` keys (the
+    sequence's last `ctx_len` positions: all of them, or those inside the earliest query's window)."""
 
     q_start: int
     q_end: int
     ctx_len: int
-    kv_index: torch.Tensor | None  # (ctx_len,) slots of all keys; None when there is no cached prefix
+    kv_index: torch.Tensor | None  # (ctx_len,) slots of the keys; None when they are exactly the new tokens
     mask: torch.Tensor | None  # (q_len, ctx_len) bool, True = may attend; None when causal from 0
 
 
@@ -30,7 +34,9 @@ class DecodeGroup:
 
     rows: torch.Tensor  # (b,) positions of these sequences in the packed batch
     block_tables: torch.Tensor  # (b, max_blocks) block ids, padded with block 0
-    mask: torch.Tensor  # (b, 1, 1, max_blocks * block_size) bool, False past each sequence's end
+    # (b, 1, 1, max_blocks * block_size) bool, False past each sequence's end and, with a window,
+    # before its start
+    mask: torch.Tensor
 
 
 @dataclass
@@ -39,8 +45,9 @@ class NativeDecode:
 
     lib: object  # the loaded ctypes library
     block_tables: torch.Tensor  # (T, max_blocks) int64, row i = packed-batch row i, padded with 0
-    context_lens: torch.Tensor  # (T,) int64, tokens each row attends to (its new one included)
+    context_lens: torch.Tensor  # (T,) int64, the end of each row's keys in its table (its new one included)
     threads: int
+    starts: torch.Tensor | None = None  # (T,) int64, where each row's keys begin in its table (a window)
 
 
 @dataclass
@@ -96,7 +103,12 @@ def paged_attention(
         if span.kv_index is None:  # whole sequence is new: keys are exactly this slice
             ks = k[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
             vs = v[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=qs.shape[2] > 1, scale=scale, enable_gqa=True)
+            if span.mask is None:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=qs.shape[2] > 1, scale=scale,
+                                                   enable_gqa=True)
+            else:  # a window cuts into the prompt
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale,
+                                                   enable_gqa=True)
         else:
             ks = k_flat[span.kv_index].transpose(0, 1).unsqueeze(0)  # (1, kvh, ctx, hd)
             vs = v_flat[span.kv_index].transpose(0, 1).unsqueeze(0)
@@ -116,7 +128,8 @@ def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor, nd: NativeDecode, sc
     out = torch.empty((T, H, hd), dtype=torch.float32)
     rc = nd.lib.paged_decode_attention(
         q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), nd.block_tables.data_ptr(),
-        nd.context_lens.data_ptr(), out.data_ptr(), T, kvh, H // kvh, hd, bs, nd.block_tables.shape[1],
+        nd.context_lens.data_ptr(), nd.starts.data_ptr() if nd.starts is not None else None, out.data_ptr(),
+        T, kvh, H // kvh, hd, bs, nd.block_tables.shape[1],
         scale, int(kv_cache.dtype == torch.bfloat16), nd.threads,
     )
     if rc != 0:

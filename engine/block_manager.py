@@ -14,9 +14,14 @@ block they follow, so a hash collision can never serve the wrong K/V. Blocks are
 A freed block keeps its hash and content until it is handed out again (least recently freed first),
 so a preempted or repeated prompt can still hit it.
 
+Sliding windows (`release_outside_window`): when every layer of the model attends only to its last
+`window` positions, a running sequence's leading blocks that no later query can see are given back
+(ref count - 1, so a block shared through the prefix cache stays with its other holders, and a
+freed one keeps its hash until handed out again); their table entries become RELEASED.
+
 Invariants (checked by `check_invariants`, pinned by property tests): every block is either free
 (ref 0, in the free list) or used (ref > 0, not in the free list); ref counts equal the number of
-block-table entries that name the block.
+block-table entries that name the block (RELEASED entries name none).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 from engine.cache_events import CacheEvents
 from engine.prefix_hash import extend_hashes
 from engine.sequence import Sequence
+
+RELEASED = -1  # a block-table entry whose block was given back (outside every sliding window)
 
 
 @dataclass
@@ -147,6 +154,7 @@ class BlockManager:
         Returns (source, copy) for the caller to copy the KV of; None, and nothing taken, when no
         block is free."""
         last = (parent.num_prompt_tokens - 1) // self.block_size
+        assert parent.num_released_blocks == 0, "a sequence with choices to fork releases no blocks before"
         if not self._free:
             return None
         shared = parent.block_table[:last]
@@ -169,10 +177,29 @@ class BlockManager:
                 self._free[block_id] = None
 
     def free(self, seq: Sequence) -> None:
-        self.free_blocks(seq.block_table)
+        self.free_blocks(seq.block_table[seq.num_released_blocks:])
         seq.block_table = []
         seq.num_registered_blocks = 0
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
+
+    def release_outside_window(self, seq: Sequence, window: int) -> int:
+        """Give back `seq`'s leading blocks whose tokens are all older than any query to come can see,
+        when every layer attends to at most `window` positions (itself included): the next query is
+        at `num_computed_tokens`, so keys before num_computed_tokens - window + 1 are dead. With the
+        prefix cache the block before the first unregistered one is kept, as registering a block
+        names the block it follows (`_parent_of`). Returns how many blocks were given back."""
+        bs = self.block_size
+        end = min((seq.num_computed_tokens - window + 1) // bs, len(seq.block_table) - 1)
+        if self.enable_prefix_caching:
+            end = min(end, seq.num_registered_blocks - 1)
+        start = seq.num_released_blocks
+        if end <= start:
+            return 0
+        self.free_blocks(seq.block_table[start:end])
+        seq.block_table[start:end] = [RELEASED] * (end - start)
+        seq.num_released_blocks = end
+        return end - start
 
     def can_append(self, seq: Sequence) -> bool:
         return len(seq.block_table) * self.block_size >= len(seq.token_ids) or len(self._free) > 0
@@ -211,7 +238,8 @@ class BlockManager:
         refs = [0] * self.num_blocks
         for table in tables:
             for block_id in table:
-                refs[block_id] += 1
+                if block_id != RELEASED:
+                    refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], (block, refs[block.block_id])
             assert (block.ref_count == 0) == (block.block_id in self._free), block

@@ -84,7 +84,9 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
     max_position_embeddings: int
-    sliding_window: int | None
+    # each layer's sliding window (None: full attention): a query at position p attends to the keys
+    # at p - window < k <= p, itself included (transformers' masking_utils.sliding_window_overlay)
+    layer_windows: tuple[int | None, ...]
     eos_token_ids: frozenset[int]
     # mixture of experts (engine/models/moe.py): no experts, a dense model
     num_experts: int = 0
@@ -118,9 +120,6 @@ class ModelConfig:
                 f"rope type {rope['rope_type']!r} changes with sequence length and is not supported; "
                 "supported: default, linear, llama3, yarn"
             )
-        sliding = getattr(hf, "sliding_window", None)
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(hf, "use_sliding_window", False):
-            sliding = None
         eos = hf.eos_token_id
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
@@ -142,10 +141,18 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             max_position_embeddings=hf.max_position_embeddings,
-            sliding_window=sliding,
+            layer_windows=_layer_windows(arch, hf),
             eos_token_ids=eos_ids,
             **_experts(arch, hf),
         )
+
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any layer reads: the widest window when every layer is windowed, None when
+        one attends to everything (then no key ever falls out of use)."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
@@ -173,6 +180,37 @@ def _experts(arch: str, hf: Any) -> dict[str, Any]:
                     moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
                     moe_layers=layers)
     return {}
+
+
+WINDOW_LAYER_TYPES = ("sliding_attention", "full_attention")
+# families whose every layer takes `sliding_window` (layer_types ignored), and those that need use_sliding_window
+WINDOW_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+WINDOW_IF_USED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _layer_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
+    """Each layer's window as transformers' modeling code applies it: Llama has none; Mistral and
+    Mixtral window every layer with `sliding_window`, Qwen3-MoE too given `use_sliding_window`; the
+    others by `layer_types` (Qwen2/Qwen3 derive them from `use_sliding_window` and
+    `max_window_layers`: the layers from that index on are windowed), so a family alternating
+    windowed and full layers is read layer by layer."""
+    n = hf.num_hidden_layers
+    window = getattr(hf, "sliding_window", None)
+    if arch in WINDOW_IF_USED and not getattr(hf, "use_sliding_window", False):
+        window = None
+    if arch == "LlamaForCausalLM" or not window:
+        return (None,) * n
+    if arch in WINDOW_EVERY_LAYER:
+        return (window,) * n
+    types = getattr(hf, "layer_types", None)
+    if types is None:  # configs older than layer_types
+        first = getattr(hf, "max_window_layers", 0)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    unknown = sorted(set(types) - set(WINDOW_LAYER_TYPES))
+    if unknown or len(types) != n:
+        raise ValueError(f"layer_types {list(types)!r}: served are {n} layers, each one of "
+                         f"{' / '.join(WINDOW_LAYER_TYPES)}")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _rope_parameters(hf: Any) -> dict:

@@ -126,7 +126,10 @@ class ModelRunner:
         return self.model_cfg.compat_hash(self.dtype, self.block_size)
 
     # ------------------------------------------------------------------ inputs
-    def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, batch: list[ScheduledSeq],
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[int | None, AttentionMetadata], list[int]]:
+        """Token ids, positions, the attention metadata of each distinct window of the model's layers
+        (None: full attention) and the rows to sample."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -144,31 +147,64 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         ctx = [item.seq.num_computed_tokens + item.num_tokens for item in batch]
+        windows = dict.fromkeys(self.model_cfg.layer_windows)
+        metas = {w: self._attention(batch, ctx, slot_mapping, w) for w in windows}
+        return input_ids, positions, metas, sample_rows
+
+    def _attention(self, batch: list[ScheduledSeq], ctx: list[int], slot_mapping: torch.Tensor,
+                   window: int | None) -> AttentionMetadata:
+        """The metadata of the layers with `window`: each sequence's keys are those its queries see."""
+        meta = AttentionMetadata(slot_mapping=slot_mapping)
         # decode rows (one new token) lead the batch; the native kernel takes them in mixed steps too
         n_dec = next((i for i, item in enumerate(batch) if item.num_tokens != 1), len(batch))
         first_span = 0
         if self._native is not None and n_dec:
-            meta.native_decode = self._native_decode(batch[:n_dec], ctx[:n_dec])
+            meta.native_decode = self._native_decode(batch[:n_dec], ctx[:n_dec], window)
             first_span = n_dec
         elif n_dec == len(batch):
-            meta.decode_groups = self._decode_groups(batch, ctx)
+            meta.decode_groups = self._decode_groups(batch, ctx, window)
             first_span = n_dec
         if first_span < len(batch):
-            spans = []
-            q_start = first_span
-            for item, c in zip(batch[first_span:], ctx[first_span:]):
-                n = item.num_tokens
-                kv_index = mask = None
-                if c > n:  # part of the sequence is already cached: attend to it through the block table
-                    table = torch.tensor(item.seq.block_table[: -(-c // bs)], dtype=torch.long, device=dev)
-                    kv_index = (table[:, None] * bs + torch.arange(bs, device=dev)).flatten()[:c]
-                    mask = torch.arange(c, device=dev)[None, :] <= torch.arange(c - n, c, device=dev)[:, None]
-                spans.append(SeqSpan(q_start, q_start + n, c, kv_index, mask))
-                q_start += n
-            meta.spans = spans
-        return input_ids, positions, meta, sample_rows
+            meta.spans = self._spans(batch[first_span:], ctx[first_span:], first_span, window)
+        return meta
+
+    def _key_blocks(self, table: list[int], first_query: int, end: int, window: int | None,
+                    ) -> tuple[list[int], int, int]:
+        """The blocks holding the keys seen by queries at positions [first_query, end), and where those
+        keys lie in them: slots [lo, hi) of the blocks laid end to end. With a window the keys start
+        at first_query - window + 1, and the blocks wholly before that (perhaps released) are left out."""
+        bs = self.block_size
+        first_key = 0 if window is None else max(0, first_query - window + 1)
+        first_block = first_key // bs
+        blocks = table[first_block: -(-end // bs)]
+        assert blocks[0] >= 0, "a released KV block is inside an attention window"
+        return blocks, first_key - first_block * bs, end - first_block * bs
+
+    def _spans(self, batch: list[ScheduledSeq], ctx: list[int], q_start: int, window: int | None,
+               ) -> list[SeqSpan]:
+        bs, dev = self.block_size, self.device
+        spans = []
+        for item, c in zip(batch, ctx):
+            n = item.num_tokens
+            windowed = window is not None and c > window  # some query's window starts after position 0
+            kv_index = mask = None
+            keys = c
+            if c > n or windowed:  # a cached prefix (read through the block table) or a window: masked
+                blocks, lo, hi = self._key_blocks(item.seq.block_table, c - n, c, window)
+                keys = hi - lo
+                key_pos = torch.arange(c - keys, c, device=dev)[None, :]
+                query_pos = torch.arange(c - n, c, device=dev)[:, None]
+                mask = key_pos <= query_pos
+                if windowed:
+                    mask &= key_pos > query_pos - window
+                if c > n:
+                    table = torch.tensor(blocks, dtype=torch.long, device=dev)
+                    kv_index = (table[:, None] * bs + torch.arange(bs, device=dev)).flatten()[lo:hi]
+            spans.append(SeqSpan(q_start, q_start + n, keys, kv_index, mask))
+            q_start += n
+        return spans
 
     def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """For sequences asking for prompt logprobs: the logprob of each prompt token this step's
@@ -190,13 +226,17 @@ class ModelRunner:
                                         zip(targets, picked[:, 0].tolist(), top_i.tolist(), top_v.tolist(), ranks)]
             row += item.num_tokens
 
-    def _native_decode(self, batch: list[ScheduledSeq], ctx: list[int]) -> NativeDecode:
-        width = max(len(item.seq.block_table) for item in batch)
-        tables = torch.tensor([item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
+    def _native_decode(self, batch: list[ScheduledSeq], ctx: list[int], window: int | None) -> NativeDecode:
+        keys = [self._key_blocks(item.seq.block_table, c - 1, c, window) for item, c in zip(batch, ctx)]
+        width = max(len(blocks) for blocks, _, _ in keys)
+        tables = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks, _, _ in keys],
                               dtype=torch.long)
-        return NativeDecode(self._native, tables, torch.tensor(ctx, dtype=torch.long), torch.get_num_threads())
+        starts = torch.tensor([lo for _, lo, _ in keys], dtype=torch.long) if window is not None else None
+        return NativeDecode(self._native, tables, torch.tensor([hi for _, _, hi in keys], dtype=torch.long),
+                            torch.get_num_threads(), starts)
 
-    def _decode_groups(self, batch: list[ScheduledSeq], ctx: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, batch: list[ScheduledSeq], ctx: list[int], window: int | None,
+                       ) -> list[DecodeGroup]:
         """Split decode rows into groups of similar length so padding stays small.
 
         Rows are sorted by block count; a group grows while padding everything to its longest
@@ -204,11 +244,12 @@ class ModelRunner:
         sequences together was measured 9x slower than this on a trace-like mix.
         """
         bs, dev = self.block_size, self.device
-        order = sorted(range(len(batch)), key=lambda i: len(batch[i].seq.block_table))
+        keys = [self._key_blocks(item.seq.block_table, c - 1, c, window) for item, c in zip(batch, ctx)]
+        order = sorted(range(len(batch)), key=lambda i: len(keys[i][0]))
         groups: list[list[int]] = []
         real = 0
         for i in order:
-            n = len(batch[i].seq.block_table)
+            n = len(keys[i][0])
             if groups and (len(groups[-1]) + 1) * n <= DECODE_PAD_SLACK * (real + n):
                 groups[-1].append(i)
                 real += n
@@ -217,13 +258,13 @@ class ModelRunner:
                 real = n
         out = []
         for rows in groups:
-            width = max(len(batch[i].seq.block_table) for i in rows)
-            tables = torch.tensor(
-                [batch[i].seq.block_table + [0] * (width - len(batch[i].seq.block_table)) for i in rows],
-                dtype=torch.long, device=dev,
-            )
-            lens = torch.tensor([ctx[i] for i in rows], device=dev)
-            mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            width = max(len(keys[i][0]) for i in rows)
+            tables = torch.tensor([keys[i][0] + [0] * (width - len(keys[i][0])) for i in rows],
+                                  dtype=torch.long, device=dev)
+            lo = torch.tensor([keys[i][1] for i in rows], device=dev)[:, None]
+            hi = torch.tensor([keys[i][2] for i in rows], device=dev)[:, None]
+            slot = torch.arange(width * bs, device=dev)[None, :]
+            mask = ((slot >= lo) & (slot < hi))[:, None, None, :]
             out.append(DecodeGroup(torch.tensor(rows, device=dev), tables, mask))
         return out
 
@@ -300,5 +341,5 @@ class ModelRunner:
     def forward(self, batch: list[ScheduledSeq], layer_hook: Callable[[int], None] | None = None,
                 ) -> tuple[torch.Tensor, list[int]]:
         """The model over `batch` (its K/V written to the cache): the final hidden states and the rows to sample."""
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
-        return self.model(input_ids, positions, meta, self.kv_caches, layer_hook), sample_rows
+        input_ids, positions, metas, sample_rows = self._prepare(batch)
+        return self.model(input_ids, positions, metas, self.kv_caches, layer_hook), sample_rows

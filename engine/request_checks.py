@@ -10,8 +10,6 @@ from engine.sampling_params import SamplingParams
 def resolve_max_model_len(model_cfg: ModelConfig, requested: int | None) -> int:
     """The longest sequence (prompt + output) served: `requested`, or the model's limit capped at 4096."""
     limit = model_cfg.max_position_embeddings
-    if model_cfg.sliding_window:  # windowed attention is not implemented: stay inside one window
-        limit = min(limit, model_cfg.sliding_window)
     if requested is None:
         return min(limit, 4096)
     if requested > limit:

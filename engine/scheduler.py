@@ -18,6 +18,12 @@ first-come first-served by free blocks. When a decode step runs out of blocks th
 running sequence is preempted (blocks freed, put back at the head of the queue to be recomputed),
 which always leaves the oldest sequence able to progress: no deadlock, given
 `num_blocks * block_size >= max_model_len` (checked by the model runner).
+
+Sliding windows (`kv_window`, when every layer of the model is windowed): before each step every
+running sequence gives back its leading blocks that no query to come can see
+(BlockManager.release_outside_window). Not in the prefill role, whose KV sender ships every block of
+a prompt after the pass that completes it, nor for a sequence whose other choices are still to be
+forked from its prompt (a decode worker releases a received prompt's blocks at its first step).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Scheduler:
         handoff_after_prefill: bool = False,
         mixed: bool = True,
         copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None,
+        kv_window: int | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -48,6 +55,8 @@ class Scheduler:
         self.handoff_after_prefill = handoff_after_prefill
         self.mixed = mixed
         self.copy_blocks = copy_blocks  # (source, destination) block pairs whose KV to copy (forks)
+        # positions any layer looks back (ModelConfig.kv_window); None: some layer sees every key
+        self.kv_window = None if handoff_after_prefill else kv_window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -120,6 +129,10 @@ class Scheduler:
     # ------------------------------------------------------------------ policy
     def schedule(self) -> list[ScheduledSeq]:
         """The next batch: decode rows (one token each) first, then prompt chunks."""
+        if self.kv_window is not None:
+            for seq in self.running:
+                if not seq.forks:
+                    self.bm.release_outside_window(seq, self.kv_window)
         if self.mixed:
             batch = self._schedule_decode()
             return batch + self._schedule_prefill(self.max_num_batched_tokens - len(batch))

@@ -47,6 +47,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks (content-derived)
     num_registered_blocks: int = 0  # leading blocks of block_table already entered in the prefix cache
+    # leading blocks of block_table given back while running, their keys outside every layer's sliding
+    # window (their entries are RELEASED, engine/block_manager.py)
+    num_released_blocks: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)

@@ -26,6 +26,16 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "mistral": ("Mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
     "qwen2-bias": ("Qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    # sliding windows shorter than the test prompts: every layer (Mistral); the layers from
+    # max_window_layers on (Qwen2); windowed and full layers alternating by layer_types (Qwen3)
+    "mistral-window": ("Mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=14)),
+    "qwen2-window-layers": ("Qwen2", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                                          use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    "qwen3-window-alternating": (
+        "Qwen3",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=4, use_sliding_window=True,
+             sliding_window=18, layer_types=["sliding_attention", "full_attention"] * 2),
+    ),
     # mixture of experts: every layer routed, top-2 of 4, weights renormalised
     "mixtral": ("Mixtral", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                 num_experts_per_tok=2, sliding_window=None)),

@@ -3,7 +3,9 @@
  *
  * Layout (engine/attention.py): a layer's cache is kv[2][num_blocks][block_size][kvh][hd];
  * token t of sequence i lives at block tables[i * max_blocks + t / block_size], offset
- * t % block_size. q and out are [b][H][hd], H = kvh * group. Work is split over units of
+ * t % block_size; row i attends to its tokens [starts[i], ctx[i]) (starts NULL: from 0; with a
+ * sliding window they start later, and the blocks before the start are never read). q and out are
+ * [b][H][hd], H = kvh * group. Work is split over units of
  * (sequence, slice of kv heads) across `threads` threads; a unit reads each token row of
  * its slice once, in order, and keeps its query rows, running max, running sum and accumulators
  * on its stack. Built with OpenMP, the threads are torch's own (see the end); else POSIX threads.
@@ -23,7 +25,7 @@
 
 typedef struct {
     const void *q, *k, *v;
-    const int64_t *tables, *ctx;
+    const int64_t *tables, *ctx, *starts;
     float *out;
     int b, kvh, group, hd, bs, max_blocks, is_bf16, thread, threads, splits;
     float scale;
@@ -117,15 +119,16 @@ static void one_unit(const job_t *j, int i, int h0, int h1) {
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
-    const int64_t n = j->ctx[i];
+    const int64_t n = j->ctx[i], first = j->starts ? j->starts[i] : 0;
     const int64_t row = (int64_t)kvh * hd;  /* elements between consecutive tokens of a block */
-    for (int64_t start = 0; start < n; start += bs) {
+    for (int64_t start = first - first % bs; start < n; start += bs) {
         const int64_t block = j->tables[(int64_t)i * j->max_blocks + start / bs];
         const int cnt = (int)((n - start) < bs ? (n - start) : bs);
+        const int t0 = (int)(first > start ? first - start : 0);  /* tokens of this block before the window */
         const int64_t base = block * bs * row;
         float bmax[MAX_ROWS];
         for (int r = 0; r < rows; r++) bmax[r] = -INFINITY;
-        for (int t = 0; t < cnt; t++) {
+        for (int t = t0; t < cnt; t++) {
             for (int h = h0; h < h1; h++) {
                 const float *kr = row_f32(j->k, base + t * row + (int64_t)h * hd, j->is_bf16, buf, hd);
                 for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
@@ -140,10 +143,10 @@ static void one_unit(const job_t *j, int i, int h0, int h1) {
             const float corr = expf(m[r] - mnew);  /* 0 on the first block (m = -inf) */
             l[r] *= corr;
             for (int d = 0; d < hd; d++) acc[r][d] *= corr;
-            l[r] += exp_shifted(s[r], cnt, mnew);
+            l[r] += exp_shifted(s[r] + t0, cnt - t0, mnew);
             m[r] = mnew;
         }
-        for (int t = 0; t < cnt; t++) {
+        for (int t = t0; t < cnt; t++) {
             for (int h = h0; h < h1; h++) {
                 const float *vr = row_f32(j->v, base + t * row + (int64_t)h * hd, j->is_bf16, buf, hd);
                 for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
@@ -178,8 +181,8 @@ static void *run(void *arg) {
 
 /* Returns 0 on success, -1 when a size is beyond the fixed limits (the caller falls back). */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
-                           const int64_t *ctx, float *out, int b, int kvh, int group, int hd, int bs,
-                           int max_blocks, float scale, int is_bf16, int threads) {
+                           const int64_t *ctx, const int64_t *starts, float *out, int b, int kvh, int group,
+                           int hd, int bs, int max_blocks, float scale, int is_bf16, int threads) {
     if (hd > MAX_HD || group > MAX_ROWS || bs > MAX_BS || threads < 1) return -1;
     if (threads > b * kvh) threads = b * kvh;
     if (threads > 64) threads = 64;
@@ -190,8 +193,8 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     pthread_t tids[64];
 #endif
     for (int t = 0; t < threads; t++) {
-        jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, out, b, kvh, group, hd, bs, max_blocks, is_bf16, t,
-                          threads, splits, scale};
+        jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, starts, out, b, kvh, group, hd, bs, max_blocks,
+                          is_bf16, t, threads, splits, scale};
     }
 #ifdef _OPENMP
     /* torch's own OpenMP runtime (libgomp.so.1, already loaded by torch): its worker threads, which

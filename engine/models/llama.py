@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from engine.tp_layout import TPLayout
 
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -150,7 +151,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
-        meta: AttentionMetadata,
+        metas: dict[int | None, AttentionMetadata],  # by sliding window (None: full attention)
         kv_caches: list[torch.Tensor],
         layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # (T, hidden), final norm applied
@@ -158,7 +159,7 @@ class LlamaModel(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i], meta)
+            x = layer(x, cos, sin, kv_caches[i], metas[self.cfg.layer_windows[i]])
             if layer_hook is not None:  # layer i's K/V are in the cache: it may be shipped now
                 layer_hook(i)
         return self.norm(x)

@@ -75,7 +75,7 @@ def test_mixed_steps_batch_decode_rows_with_prompt_chunks(path, reference):
 
     def recording_prepare(batch):
         out = prepare(batch)
-        metas.append(out[2])
+        metas.append(out[2][None])
         return out
 
     engine.runner._prepare = recording_prepare

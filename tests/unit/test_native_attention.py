@@ -24,9 +24,11 @@ def _case(b: int, heads: int, kv_heads: int, hd: int, bs: int, dtype: torch.dtyp
     return cache, q, lens, padded
 
 
-def _torch_path(q, cache, lens, padded, scale):
+def _torch_path(q, cache, lens, padded, scale, starts=None):
     bs = cache.shape[2]
-    mask = (torch.arange(padded.shape[1] * bs)[None, :] < lens[:, None])[:, None, None, :]
+    slot = torch.arange(padded.shape[1] * bs)[None, :]
+    mask = (slot < lens[:, None]) & (slot >= (starts if starts is not None else torch.zeros_like(lens))[:, None])
+    mask = mask[:, None, None, :]
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
                              decode_groups=[DecodeGroup(torch.arange(q.shape[0]), padded, mask)])
     return paged_attention(q, q[:, : cache.shape[3]], q[:, : cache.shape[3]], cache, meta, scale)
@@ -48,6 +50,18 @@ def test_native_matches_torch(b, heads, kv_heads, hd, bs, threads):
                              native_decode=NativeDecode(LIB, padded, lens, threads))
     out = paged_attention(q, q, q, cache, meta, scale)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 23])
+def test_native_window_starts_match_torch(window):
+    """A sliding window: each row's keys begin at its `starts` entry (mid-block or on a boundary)."""
+    cache, q, lens, padded = _case(6, 8, 2, 48, 16, torch.float32, seed=window)
+    starts = (lens - window).clamp(min=0)
+    scale = 48 ** -0.5
+    ref = _torch_path(q, cache, lens, padded, scale, starts)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             native_decode=NativeDecode(LIB, padded, lens, 2, starts))
+    torch.testing.assert_close(paged_attention(q, q, q, cache, meta, scale), ref, atol=2e-6, rtol=1e-5)
 
 
 def test_native_bfloat16_cache():
