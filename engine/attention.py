@@ -72,32 +72,33 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 def paged_attention(
     q: torch.Tensor,  # (T, H, hd)
     k: torch.Tensor,  # (T, kvh, hd) new keys (already written to the cache)
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    v: torch.Tensor,  # (T, kvh, vd) new values
+    kv_cache: torch.Tensor,  # or (keys, values) as views of one latent cache (engine/models/mla.py)
     meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:  # (T, H, hd)
+) -> torch.Tensor:  # (T, H, vd)
     kvh, hd = k.shape[-2:]
+    vd = v.shape[-1]  # the values' width (a latent cache's is narrower than its keys')
     outs = []
     if meta.native_decode is not None:
         outs.append(_native_decode(q[: len(meta.native_decode.context_lens)], kv_cache, meta.native_decode, scale))
         if meta.spans is None:
             return outs[0]
     if meta.decode_groups is not None:
-        out = torch.empty_like(q)
+        out = q.new_empty((*q.shape[:2], vd))
         for group in meta.decode_groups:
             # Whole blocks are gathered (contiguous block_size*kvh*hd runs, much faster than token
             # rows); positions past each sequence's end are masked.
             b, L = group.block_tables.shape[0], group.mask.shape[-1]
             kb = kv_cache[0][group.block_tables].view(b, L, kvh, hd).transpose(1, 2)  # (b, kvh, L, hd)
-            vb = kv_cache[1][group.block_tables].view(b, L, kvh, hd).transpose(1, 2)
+            vb = kv_cache[1][group.block_tables].view(b, L, kvh, vd).transpose(1, 2)
             qb = q[group.rows].unsqueeze(2)  # (b, H, 1, hd)
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scale, enable_gqa=True)
             out[group.rows] = o.squeeze(2)
         return out
     assert meta.spans is not None
     k_flat = kv_cache[0].view(-1, kvh, hd)
-    v_flat = kv_cache[1].view(-1, kvh, hd)
+    v_flat = kv_cache[1].view(-1, kvh, vd)
     for span in meta.spans:
         qs = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)
         if span.kv_index is None:  # whole sequence is new: keys are exactly this slice

@@ -19,6 +19,8 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "shared_experts.gate_proj": ("shared_experts.gate_up_proj", 0),  # DeepSeek's shared experts
+    "shared_experts.up_proj": ("shared_experts.gate_up_proj", 1),
 }
 _EXPERT = re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 # an expert's tensor -> (stacked parameter, shard)
@@ -48,6 +50,13 @@ def piece_of(name: str) -> Piece:
         if f".{src}." in f".{name}":
             return Piece(name.replace(src, dst), shard)
     return Piece(name)
+
+
+def beyond(name: str, num_layers: int) -> bool:
+    """Whether `name` belongs to a layer past the model's last (DeepSeek-V3's multi-token
+    prediction layer: checkpoints carry it, generation does not use it)."""
+    m = re.match(r"^(?:model\.)?layers\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= num_layers
 
 
 def is_stacked(target: str) -> bool:

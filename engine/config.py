@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from engine.kv_spec import KV_LAYOUT_VERSION, KVSpec  # noqa: F401  (the layout version: re-exported)
 
 if TYPE_CHECKING:  # torch is imported where a dtype or device is made, not when this module is
     import torch
@@ -18,8 +19,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
-KV_LAYOUT_VERSION = 2  # bump when the paged-KV tensor layout or the KV wire format changes (2: XXH3-64 checksums); part of the compatibility hash
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -94,6 +96,20 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's
     norm_topk_prob: bool = True  # the top-k routing weights are renormalised to sum to 1
     moe_layers: frozenset[int] = frozenset()  # the layers whose MLP is the experts
+    # DeepSeek's routing (engine/models/moe.py): "softmax" (Mixtral, Qwen3-MoE), "deepseek_v2", "deepseek_v3"
+    router: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1  # experts in groups; a token picks from its `topk_group` best groups only
+    topk_group: int = 1
+    topk_method: str = "greedy"  # DeepSeek-V2: "greedy" or "group_limited_greedy"
+    shared_intermediate_size: int = 0  # the always-on shared experts, as one MLP of this width
+    # multi-head latent attention (engine/models/mla.py): kv_lora_rank 0 is none
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: queries projected directly
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the RoPE dims are rotated as interleaved pairs
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -144,6 +160,7 @@ class ModelConfig:
             layer_windows=_layer_windows(arch, hf),
             eos_token_ids=eos_ids,
             **_experts(arch, hf),
+            **_latent_attention(arch, hf),
         )
 
     @property
@@ -154,16 +171,20 @@ class ModelConfig:
             return None
         return max(self.layer_windows)
 
+    @property
+    def kv_spec(self) -> KVSpec:
+        """What each layer keeps per token (engine/kv_spec.py)."""
+        windows = self.layer_windows if any(self.layer_windows) else ()
+        if self.kv_lora_rank:
+            return KVSpec(self.num_layers, 1, self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank, windows)
+        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, windows=windows)
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        return self.kv_spec.bytes_per_token(dtype)
 
     def compat_hash(self, dtype: torch.dtype, block_size: int) -> str:
         """Two workers can exchange KV blocks only if this matches (model, dtype, block size, layout)."""
-        key = json.dumps(
-            [self.architecture, self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size,
-             self.hidden_size, str(dtype), block_size, KV_LAYOUT_VERSION],
-        )
-        return hashlib.sha256(key.encode()).hexdigest()[:16]
+        return self.kv_spec.compat_key(dtype, block_size, [self.architecture, self.vocab_size, self.hidden_size])
 
 
 def _experts(arch: str, hf: Any) -> dict[str, Any]:
@@ -172,6 +193,15 @@ def _experts(arch: str, hf: Any) -> dict[str, Any]:
         return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
                     moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True,
                     moe_layers=frozenset(range(hf.num_hidden_layers)))
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):  # after the first dense layers
+        v3 = arch == "DeepseekV3ForCausalLM"
+        return dict(num_experts=hf.n_routed_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
+                    moe_layers=frozenset(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
+                    router="deepseek_v3" if v3 else "deepseek_v2",
+                    routed_scaling_factor=float(hf.routed_scaling_factor), n_group=hf.n_group or 1,
+                    topk_group=hf.topk_group or 1, topk_method=getattr(hf, "topk_method", "greedy") or "greedy",
+                    shared_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0))
     if arch == "Qwen3MoeForCausalLM":  # every decoder_sparse_step-th layer, except mlp_only_layers
         step, dense = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
         layers = frozenset(i for i in range(hf.num_hidden_layers)
@@ -211,6 +241,16 @@ def _layer_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
         raise ValueError(f"layer_types {list(types)!r}: served are {n} layers, each one of "
                          f"{' / '.join(WINDOW_LAYER_TYPES)}")
     return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _latent_attention(arch: str, hf: Any) -> dict[str, Any]:
+    """The ModelConfig fields of multi-head latent attention ({} without it)."""
+    if arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        return {}
+    return dict(kv_lora_rank=hf.kv_lora_rank, q_lora_rank=hf.q_lora_rank or 0, qk_nope_head_dim=hf.qk_nope_head_dim,
+                qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+                # V2 rotates interleaved pairs always (as complex numbers), V3 when its config says so
+                rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(getattr(hf, "rope_interleave", False)))
 
 
 def _rope_parameters(hf: Any) -> dict:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.checkpoint_names import Piece, expected_pieces, fused_shards, is_stacked, piece_of
+from engine.checkpoint_names import Piece, beyond, expected_pieces, fused_shards, is_stacked, piece_of
 from engine.config import ModelConfig
 from engine.models.llama import LlamaModel
 from engine.packed_linear import pack_linears
 from engine.tp_layout import TPLayout
 
+log = logging.getLogger("pdcluster.engine")
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
@@ -59,31 +61,36 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     model = model.to_empty(device=device).to(dtype)
     model.init_rope()  # after .to(dtype): the rope tables stay float32
     params = dict(model.named_parameters())
-    heads, kv_heads, inter = ((layout.heads, layout.kv_heads, layout.inter) if layout is not None
-                              else (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size))
-    moe_inter = layout.moe_inter if layout is not None else cfg.moe_intermediate_size
+    heads, kv_heads = (layout.heads, layout.kv_heads) if layout is not None else (cfg.num_heads, cfg.num_kv_heads)
     q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
-    split = {".qkv_proj.": [q, kv, kv], ".gate_up_proj.": [inter] * 2, ".experts.gate_up_proj": [moe_inter] * 2}
     loaded: set[Piece] = set()
+    skipped = 0
     for file in _weight_files(Path(cfg.path)):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if "rotary_emb" in name:
                     continue
                 piece = piece_of(name)
+                if piece.target not in params and name.removeprefix("model.") in params:
+                    piece = Piece(name.removeprefix("model."))  # not fused here (latent attention's q_proj)
                 if piece.target not in params:
+                    if beyond(name, cfg.num_layers):
+                        skipped += 1
+                        continue
                     raise ValueError(f"unexpected tensor {name!r} in {file.name}")
                 for part, tensor in _read(f, name, piece, layout, dtype):
                     dst = params[part.target].data
                     if part.expert is not None:
                         dst = dst[part.expert]
-                    if part.shard is not None:
-                        sizes = next(v for k, v in split.items() if k in part.target)
+                    if part.shard is not None:  # q/k/v, or the halves of gate/up
+                        sizes = [q, kv, kv] if ".qkv_proj." in part.target else [dst.shape[0] // 2] * 2
                         dst = dst.narrow(0, sum(sizes[:part.shard]), sizes[part.shard])
                     if dst.shape != tensor.shape:
                         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
                     dst.copy_(tensor)
                     loaded.add(part)
+    if skipped:
+        log.info("skipped %d tensors of layers past the model's %d (multi-token prediction)", skipped, cfg.num_layers)
     if cfg.tie_word_embeddings or Piece("lm_head.weight") not in loaded:
         if not cfg.tie_word_embeddings:
             raise ValueError(f"checkpoint {cfg.path} has no lm_head.weight and does not tie embeddings")

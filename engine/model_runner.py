@@ -67,7 +67,8 @@ class ModelRunner:
         if layout is not None and model is not None:
             raise ValueError("a tensor-parallel rank loads its own shard of the weights (model= cannot be shared)")
         self.num_heads = layout.heads if layout is not None else model_cfg.num_heads
-        self.num_kv_heads = layout.kv_heads if layout is not None else model_cfg.num_kv_heads
+        self.spec = model_cfg.kv_spec  # what each layer keeps per token (engine/kv_spec.py)
+        self.num_kv_heads = layout.kv_heads if layout is not None else self.spec.num_kv_heads
         self.dtype = cfg.torch_dtype(model_cfg)
         if cfg.num_threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.num_threads)
@@ -82,7 +83,7 @@ class ModelRunner:
                 f"KV cache of {self.num_blocks} blocks x {self.block_size} tokens cannot hold one sequence of "
                 f"max_model_len {self.max_model_len}; raise num_blocks / kv_cache_memory_bytes or lower max_model_len"
             )
-        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, model_cfg.head_dim)
+        shape = self.spec.layer_shape(self.num_blocks, self.block_size, self.num_kv_heads)
         # Zeroed, not empty: masked-out slots still enter the attention matmul with weight 0, and 0*NaN = NaN.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_cfg.num_layers)]
         self._native = self._native_lib()
@@ -100,7 +101,7 @@ class ModelRunner:
     def _native_lib(self):
         """The native decode kernel where it serves this engine (CPU, float32/bf16, its size limits)."""
         m = self.model_cfg
-        fits = (m.head_dim <= NATIVE_MAX_HEAD_DIM and self.num_heads // self.num_kv_heads <= NATIVE_MAX_GROUP
+        fits = (self.spec.kind == "heads" and m.head_dim <= NATIVE_MAX_HEAD_DIM and self.num_heads // self.num_kv_heads <= NATIVE_MAX_GROUP
                 and self.block_size <= NATIVE_MAX_BLOCK)
         if self.cfg.enforce_eager or not fits or not native_decode_supported(self.kv_caches[0]):
             return None
@@ -109,8 +110,7 @@ class ModelRunner:
     def _num_blocks(self) -> int:
         if self.cfg.num_blocks is not None:
             return self.cfg.num_blocks
-        m = self.model_cfg
-        per_block = 2 * m.num_layers * self.num_kv_heads * m.head_dim * self.dtype.itemsize * self.block_size
+        per_block = self.spec.bytes_per_token(self.dtype) // self.spec.num_kv_heads * self.num_kv_heads * self.block_size
         budget = self.cfg.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
@@ -276,8 +276,7 @@ class ModelRunner:
 
     def kv_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The shape `layer_kv` has for `num_blocks` blocks (all KV heads), what KV transfers carry."""
-        c = self.kv_caches[0]
-        return (2, num_blocks, c.shape[2], self.model_cfg.num_kv_heads, c.shape[4])
+        return self.spec.layer_shape(num_blocks, self.block_size)
 
     def write_blocks(self, layer: int, blocks: list[int], kv: torch.Tensor, first_head: int = 0) -> None:
         """Write K/V of the model's KV heads [first_head, first_head + kv.shape[3]) (all of them:

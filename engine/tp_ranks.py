@@ -26,6 +26,9 @@ log = logging.getLogger("pdcluster.engine")
 
 
 def layout_for(model_cfg: ModelConfig, rank: int, size: int) -> TPLayout:
+    if model_cfg.kv_lora_rank and size > 1:
+        raise ValueError(f"tensor parallelism of {model_cfg.architecture} (multi-head latent attention) is not "
+                         "supported yet: serve it with tensor_parallel_size 1")
     return TPLayout(rank, size, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
                     model_cfg.intermediate_size, model_cfg.moe_intermediate_size)
 

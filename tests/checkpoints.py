@@ -42,6 +42,25 @@ SHAPES: dict[str, tuple[str, dict]] = {
     # top-2 of 8, renormalised
     "qwen3-moe": ("Qwen3Moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
                                    num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)),
+    # multi-head latent attention with experts: q LoRA, interleaved RoPE, a dense first layer, 8 experts
+    # in 4 groups (top-2 groups, then top-2 experts) with a score bias, a shared expert, scaled weights
+    "deepseek-v3": ("DeepseekV3", dict(
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5)),
+    # no q LoRA, RoPE not interleaved, YaRN with DeepSeek's mscale (the softmax scale changes too)
+    "deepseek-v3-yarn": ("DeepseekV3", dict(
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=0, rope_interleave=False,
+        norm_topk_prob=False, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
+    # DeepSeek-V2: softmax routing limited to the best groups, two shared experts, RoPE as complex pairs
+    "deepseek-v2": ("DeepseekV2", dict(
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        topk_method="group_limited_greedy", n_shared_experts=2, moe_intermediate_size=24, first_k_dense_replace=0,
+        routed_scaling_factor=1.5)),
     # not renormalised, top-3 of 6, and a dense first layer (mlp_only_layers) before the routed one
     "qwen3-moe-dense-first": ("Qwen3Moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
@@ -72,6 +91,9 @@ def make_checkpoint(out: Path, shape: str = "llama-gqa", dtype: torch.dtype = to
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
                 param.mul_(4.0)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 chooses with it: make it count
+                buf.copy_(torch.rand_like(buf) * 0.2)
         if getattr(model.model.layers[0].self_attn.q_proj, "bias", None) is not None:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

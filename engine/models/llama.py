@@ -1,5 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and with routed experts Mixtral and Qwen3-MoE:
-engine/models/moe.py) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3; with routed experts Mixtral and Qwen3-MoE:
+engine/models/moe.py; with latent attention and experts DeepSeek-V2/V3: engine/models/mla.py)
+over a paged KV cache.
 
 Numerics follow transformers' implementation step for step (RMSNorm in float32, RoPE with
 rotate_half, computed in halves bit for bit alike, SiLU-gated MLP) so greedy output matches
@@ -20,42 +21,13 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
+from engine.models.mla import LatentAttention
 from engine.models.moe import Reduce, SparseMoE
-from engine.rope import rope_cos_sin
+from engine.models.norm import RMSNorm
+from engine.rope import apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
     from engine.tp_layout import TPLayout
-
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin` as transformers computes it, bit for bit, in fewer passes.
-
-    x: (T, heads, hd); cos/sin: (T, hd) with equal halves (RoPE tables are cat(freqs, freqs)).
-    With x = [x1, x2]: the first half is x1*c + (-x2)*s = x1*c - x2*s, the second x2*c + x1*s.
-    """
-    half = x.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.mul(x1, c, out=out[..., :half])
-    out[..., :half].sub_(x2 * s)
-    torch.mul(x2, c, out=out[..., half:])
-    out[..., half:].add_(x1 * s)
-    return out
 
 
 class Attention(nn.Module):
@@ -99,9 +71,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None,
+                 inter: int | None = None) -> None:
+        """`inter`: another width than the config's (DeepSeek's shared experts)."""
         super().__init__()
-        self.inter = layout.inter if layout is not None else cfg.intermediate_size
+        self.inter = inter or (layout.inter if layout is not None else cfg.intermediate_size)
         self.reduce = reduce
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
@@ -116,9 +90,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None,
                  index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layout, reduce)
+        # multi-head latent attention keeps one latent per token (engine/models/mla.py)
+        self.self_attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, layout, reduce)
         # a mixture-of-experts model's sparse layers route each token to a few experts
-        self.mlp = SparseMoE(cfg, layout, reduce) if index in cfg.moe_layers else MLP(cfg, layout, reduce)
+        if index in cfg.moe_layers:
+            shared = MLP(cfg, inter=cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
+            self.mlp = SparseMoE(cfg, layout, reduce, shared)
+        else:
+            self.mlp = MLP(cfg, layout, reduce)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,5 +1,14 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks `top_k` of `num_experts` SwiGLU
-experts per token and the layer's output is their outputs weighted by the router's probabilities.
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE, DeepSeek-V2/V3): a router picks `top_k` of
+`num_experts` SwiGLU experts per token and the layer's output is their outputs weighted by the
+router's probabilities (plus, for DeepSeek, always-on shared experts).
+
+Routers (`ModelConfig.router`), each as transformers computes it:
+- "softmax" (Mixtral, Qwen3-MoE): softmax over the experts, top-k, renormalised if the config says.
+- "deepseek_v2": softmax in float32, top-k over all experts ("greedy") or within the `topk_group`
+  groups of highest maximum ("group_limited_greedy"), times `routed_scaling_factor`.
+- "deepseek_v3": sigmoid scores in float32; the choice adds a learned bias and keeps the
+  `topk_group` groups whose two best biased scores sum highest; the weights are the unbiased
+  scores, renormalised if the config says, times `routed_scaling_factor`.
 
 The experts' weights are stacked, one tensor per kind (`experts.gate_up_proj` (E, 2I, H), gate
 rows first, and `experts.down_proj` (E, H, I)), as transformers holds them. A step sorts its
@@ -46,28 +55,66 @@ class Experts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
 
+class Router(nn.Module):
+    """Picks each token's experts and their weights."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.kind, self.top_k, self.norm_topk_prob = cfg.router, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.scaling, self.groups, self.topk_group = cfg.routed_scaling_factor, cfg.n_group, cfg.topk_group
+        self.topk_method = cfg.topk_method
+        # Qwen3-MoE hands the experts weights in the activations' dtype, the others in float32
+        self.weights_in_float32 = cfg.architecture != "Qwen3MoeForCausalLM"
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.router == "deepseek_v3":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, top_k) expert ids and (T, top_k) weights."""
+        if self.kind == "softmax":
+            probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return ids, weights if self.weights_in_float32 else weights.to(x.dtype)
+        logits = F.linear(x.float(), self.weight.float())
+        if self.kind == "deepseek_v3":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias.float()
+            best = self._in_best_groups(choice, choice.view(len(x), self.groups, -1).topk(2, dim=-1)[0].sum(-1))
+            ids = torch.topk(choice.masked_fill(~best, float("-inf")), self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return ids, weights * self.scaling
+        scores = logits.softmax(dim=-1)  # deepseek_v2
+        if self.topk_method == "group_limited_greedy":
+            best = self._in_best_groups(scores, scores.view(len(x), self.groups, -1).max(dim=-1).values)
+            scores = scores.masked_fill(~best, 0.0)
+        weights, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)
+        return ids, weights * self.scaling
+
+    def _in_best_groups(self, scores: torch.Tensor, group_scores: torch.Tensor) -> torch.Tensor:
+        """(T, E) bool: the experts in each token's `topk_group` best groups."""
+        best = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return mask.repeat_interleave(scores.shape[1] // self.groups, dim=1)
+
+
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None,
+                 shared: nn.Module | None = None) -> None:
+        """`shared`: DeepSeek's shared experts (an MLP every token goes through), added after the routed."""
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
-        self.norm_topk_prob = cfg.norm_topk_prob
-        # Qwen3-MoE hands the experts weights in the activations' dtype, Mixtral in float32
-        self.weights_in_float32 = cfg.architecture == "MixtralForCausalLM"
         self.reduce = reduce
         inter = layout.moe_inter if layout is not None else cfg.moe_intermediate_size
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.gate = Router(cfg)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, inter)
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's experts and their weights: (T, top_k) ids and (T, top_k) weights."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights if self.weights_in_float32 else weights.to(x.dtype)
+        self.shared_experts = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
+        ids, weights = self.gate(x)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -82,4 +129,6 @@ class SparseMoE(nn.Module):
             y = self.experts.run(expert, x[tokens]) * flat_weights[start:start + n, None]
             out.index_add_(0, tokens, y.to(out.dtype))
             start += n
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out if self.reduce is None else self.reduce(out)

@@ -1,0 +1,90 @@
+"""What a model's layers keep per token in the paged KV cache, in one small description.
+
+Two kinds:
+- "heads": a K and a V vector per KV head (Llama, Mistral, Qwen, Mixtral). A layer's cache is
+  `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K, then V).
+- "latent" (multi-head latent attention, DeepSeek-V2/V3): one compressed latent per token, the same
+  for every query head, and the RoPE part of the key beside it: `[1, num_blocks, block_size, 1,
+  latent_dim + rope_dim]`. Attention reads the whole row as the key and its first `latent_dim`
+  values as the value (the heads' own keys and values are folded into the queries and the output).
+
+The block manager counts blocks, the model runner shapes the cache by `layer_shape`, the KV
+transfer moves `layer_shape` tensors and refuses a pair whose `compat_key`s differ (naming what
+differs: `mismatch`), and `pdcluster status` shows `describe()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+KV_LAYOUT_VERSION = 3  # bump when the paged-KV tensor layout or the KV wire format changes (3: latent KV)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_layers: int
+    num_kv_heads: int  # "heads": the model's KV heads; "latent": 1
+    head_dim: int  # "heads": K's and V's width; "latent": latent_dim + rope_dim
+    latent_dim: int = 0  # "latent": the latent's width (V); 0 for "heads"
+    # each layer's sliding window (None: full), () when no layer has one: the block manager frees
+    # what falls out of every layer's window
+    windows: tuple[int | None, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return "latent" if self.latent_dim else "heads"
+
+    @property
+    def planes(self) -> int:
+        """Tensors per token and head: K and V (2), or the one latent row (1)."""
+        return 1 if self.latent_dim else 2
+
+    @property
+    def value_dim(self) -> int:
+        return self.latent_dim or self.head_dim
+
+    def layer_shape(self, num_blocks: int, block_size: int, kv_heads: int | None = None) -> tuple[int, ...]:
+        """One layer's cache (or `num_blocks` of its blocks), with `kv_heads` of the heads (default all)."""
+        heads = self.num_kv_heads if kv_heads is None else kv_heads
+        return (self.planes, num_blocks, block_size, heads, self.head_dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.planes * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def describe(self) -> str:
+        """A few words (logs, `pdcluster status`, refusals)."""
+        if self.latent_dim:
+            what = f"latent:{self.latent_dim}+{self.head_dim - self.latent_dim}x{self.num_layers}"
+        else:
+            what = f"heads:{self.num_kv_heads}x{self.head_dim}x{self.num_layers}"
+        if self.windows:  # one window for every layer, or each layer's
+            names = [str(w or "full") for w in self.windows]
+            what += f",window:{names[0]}" if len(set(names)) == 1 else ",windows:" + "/".join(names)
+        return what
+
+    def compat_key(self, dtype: torch.dtype, block_size: int, model: list) -> str:
+        """Two workers exchange KV blocks only if these are equal: readable fields (what a refusal
+        names) and a hash of the rest of the model's shape."""
+        digest = hashlib.sha256(json.dumps(model).encode()).hexdigest()[:12]
+        dt = str(dtype).removeprefix("torch.")
+        return f"kv={self.describe()};dtype={dt};block={block_size};layout={KV_LAYOUT_VERSION};model={digest}"
+
+
+def mismatch(mine: str, theirs: str) -> str:
+    """What differs between two compatibility keys, as "dtype float32 vs bfloat16, ..." ("" if
+    nothing readable does; a key from an older worker is named whole)."""
+    a, b = _fields(mine), _fields(theirs)
+    if not a or not b:
+        return f"{mine} vs {theirs}"
+    return ", ".join(f"{k} {a.get(k, '?')} vs {b.get(k, '?')}" for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k))
+
+
+def _fields(key: str) -> dict[str, str]:
+    parts = [p.partition("=") for p in key.split(";")]
+    return {k: v for k, sep, v in parts if sep} if all(sep for _, sep, _ in parts) else {}

@@ -1,0 +1,85 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of latents.
+
+Each token's keys and values are made from one compressed latent `c` (kv_lora_rank wide, after
+its RMSNorm) and one RoPE key part `k_pe` shared by every head. The cache keeps exactly those:
+one row `[c, k_pe]` per token and layer (engine/kv_spec.py, kind "latent"), which is what a
+prefill worker ships to a decode worker.
+
+Attention runs on the latents themselves ("absorbed"): head h's key is `W_uk[h] c` and its
+value `W_uv[h] c`, so `q_h . k = (W_uk[h]^T q_nope_h) . c + q_pe_h . k_pe`: each query is folded
+into the latent space once, attends over the cached rows as one shared key/value head (MQA, key
+width kv_lora_rank + rope, value width kv_lora_rank), and its output is unfolded by `W_uv[h]`.
+No per-head key or value is ever expanded, in prefill or decode. The result equals transformers'
+expanded computation up to float rounding.
+
+RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ... of q_pe and k_pe; gathering the
+even then the odd dims turns that into the half-split rotation the other models use, and a dot
+product does not care which layout both sides share.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import ModelConfig
+from engine.models.norm import RMSNorm
+from engine.rope import apply_rope, attention_scale
+
+# transformers builds these two norms with RMSNorm's default epsilon, not the config's
+LATENT_NORM_EPS = 1e-6
+
+
+class Weight(nn.Module):
+    """A projection kept as its plain weight (never prepacked): attention splits it per head."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.latent = cfg.kv_lora_rank
+        self.interleaved = cfg.rope_interleave
+        qk = self.nope + self.rope
+        h = cfg.hidden_size
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.latent + self.rope, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
+        self.kv_b_proj = Weight(self.num_heads * (self.nope + self.v_dim), self.latent)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
+        self.scale = attention_scale(cfg.hf_config, qk)
+        self.q_lora = bool(cfg.q_lora_rank)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:  # (x0, x1), (x2, x3), ... -> evens then odds: a half-split rotation
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        T, H = x.shape[0], self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(T, H, self.nope + self.rope)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)
+        row = torch.cat([self.kv_a_layernorm(c), self._rotate(k_pe.view(T, 1, self.rope), cos, sin)[:, 0]], dim=-1)
+        row = row.view(T, 1, self.latent + self.rope)
+        cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope)
+        cache.view(-1, 1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row)
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.latent)
+        q_latent = torch.einsum("thn,hnl->thl", q[..., :self.nope], w[:, :self.nope])
+        q_full = torch.cat([q_latent, self._rotate(q[..., self.nope:], cos, sin)], dim=-1)
+        values = (cache, cache[..., :self.latent])  # the key row, and its latent part as the value
+        out = paged_attention(q_full, row, row[..., :self.latent], values, meta, self.scale)  # (T, H, latent)
+        out = torch.einsum("thl,hvl->thv", out, w[:, self.nope:])
+        return self.o_proj(out.reshape(T, H * self.v_dim))
