@@ -14,7 +14,9 @@ tokens follow the Llama convention: <unk>=0, <s>=1 (bos), </s>=2 (eos), <pad>=3.
 
 "tiny-moe" (Qwen3-MoE: 8 experts, each token routed to 2; 37,281,216 parameters, 16,047,552 read
 per token) and "moe-400m" (a realistic MoE shape: 406,176,896 parameters, 75,875,456 per token) share
-the tokenizer; "llama-200m" is a realistic dense shape.
+the tokenizer, and so does "tiny-mla" (DeepSeek-V3's latent attention and routing: 23,541,504
+parameters, 14,694,144 per token; its KV is one 128+32 latent per token and layer); "llama-200m" is a
+realistic dense shape.
 
 The weights are random: the model writes gibberish, but it is real, exercises the real code
 paths (GQA, RoPE, RMSNorm, SwiGLU), and greedy decoding of it is reproducible.
@@ -90,6 +92,16 @@ BUILTIN_MODELS["moe-400m"] = {
     "config": {**_TINY, **_MOE, "hidden_size": 640, "num_hidden_layers": 12, "num_attention_heads": 16,
                "num_key_value_heads": 2, "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 8,
                "moe_intermediate_size": 256},
+}
+
+# Multi-head latent attention with experts (DeepSeek-V3: a q LoRA, one 128+32 latent per token and
+# layer, a dense first layer, 8 routed experts in 4 groups, top-2, one shared expert).
+BUILTIN_MODELS["tiny-mla"] = {
+    **BUILTIN_MODELS["tiny-llama"], "family": "DeepseekV3", "router_scale": 4.0,
+    "config": {**_TINY, "num_key_value_heads": 8, "q_lora_rank": 192, "kv_lora_rank": 128, "qk_rope_head_dim": 32,
+               "qk_nope_head_dim": 32, "v_head_dim": 48, "n_routed_experts": 8, "num_experts_per_tok": 2,
+               "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "moe_intermediate_size": 256,
+               "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True},
 }
 
 # Each message as "<|role|>\ncontent\n", then "<|assistant|>\n" when a generation prompt is asked

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from engine.kv_spec import mismatch
 from engine.sequence import TokenLogprobs
 from proto import worker_pb2 as wk
 
@@ -223,7 +224,8 @@ class KVReceiver(ABC):
         if compat_hash != self.sink.compat_hash:
             raise KVTransferError(
                 f"incompatible KV layout: sender {compat_hash}, receiver {self.sink.compat_hash} "
-                "(model, dtype, block size and layout version must match)"
+                f"(differs: {mismatch(compat_hash, self.sink.compat_hash)}; what each layer keeps, model, dtype, "
+                "block size and layout version must match)"
             )
 
     def _on_layer(
@@ -327,7 +329,8 @@ class KVSender(ABC):
         if ticket.compat_hash != self.compat_hash:
             raise KVTransferError(
                 f"incompatible KV layout for transfer {ticket.transfer_id!r}: this worker {self.compat_hash}, "
-                f"receiver {ticket.compat_hash} (model, dtype, block size and layout version must match)"
+                f"receiver {ticket.compat_hash} (differs: {mismatch(self.compat_hash, ticket.compat_hash)}; what each "
+                "layer keeps, model, dtype, block size and layout version must match)"
             )
 
     def add_channel_interceptor(self, interceptor: object) -> None:

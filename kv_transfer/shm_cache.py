@@ -223,17 +223,18 @@ class MappedKVCache:
         return (st.st_dev, st.st_ino) == self._identity
 
     def _view(self, kv: torch.Tensor) -> torch.Tensor | None:
-        """The cache as (layers, 2, num_blocks, *block) of kv's dtype, or None if kv's blocks do not
+        """The cache as (layers, planes, num_blocks, *block) of kv's dtype, or None if kv's blocks do not
         fit the segment (another layout: the receiver refuses the message by its own checks)."""
         if self._layers is not None:
             ok = self._layers.dtype == kv.dtype and self._layers.shape[3:] == kv.shape[2:]
             return self._layers if ok else None
         block_elems = math.prod(kv.shape[2:])
-        count = self.num_layers * 2 * self.num_blocks * block_elems
-        if kv.dim() < 3 or kv.shape[0] != 2 or self.offset + count * kv.element_size() != self.size:
+        planes = kv.shape[0] if kv.dim() >= 3 else 0  # K and V (2), or one latent row (1): engine/kv_spec.py
+        count = self.num_layers * planes * self.num_blocks * block_elems
+        if planes not in (1, 2) or self.offset + count * kv.element_size() != self.size:
             return None
         self._layers = torch.frombuffer(self._mm, dtype=kv.dtype, count=count, offset=self.offset).view(
-            self.num_layers, 2, self.num_blocks, *kv.shape[2:]
+            self.num_layers, planes, self.num_blocks, *kv.shape[2:]
         )
         return self._layers
 

@@ -277,10 +277,11 @@ class ShmSendPlane(SendPlane):
         cache = self._cache_for(ticket.kv_endpoint) if self.in_place and not ticket.num_heads else None
         if cache is not None:
             digest = tensor_checksum(kv) if self.verify_in_place else None
-            # skipped (False) for a ticket whose blocks are no longer its own, or a layer that does not
-            # fit: the receiver refuses the message by its own checks, and nothing was written
-            cache.write(ticket, layer, kv)
-            return _InPlace(cache.name, digest)
+            # skipped (False) for a ticket whose blocks are no longer its own, or a layer whose layout
+            # the mapped cache does not have: nothing was written, so the layer goes the copying way
+            # below (never a claim of bytes written in place that were not)
+            if cache.write(ticket, layer, kv):
+                return _InPlace(cache.name, digest)
         region = self._alloc(ticket.transfer_id, layer, kv.numel() * kv.element_size())
         region.slab.write(region.offset, kv)
         return region

@@ -78,7 +78,7 @@ def test_greedy_matches_transformers_in_half_precision(checkpoint, dtype):
         assert all(e.runner.kv_caches[0].dtype == tdtype for e in llm.engines)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-mla"])
 def test_builtin_model_matches_transformers(name):
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(f"builtin:{name}")).eval()
     llm = LLM(f"builtin:{name}", num_blocks=64, max_model_len=512)
