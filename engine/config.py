@@ -150,7 +150,8 @@ class ModelConfig:
             intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            # latent attention: one latent shared by every head (engine/models/mla.py)
+            num_kv_heads=1 if getattr(hf, "kv_lora_rank", None) else getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),

@@ -20,6 +20,7 @@ With N ranks, rank r holds:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -44,6 +45,11 @@ class TPLayout:
     head_dim: int
     intermediate_size: int
     moe_intermediate_size: int = 0  # each routed expert's (0: a dense model)
+    shared_intermediate_size: int = 0  # DeepSeek's shared experts, as one MLP
+    # multi-head latent attention (0: none): each head's query width and its (key, value) widths in kv_b_proj
+    qk_head_dim: int = 0
+    kv_b_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         n = self.size
@@ -57,6 +63,9 @@ class TPLayout:
         if self.intermediate_size % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the model's intermediate size "
                              f"{self.intermediate_size}")
+        if self.shared_intermediate_size % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide the shared experts' intermediate size "
+                             f"{self.shared_intermediate_size}")
         if self.moe_intermediate_size % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the experts' intermediate size "
                              f"{self.moe_intermediate_size}")
@@ -97,6 +106,13 @@ class TPLayout:
         if self.size == 1:
             return None
         hd = self.head_dim
+        if self.qk_head_dim and ".self_attn." in target:  # latent attention: split by query heads
+            return self._latent_shard(target)
+        if ".shared_experts." in target:
+            inter = self.shared_intermediate_size // self.size
+            if ".gate_up_proj." in target:
+                return 0, self.rank * inter, inter
+            return (1, self.rank * inter, inter) if target.endswith("weight") else None
         if target.endswith(".experts.gate_up_proj"):  # one expert's gate or up (the fused shard)
             return 0, self.rank * self.moe_inter, self.moe_inter
         if target.endswith(".experts.down_proj"):
@@ -113,10 +129,22 @@ class TPLayout:
             return (1, self.rank * self.inter, self.inter) if target.endswith("weight") else None
         return None
 
+    def _latent_shard(self, target: str) -> tuple[int, int, int] | None:
+        """Latent attention: the query projection and kv_b_proj by the rank's heads (rows), o_proj by
+        their values (columns); the latent's own projection and norms whole (every rank keeps the
+        whole latent)."""
+        h = self.heads
+        if ".q_proj." in target or ".q_b_proj." in target:
+            return 0, self.rank * h * self.qk_head_dim, h * self.qk_head_dim
+        if ".kv_b_proj." in target:
+            return 0, self.rank * h * self.kv_b_head_dim, h * self.kv_b_head_dim
+        if ".o_proj." in target:
+            return (1, self.rank * h * self.v_head_dim, h * self.v_head_dim) if target.endswith("weight") else None
+        return None
+
     def of_rank(self, rank: int) -> TPLayout:
         """Another rank's layout in the same group."""
-        return TPLayout(rank, self.size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
-                        self.moe_intermediate_size)
+        return dataclasses.replace(self, rank=rank)
 
     def assembly(self) -> list[tuple[int, int]]:
         """How the model's KV heads are put together from the ranks' caches: (rank, its KV heads to

@@ -26,11 +26,11 @@ log = logging.getLogger("pdcluster.engine")
 
 
 def layout_for(model_cfg: ModelConfig, rank: int, size: int) -> TPLayout:
-    if model_cfg.kv_lora_rank and size > 1:
-        raise ValueError(f"tensor parallelism of {model_cfg.architecture} (multi-head latent attention) is not "
-                         "supported yet: serve it with tensor_parallel_size 1")
-    return TPLayout(rank, size, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
-                    model_cfg.intermediate_size, model_cfg.moe_intermediate_size)
+    m = model_cfg
+    latent = dict(qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, kv_b_head_dim=m.qk_nope_head_dim + m.v_head_dim,
+                  v_head_dim=m.v_head_dim) if m.kv_lora_rank else {}
+    return TPLayout(rank, size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.moe_intermediate_size,
+                    m.shared_intermediate_size, **latent)
 
 
 def lead(model_cfg: ModelConfig, leader: Leader, backend: str, join_timeout_s: float,

@@ -91,10 +91,11 @@ class DecoderLayer(nn.Module):
                  index: int = 0) -> None:
         super().__init__()
         # multi-head latent attention keeps one latent per token (engine/models/mla.py)
-        self.self_attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, layout, reduce)
+        self.self_attn = LatentAttention(cfg, layout, reduce) if cfg.kv_lora_rank else Attention(cfg, layout, reduce)
         # a mixture-of-experts model's sparse layers route each token to a few experts
         if index in cfg.moe_layers:
-            shared = MLP(cfg, inter=cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
+            width = cfg.shared_intermediate_size // (layout.size if layout is not None else 1)
+            shared = MLP(cfg, inter=width) if width else None  # summed with the routed experts' output
             self.mlp = SparseMoE(cfg, layout, reduce, shared)
         else:
             self.mlp = MLP(cfg, layout, reduce)

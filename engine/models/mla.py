@@ -19,13 +19,19 @@ product does not care which layout both sides share.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
+from engine.models.moe import Reduce
 from engine.models.norm import RMSNorm
 from engine.rope import apply_rope, attention_scale
+
+if TYPE_CHECKING:
+    from engine.tp_layout import TPLayout
 
 # transformers builds these two norms with RMSNorm's default epsilon, not the config's
 LATENT_NORM_EPS = 1e-6
@@ -40,9 +46,12 @@ class Weight(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None) -> None:
+        """With tensor parallelism (`layout`) a rank holds its query heads' projections and the whole
+        latent (its projection, norm and cache: every head reads it); `reduce` sums o_proj's partial outputs."""
         super().__init__()
-        self.num_heads = cfg.num_heads
+        self.num_heads = layout.heads if layout is not None else cfg.num_heads
+        self.reduce = reduce
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.latent = cfg.kv_lora_rank
         self.interleaved = cfg.rope_interleave
@@ -82,4 +91,5 @@ class LatentAttention(nn.Module):
         values = (cache, cache[..., :self.latent])  # the key row, and its latent part as the value
         out = paged_attention(q_full, row, row[..., :self.latent], values, meta, self.scale)  # (T, H, latent)
         out = torch.einsum("thl,hvl->thv", out, w[:, self.nope:])
-        return self.o_proj(out.reshape(T, H * self.v_dim))
+        out = self.o_proj(out.reshape(T, H * self.v_dim))
+        return out if self.reduce is None else self.reduce(out)

@@ -10,8 +10,9 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.tp_group import TPError
 from pdcluster.llm import LLM
@@ -25,7 +26,9 @@ N = 12
 SHAPES = {"gqa-8-4": ("llama-gqa", dict(num_attention_heads=8, num_key_value_heads=4)),
           "mqa": ("llama-mqa-tied", {}), "qwen2-bias": ("qwen2-bias", {}),
           # every expert sharded across the ranks; a dense first layer beside routed ones
-          "mixtral": ("mixtral", {}), "qwen3-moe-dense-first": ("qwen3-moe-dense-first", {})}
+          "mixtral": ("mixtral", {}), "qwen3-moe-dense-first": ("qwen3-moe-dense-first", {}),
+          # latent attention: query heads split, the latent whole on every rank; shared experts split
+          "deepseek-v3": ("deepseek-v3", {}), "deepseek-v2": ("deepseek-v2", {})}
 
 
 def _llm(path: str, tp: int = 2, **kw) -> LLM:
@@ -42,7 +45,7 @@ def test_greedy_equals_transformers_with_two_ranks(checkpoint, shape):
     ref = hf_greedy(path)
     llm = _llm(path)
     try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0))
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
         assert llm.engine.scheduler.num_preemptions > 0  # the recompute path ran too
     finally:
         llm.close()
@@ -130,7 +133,8 @@ def _cluster(path: str, backend: str, p_tp: int, d_tp: int, direct: tuple[bool, 
 def _serve(c: LocalCluster, prompts: list[list[int]]) -> tuple[list[list[int]], int, int]:
     """Greedy outputs, then the KV bytes prefill rank 0 sent and those the prompts hold (every head)."""
     with c.client() as client:
-        got = [client.complete(p, SamplingParams(max_tokens=N, temperature=0.0)).token_ids for p in prompts]
+        got = [client.complete(p, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)).token_ids
+               for p in prompts]
     assert c.wait_blocks_free()
     prefill = c.prefill_workers[0]
     total = sum(-(-len(p) // prefill.engine.block_size) for p in prompts) * prefill.engine.kv_bytes_per_block
@@ -187,6 +191,21 @@ def test_replicated_kv_heads_are_sent_by_the_replicas_in_turn(checkpoint):
     assert got == [ref(p, N) for p in PROMPTS[:3]]
     # the head goes to each of the two decode ranks: rank 0 sent it once, so rank 1 sent the other
     assert (sent, both) == (total, 2 * total)
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2), (2, 2)])
+def test_a_latent_is_sent_once_to_each_decode_rank(checkpoint, p_tp, d_tp):
+    """DeepSeek's latent, the same for every head, is whole on every rank: each decode rank receives
+    it once, from one prefill rank (P2 -> D1: one copy, not one per prefill rank)."""
+    path = str(checkpoint("deepseek-v3"))
+    ref = hf_greedy(path)
+    with _cluster(path, "tcp", p_tp, d_tp) as c:
+        got, _, total = _serve(c, PROMPTS[:3])
+        both = _all_ranks_sent(c)
+    assert got == [ref(p, N) for p in PROMPTS[:3]]
+    spec = ModelConfig.from_pretrained(path).kv_spec
+    assert total == sum(-(-len(p) // 16) for p in PROMPTS[:3]) * 16 * spec.bytes_per_token(torch.float32)
+    assert both == d_tp * total
 
 
 @pytest.mark.parametrize("direct", [(False, False), (True, False), (False, True)], ids=["both", "decode", "prefill"])

@@ -5,7 +5,6 @@ refused up front."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -61,7 +60,14 @@ def test_the_multi_token_prediction_layer_of_a_checkpoint_is_skipped(checkpoint,
     assert got == hf_greedy(str(src))(prompt, 4)
 
 
-def test_tensor_parallelism_of_a_latent_model_is_refused_clearly(checkpoint):
-    cfg = ModelConfig.from_pretrained(checkpoint("deepseek-v3"))
-    with pytest.raises(ValueError, match="multi-head latent attention.*tensor_parallel_size 1"):
-        layout_for(cfg, 0, 2)
+def test_tensor_parallelism_splits_the_heads_and_keeps_the_latent_whole(checkpoint):
+    cfg = ModelConfig.from_pretrained(checkpoint("deepseek-v3"))  # 4 heads, q/k 16+8, v 16, latent 32+8
+    layout = layout_for(cfg, 1, 2)
+    assert cfg.num_kv_heads == 1 and layout.kv_replicated and layout.kv_heads == 1
+    assert layout.shard("layers.0.self_attn.q_b_proj.weight", None) == (0, 2 * 24, 2 * 24)
+    assert layout.shard("layers.0.self_attn.kv_b_proj.weight", None) == (0, 2 * 32, 2 * 32)
+    assert layout.shard("layers.0.self_attn.o_proj.weight", None) == (1, 2 * 16, 2 * 16)
+    for whole in ("q_a_proj", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+        assert layout.shard(f"layers.0.self_attn.{whole}.weight", None) is None
+    assert layout.shard("layers.1.mlp.shared_experts.gate_up_proj.weight", 0) == (0, 16, 16)
+    assert layout.shard("layers.1.mlp.shared_experts.down_proj.weight", None) == (1, 16, 16)
