@@ -52,7 +52,11 @@ def small_cluster(prefill: dict, decode: dict, max_model_len: int) -> ClusterCon
 
 @pytest.fixture(scope="module")
 def cluster(builtin_path):
-    handle = up(small_cluster({"replicas": 2}, {"replicas": 2}, 1024), say=lambda _: None)
+    cfg = small_cluster({"replicas": 2}, {"replicas": 2}, 1024)
+    # every prompt goes through a prefill worker (none is prefilled on its decode worker), so killing
+    # one always catches prompts on it, whatever the queues look like
+    cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, local_prefill_max_tokens=0))
+    handle = up(cfg, say=lambda _: None)
     yield handle
     handle.stop()
 
