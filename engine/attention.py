@@ -76,8 +76,12 @@ def paged_attention(
     kv_cache: torch.Tensor,  # or (keys, values) as views of one latent cache (engine/models/mla.py)
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,  # (H,) a learned logit per head joining each softmax (gpt-oss)
 ) -> torch.Tensor:  # (T, H, vd)
+    """Each query's attention over its keys in the cache; with `sinks`, through `_sink_attention`
+    (the native kernel never serves those: engine/model_runner.py)."""
     kvh, hd = k.shape[-2:]
+    sdpa = F.scaled_dot_product_attention if sinks is None else _sink_attention(sinks)
     vd = v.shape[-1]  # the values' width (a latent cache's is narrower than its keys')
     outs = []
     if meta.native_decode is not None:
@@ -93,7 +97,7 @@ def paged_attention(
             kb = kv_cache[0][group.block_tables].view(b, L, kvh, hd).transpose(1, 2)  # (b, kvh, L, hd)
             vb = kv_cache[1][group.block_tables].view(b, L, kvh, vd).transpose(1, 2)
             qb = q[group.rows].unsqueeze(2)  # (b, H, 1, hd)
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scale, enable_gqa=True)
+            o = sdpa(qb, kb, vb, attn_mask=group.mask, scale=scale, enable_gqa=True)
             out[group.rows] = o.squeeze(2)
         return out
     assert meta.spans is not None
@@ -105,17 +109,42 @@ def paged_attention(
             ks = k[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
             vs = v[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
             if span.mask is None:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=qs.shape[2] > 1, scale=scale,
+                o = sdpa(qs, ks, vs, is_causal=qs.shape[2] > 1, scale=scale,
                                                    enable_gqa=True)
             else:  # a window cuts into the prompt
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale,
+                o = sdpa(qs, ks, vs, attn_mask=span.mask, scale=scale,
                                                    enable_gqa=True)
         else:
             ks = k_flat[span.kv_index].transpose(0, 1).unsqueeze(0)  # (1, kvh, ctx, hd)
             vs = v_flat[span.kv_index].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
+            o = sdpa(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+def _sink_attention(sinks: torch.Tensor):
+    """SDPA's signature, with each head's sink logit joining the softmax and taking probability
+    mass but adding no value; computed as transformers' eager gpt-oss attention does (explicit
+    matmul, mask, max subtracted, softmax, the sink's column dropped) so float results agree."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = True) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, H, n, L)
+        n, L = logits.shape[-2:]
+        if is_causal:
+            attn_mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+        if attn_mask is not None:
+            bias = torch.zeros(attn_mask.shape, dtype=logits.dtype, device=q.device)
+            logits = logits + bias.masked_fill(~attn_mask, torch.finfo(logits.dtype).min)
+        sink = sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(logits.shape[0], -1, n, 1)
+        combined = torch.cat([logits, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        return torch.matmul(probs.to(v.dtype), v)
+
+    return attend
 
 
 def native_decode_supported(kv_cache: torch.Tensor) -> bool:

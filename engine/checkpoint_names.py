@@ -59,8 +59,11 @@ def beyond(name: str, num_layers: int) -> bool:
     return m is not None and int(m.group(1)) >= num_layers
 
 
-def is_stacked(target: str) -> bool:
-    return target.endswith(STACKED)
+def is_stacked(target: str, whole: bool = False) -> bool:
+    """Whether `target` is a stacked experts parameter loaded one expert and gate/up half at a time;
+    `whole`: the model keeps the checkpoint's stacked layout as it is (gpt-oss: (E, H, 2I) with
+    gate and up interleaved), so its experts tensors load whole."""
+    return not whole and target.endswith(STACKED)
 
 
 def fused_shards(target: str) -> list[int | None]:
@@ -72,7 +75,7 @@ def fused_shards(target: str) -> list[int | None]:
     return [None]
 
 
-def expected_pieces(params: dict[str, int]) -> set[Piece]:
+def expected_pieces(params: dict[str, int], whole: bool = False) -> set[Piece]:
     """Every piece a complete checkpoint fills, for parameters `name -> experts` (0: not stacked)."""
     return {Piece(name, shard, expert) for name, experts in params.items()
-            for expert in (range(experts) if experts else [None]) for shard in fused_shards(name)}
+            for expert in (range(experts) if experts else [None]) for shard in ([None] if whole and ".experts." in name else fused_shards(name))}

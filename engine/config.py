@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 )
@@ -110,6 +111,11 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the RoPE dims are rotated as interleaved pairs
+    # gpt-oss: a learned per-head logit joins each softmax (takes mass, adds no value), o_proj has a
+    # bias, and the experts' SwiGLU is clamped at `swiglu_limit` with `swiglu_alpha`
+    attention_sinks: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -127,6 +133,10 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r} in {path}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if "quantization_config" in raw:  # e.g. gpt-oss's MXFP4 experts: weights we would misread
+            method = raw["quantization_config"].get("quant_method", "?")
+            raise ValueError(f"quantized checkpoint in {path} (quantization_config, quant_method {method!r}) "
+                             "is not supported; use its unquantized (bf16/fp32) weights")
         hf = AutoConfig.from_pretrained(path)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -203,6 +213,11 @@ def _experts(arch: str, hf: Any) -> dict[str, Any]:
                     routed_scaling_factor=float(hf.routed_scaling_factor), n_group=hf.n_group or 1,
                     topk_group=hf.topk_group or 1, topk_method=getattr(hf, "topk_method", "greedy") or "greedy",
                     shared_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0))
+    if arch == "GptOssForCausalLM":  # every layer; top-k of the biased logits, then their softmax
+        return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.intermediate_size, moe_layers=frozenset(range(hf.num_hidden_layers)),
+                    router="gpt_oss", attention_sinks=True, swiglu_alpha=float(hf.swiglu_alpha),
+                    swiglu_limit=float(hf.swiglu_limit))
     if arch == "Qwen3MoeForCausalLM":  # every decoder_sparse_step-th layer, except mlp_only_layers
         step, dense = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
         layers = frozenset(i for i in range(hf.num_hidden_layers)

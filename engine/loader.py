@@ -28,11 +28,11 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _read(f, name: str, piece: Piece, layout: TPLayout | None, dtype: torch.dtype):
+def _read(f, name: str, piece: Piece, layout: TPLayout | None, dtype: torch.dtype, whole: bool = False):
     """(piece, tensor in `dtype`) for the checkpoint tensor `name`: with tensor parallelism only
     the rank's slice (engine/tp_layout.py) is read. A stacked experts tensor (E, ...) is handed on
     one expert (and gate/up shard) at a time."""
-    if is_stacked(piece.target) and piece.expert is None:  # transformers' stacked form: read whole
+    if is_stacked(piece.target, whole) and piece.expert is None:  # transformers' stacked form: read whole
         whole = f.get_tensor(name).to(dtype)
         shards = fused_shards(piece.target)
         for expert, rows in enumerate(whole):
@@ -63,6 +63,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     params = dict(model.named_parameters())
     heads, kv_heads = (layout.heads, layout.kv_heads) if layout is not None else (cfg.num_heads, cfg.num_kv_heads)
     q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
+    whole = cfg.router == "gpt_oss"  # experts kept in the checkpoint's layout (engine/models/gpt_oss.py)
     loaded: set[Piece] = set()
     skipped = 0
     for file in _weight_files(Path(cfg.path)):
@@ -78,7 +79,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
                         skipped += 1
                         continue
                     raise ValueError(f"unexpected tensor {name!r} in {file.name}")
-                for part, tensor in _read(f, name, piece, layout, dtype):
+                for part, tensor in _read(f, name, piece, layout, dtype, whole):
                     dst = params[part.target].data
                     if part.expert is not None:
                         dst = dst[part.expert]
@@ -96,7 +97,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
             raise ValueError(f"checkpoint {cfg.path} has no lm_head.weight and does not tie embeddings")
         model.lm_head.weight = model.embed_tokens.weight
         loaded.add(Piece("lm_head.weight"))
-    missing = sorted(expected_pieces({n: p.shape[0] if is_stacked(n) else 0 for n, p in params.items()}) - loaded,
+    missing = sorted(expected_pieces({n: p.shape[0] if is_stacked(n, whole) else 0 for n, p in params.items()}, whole) - loaded,
                      key=str)
     if missing:
         names = [f"{m.target}{'' if m.expert is None else f'[{m.expert}]'}" for m in missing[:5]]

@@ -103,7 +103,8 @@ class ModelRunner:
         m = self.model_cfg
         fits = (self.spec.kind == "heads" and m.head_dim <= NATIVE_MAX_HEAD_DIM and self.num_heads // self.num_kv_heads <= NATIVE_MAX_GROUP
                 and self.block_size <= NATIVE_MAX_BLOCK)
-        if self.cfg.enforce_eager or not fits or not native_decode_supported(self.kv_caches[0]):
+        # the kernel has no sink logit (gpt-oss): those models attend through torch
+        if self.cfg.enforce_eager or m.attention_sinks or not fits or not native_decode_supported(self.kv_caches[0]):
             return None
         return native_lib()
 

@@ -65,6 +65,14 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3-moe-dense-first": ("Qwen3Moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
                                                norm_topk_prob=False, mlp_only_layers=[0])),
+    # gpt-oss: sinks, q/k/v/o biases, windowed and full layers alternating (window shorter than the
+    # prompts), biased router top-2 of 4 then softmax, biased experts with the clamped SwiGLU
+    "gpt-oss": ("GptOss", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+                                intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=10, layer_types=["sliding_attention", "full_attention"] * 2,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
+                                                 "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False})),
 }
 
 
@@ -91,6 +99,14 @@ def make_checkpoint(out: Path, shape: str = "llama-gqa", dtype: torch.dtype = to
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
                 param.mul_(4.0)
+        if family == "GptOss":  # zero-initialised by transformers: make the sinks and biases count
+            for name, param in model.named_parameters():
+                if name.endswith("sinks"):
+                    param.copy_(torch.randn_like(param) * 2.0)
+                elif name.endswith("bias"):
+                    param.normal_(0, 0.5)
+                elif name.endswith("router.weight"):
+                    param.mul_(4.0)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 chooses with it: make it count
                 buf.copy_(torch.rand_like(buf) * 0.2)

@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
+from engine.models.gpt_oss import GptOssMoE
 from engine.models.mla import LatentAttention
 from engine.models.moe import Reduce, SparseMoE
 from engine.models.norm import RMSNorm
@@ -40,7 +41,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # gpt-oss: o_proj biased too, and one learned sink logit per head joins each softmax
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.attention_sinks)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -65,7 +68,7 @@ class Attention(nn.Module):
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sinks)
         out = self.o_proj(out.reshape(T, self.q_size))
         return out if self.reduce is None else self.reduce(out)
 
@@ -93,7 +96,11 @@ class DecoderLayer(nn.Module):
         # multi-head latent attention keeps one latent per token (engine/models/mla.py)
         self.self_attn = LatentAttention(cfg, layout, reduce) if cfg.kv_lora_rank else Attention(cfg, layout, reduce)
         # a mixture-of-experts model's sparse layers route each token to a few experts
-        if index in cfg.moe_layers:
+        if cfg.router == "gpt_oss":
+            if layout is not None:
+                raise ValueError("tensor parallelism of gpt-oss is not supported (tp 1 only)")
+            self.mlp = GptOssMoE(cfg)
+        elif index in cfg.moe_layers:
             width = cfg.shared_intermediate_size // (layout.size if layout is not None else 1)
             shared = MLP(cfg, inter=width) if width else None  # summed with the routed experts' output
             self.mlp = SparseMoE(cfg, layout, reduce, shared)
