@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.models.moe import dispatch
 
 
 class GptOssRouter(nn.Module):
@@ -61,17 +62,4 @@ class GptOssMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = order // self.top_k
-        flat_weights = weights.flatten()[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                tokens = rows[start:start + n]
-                y = self.experts.run(expert, x[tokens]) * flat_weights[start:start + n, None]
-                out.index_add_(0, tokens, y.to(out.dtype))
-                start += n
-        return out
+        return dispatch(x, ids, weights, self.num_experts, self.experts.run)

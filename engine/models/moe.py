@@ -55,6 +55,28 @@ class Experts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
 
+def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+             run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Each token's experts `ids` (T, k) run on it (`run(expert, rows)`), weighted by `weights` and
+    summed in expert order. The (token, choice) pairs are sorted by expert once; an expert no token
+    picked is never run, so its weights are never read."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows = order // ids.shape[1]
+    flat_weights = weights.flatten()[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        tokens = rows[start:start + n]
+        y = run(expert, x[tokens]) * flat_weights[start:start + n, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+        start += n
+    return out
+
+
 class Router(nn.Module):
     """Picks each token's experts and their weights."""
 
@@ -115,20 +137,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = order // self.top_k
-        flat_weights = weights.flatten()[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            tokens = rows[start:start + n]
-            y = self.experts.run(expert, x[tokens]) * flat_weights[start:start + n, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-            start += n
+        out = dispatch(x, ids, weights, self.num_experts, self.experts.run)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out if self.reduce is None else self.reduce(out)
