@@ -108,12 +108,9 @@ def paged_attention(
         if span.kv_index is None:  # whole sequence is new: keys are exactly this slice
             ks = k[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
             vs = v[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
-            if span.mask is None:
-                o = sdpa(qs, ks, vs, is_causal=qs.shape[2] > 1, scale=scale,
-                                                   enable_gqa=True)
-            else:  # a window cuts into the prompt
-                o = sdpa(qs, ks, vs, attn_mask=span.mask, scale=scale,
-                                                   enable_gqa=True)
+            # causal, or masked where a window cuts into the prompt
+            o = sdpa(qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None and qs.shape[2] > 1,
+                     scale=scale, enable_gqa=True)
         else:
             ks = k_flat[span.kv_index].transpose(0, 1).unsqueeze(0)  # (1, kvh, ctx, hd)
             vs = v_flat[span.kv_index].transpose(0, 1).unsqueeze(0)

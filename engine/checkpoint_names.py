@@ -66,11 +66,12 @@ def is_stacked(target: str, whole: bool = False) -> bool:
     return not whole and target.endswith(STACKED)
 
 
-def fused_shards(target: str) -> list[int | None]:
-    """The shards a parameter is loaded in (each a `Piece`): [None] for one loaded whole."""
+def fused_shards(target: str, whole: bool = False) -> list[int | None]:
+    """The shards a parameter is loaded in (each a `Piece`): [None] for one loaded whole (`whole`:
+    as for `is_stacked`)."""
     if ".qkv_proj." in target:
         return [0, 1, 2]
-    if ".gate_up_proj." in target or target.endswith(".experts.gate_up_proj"):
+    if ".gate_up_proj." in target or is_stacked(target, whole) and target.endswith(".experts.gate_up_proj"):
         return [0, 1]
     return [None]
 
@@ -78,4 +79,4 @@ def fused_shards(target: str) -> list[int | None]:
 def expected_pieces(params: dict[str, int], whole: bool = False) -> set[Piece]:
     """Every piece a complete checkpoint fills, for parameters `name -> experts` (0: not stacked)."""
     return {Piece(name, shard, expert) for name, experts in params.items()
-            for expert in (range(experts) if experts else [None]) for shard in ([None] if whole and ".experts." in name else fused_shards(name))}
+            for expert in (range(experts) if experts else [None]) for shard in fused_shards(name, whole)}

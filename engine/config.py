@@ -168,19 +168,11 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             max_position_embeddings=hf.max_position_embeddings,
-            layer_windows=_layer_windows(arch, hf),
+            layer_windows=read_layer_windows(arch, hf),
             eos_token_ids=eos_ids,
-            **_experts(arch, hf),
+            **read_experts(arch, hf),
             **_latent_attention(arch, hf),
         )
-
-    @property
-    def kv_window(self) -> int | None:
-        """How far back any layer reads: the widest window when every layer is windowed, None when
-        one attends to everything (then no key ever falls out of use)."""
-        if not self.layer_windows or None in self.layer_windows:
-            return None
-        return max(self.layer_windows)
 
     @property
     def kv_spec(self) -> KVSpec:
@@ -198,7 +190,7 @@ class ModelConfig:
         return self.kv_spec.compat_key(dtype, block_size, [self.architecture, self.vocab_size, self.hidden_size])
 
 
-def _experts(arch: str, hf: Any) -> dict[str, Any]:
+def read_experts(arch: str, hf: Any) -> dict[str, Any]:
     """The ModelConfig fields of a mixture-of-experts checkpoint ({} for a dense one)."""
     if arch == "MixtralForCausalLM":  # every layer; the top-k weights always renormalised
         return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
@@ -234,7 +226,7 @@ WINDOW_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCa
 WINDOW_IF_USED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
-def _layer_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
+def read_layer_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
     """Each layer's window as transformers' modeling code applies it: Llama has none; Mistral and
     Mixtral window every layer with `sliding_window`, Qwen3-MoE too given `use_sliding_window`; the
     others by `layer_types` (Qwen2/Qwen3 derive them from `use_sliding_window` and

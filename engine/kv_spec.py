@@ -54,8 +54,18 @@ class KVSpec:
         heads = self.num_kv_heads if kv_heads is None else kv_heads
         return (self.planes, num_blocks, block_size, heads, self.head_dim)
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.planes * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+    def bytes_per_token(self, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+        """Every layer's bytes for one token, with `kv_heads` of the heads (default all: a rank's share)."""
+        heads = self.num_kv_heads if kv_heads is None else kv_heads
+        return self.planes * self.num_layers * heads * self.head_dim * dtype.itemsize
+
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any layer reads: the widest window when every layer is windowed (the block
+        manager frees what falls out of it), None when one attends to everything."""
+        if not self.windows or None in self.windows:
+            return None
+        return max(self.windows)
 
     def describe(self) -> str:
         """A few words (logs, `pdcluster status`, refusals)."""

@@ -71,9 +71,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
             for name in f.keys():
                 if "rotary_emb" in name:
                     continue
-                piece = piece_of(name)
-                if piece.target not in params and name.removeprefix("model.") in params:
-                    piece = Piece(name.removeprefix("model."))  # not fused here (latent attention's q_proj)
+                plain = name.removeprefix("model.")  # a parameter of that name (latent attention's q_proj) as it is
+                piece = Piece(plain) if plain in params else piece_of(name)
                 if piece.target not in params:
                     if beyond(name, cfg.num_layers):
                         skipped += 1

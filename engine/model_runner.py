@@ -111,7 +111,7 @@ class ModelRunner:
     def _num_blocks(self) -> int:
         if self.cfg.num_blocks is not None:
             return self.cfg.num_blocks
-        per_block = self.spec.bytes_per_token(self.dtype) // self.spec.num_kv_heads * self.num_kv_heads * self.block_size
+        per_block = self.spec.bytes_per_token(self.dtype, self.num_kv_heads) * self.block_size
         budget = self.cfg.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":

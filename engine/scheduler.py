@@ -55,7 +55,7 @@ class Scheduler:
         self.handoff_after_prefill = handoff_after_prefill
         self.mixed = mixed
         self.copy_blocks = copy_blocks  # (source, destination) block pairs whose KV to copy (forks)
-        # positions any layer looks back (ModelConfig.kv_window); None: some layer sees every key
+        # positions any layer looks back (KVSpec.kv_window); None: some layer sees every key
         self.kv_window = None if handoff_after_prefill else kv_window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -35,15 +35,14 @@ class Placement:
 
     same_node: bool  # the shm handshake proved one node and one /dev/shm
     tcp: bool = False  # the receiver advertised a data port, and connecting + authenticating worked
-    both_cuda: bool = False  # both KV caches on CUDA, and a group with the receiver was built (NCCL)
-    # the torch_distributed handshake showed the receiver's KV on this sender's GPU (node and GPU
-    # uuid equal; e.g. two workers with num_gpus 0.5 on one GPU): NCCL cannot pair two ranks there
-    same_gpu: bool = False
+    # both KV caches on CUDA, and a group with the receiver was built (NCCL); never on one GPU (two
+    # workers with num_gpus 0.5): the torch_distributed handshake refuses that pair before any group
+    both_cuda: bool = False
 
 
 def choose_backend(p: Placement) -> str:
     """The backend for an endpoint: the fastest one that works between the two."""
-    if p.both_cuda and not p.same_gpu:
+    if p.both_cuda:
         return "torch_distributed"  # GPU to GPU, no host copy
     if p.same_node:
         return "shm"
@@ -109,11 +108,9 @@ class AutoSender(KVSender):
             if endpoint not in self._choice:
                 # one GPU: the torch_distributed handshake is refused before any group is built
                 dist = self.dist is not None and self._works(self.dist, endpoint, torch_dist_sender.PLACEMENT)
-                one_gpu = self.dist is not None and self.dist.plane.shares_gpu(endpoint)
                 same_node = not dist and self._works(self.shm, endpoint, shm_sender.PLACEMENT)
                 tcp = not (dist or same_node) and self._works(self.tcp, endpoint, tcp_sender.PLACEMENT)
-                placement = Placement(same_node, tcp, both_cuda=dist, same_gpu=one_gpu)
-                self._choice[endpoint] = choose_backend(placement)
+                self._choice[endpoint] = choose_backend(Placement(same_node, tcp, both_cuda=dist))
             return self._choice[endpoint]
 
     def connect(self, endpoint: str, timeout: float | None = None) -> None:

@@ -276,12 +276,11 @@ class ShmSendPlane(SendPlane):
         # a part of a transfer (some KV heads, kv_transfer/parts.py) copies through a segment
         cache = self._cache_for(ticket.kv_endpoint) if self.in_place and not ticket.num_heads else None
         if cache is not None:
-            digest = tensor_checksum(kv) if self.verify_in_place else None
             # skipped (False) for a ticket whose blocks are no longer its own, or a layer whose layout
             # the mapped cache does not have: nothing was written, so the layer goes the copying way
             # below (never a claim of bytes written in place that were not)
             if cache.write(ticket, layer, kv):
-                return _InPlace(cache.name, digest)
+                return _InPlace(cache.name, tensor_checksum(kv) if self.verify_in_place else None)
         region = self._alloc(ticket.transfer_id, layer, kv.numel() * kv.element_size())
         region.slab.write(region.offset, kv)
         return region

@@ -189,13 +189,8 @@ class TorchDistReceivePlane(ReceivePlane):
         if pair.error is not None or pg is None:
             raise KVTransferError(f"layer {msg.layer}: {pair.error or 'group gone'}")
         buf = torch.empty(shape, dtype=dtype, device=pair.device)
-        work = pair.order.post_at(msg.dist_tag, lambda: self._post_recv(pg, buf, msg.dist_tag),
-                                  self.timeout_s)
+        work = pair.order.post_at(msg.dist_tag, lambda: pg.recv([buf], 1, msg.dist_tag), self.timeout_s)
         return buf, work
-
-    def _post_recv(self, pg: Any, buf: torch.Tensor, tag: int) -> Any:
-        """Post the asynchronous point-to-point recv of the pair's send `tag`."""
-        return pg.recv([buf], 1, tag)
 
     def _check(self, msg: kv_transfer_pb2.KVLayer, ticket: TransferTicket) -> tuple[torch.dtype, tuple[int, ...]]:
         """The framing checks that can be made before the bytes arrive (their checksum comes after)."""

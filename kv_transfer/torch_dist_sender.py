@@ -98,11 +98,6 @@ class TorchDistSendPlane(SendPlane):
         request.dist_backend = self.dist_backend
         request.gpu_id = self.gpu_id
 
-    def shares_gpu(self, endpoint: str) -> bool:
-        """Whether the endpoint's handshake, once completed, showed its KV on this plane's GPU."""
-        response = self.control.accepted(endpoint)
-        return response is not None and same_gpu(self.gpu_id, response.gpu_id)
-
     def accept(self, endpoint: str, response: kv_transfer_pb2.HandshakeResponse) -> str | None:
         if same_gpu(self.gpu_id, response.gpu_id):
             return (

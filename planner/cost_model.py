@@ -131,8 +131,7 @@ class RooflineCostModel:
                 2 * a.latent_dim + 2 * a.kv_lora_rank)
         else:
             prefill, decode = 2 * m.q_dim, 4 * m.q_dim
-        self._attn_flops = 2.0 * full * m.q_dim if m.mla is None else float(full * prefill)
-        self._attn_dec = self._attn_flops * 2 if m.mla is None else float(full * decode)
+        self._attn_flops, self._attn_dec = float(full * prefill), float(full * decode)
         self._attn_win, self._attn_win_dec = float(windowed * prefill), float(windowed * decode)
 
     def _expert_parallel(self) -> None:
@@ -260,8 +259,7 @@ def cost_model_for(hw: Hardware, model: ModelShape, tp: int = 1, dtype_bytes: in
         return fitted_from(coefficients, role)
     if not ep and tp > hw.max_tp:
         raise ValueError(f"tp {tp} exceeds {hw.name}'s max_tp {hw.max_tp}")
-    special = ep or model.experts is not None or model.mla is not None
-    if special and ("ep" if ep else "tp") not in allowed(model, hw, tp):
+    if (ep or not model.is_dense) and ("ep" if ep else "tp") not in allowed(model, hw, tp):
         raise ValueError(f"{model.name} on {tp} {hw.name}: {'ep' if ep else 'tp'} not allowed "
                          f"(allowed: {', '.join(allowed(model, hw, tp)) or 'none'}; planner/parallel.py)")
     return RooflineCostModel(hw, model, tp, dtype_bytes, params or RooflineParams(), ep, kv_context)

@@ -47,7 +47,7 @@ def model_lines(m: ModelShape, context: int | None = None) -> list[str]:
 def default_layout(pool: Pool, ctx: PlanContext) -> Pool:
     """A pool given as N devices: tensor parallel where the rule allows it, else expert parallel."""
     m = ctx.model
-    if pool.ep or (m.experts is None and m.mla is None):
+    if pool.ep or m.is_dense:
         return pool
     ok = allowed(m, ctx.hardware(pool.hardware), pool.tp)
     return dataclasses.replace(pool, ep=True) if "tp" not in ok and "ep" in ok else pool
@@ -56,7 +56,7 @@ def default_layout(pool: Pool, ctx: PlanContext) -> Pool:
 def parallel_lines(plan: Plan, ctx: PlanContext) -> list[str]:
     """Per pool of a mixture-of-experts or latent-attention plan: its layout and what it holds."""
     m = ctx.model
-    if m.experts is None and m.mla is None:
+    if m.is_dense:
         return []
     roles = [("prefill", plan.prefill), ("decode", plan.decode)] if plan.prefill else [("colocated", plan.decode)]
     out = []

@@ -1,8 +1,9 @@
 """A mixture-of-experts or latent-attention checkpoint's shape, read from its config.json.
 
-The engine serves dense Llama-family models; these architectures the planner sizes without it, so it
-reads their config.json itself, through transformers' AutoConfig (which fills each class's defaults:
-gpt-oss's alternating layer_types, Qwen3-MoE's mlp_only_layers).
+Read through transformers' AutoConfig (which fills each class's defaults: gpt-oss's alternating
+layer_types, Qwen3-MoE's mlp_only_layers), with the engine's own readers of experts and windows
+(engine/config.py), so the planner sizes the layers the engine runs; not through
+`ModelConfig.from_pretrained`, which refuses the quantized checkpoints (FP8, MXFP4) the planner sizes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.config import read_experts, read_layer_windows
 from planner.model_presets import FP8_BYTES, MXFP4_BYTES
 from planner.model_shape import Experts, LatentAttention, ModelShape
 
@@ -28,16 +30,10 @@ def architecture(path: str | Path) -> str | None:
 
 
 def _windows(hf: Any, arch: str) -> tuple[int, tuple[int, ...]]:
-    """(window, windowed layers): from layer_types where the config has them, else every layer."""
-    window = getattr(hf, "sliding_window", None) or 0
-    if arch == "Qwen3MoeForCausalLM" and not getattr(hf, "use_sliding_window", False):
-        window = 0
-    if not window:
-        return 0, ()
-    types = getattr(hf, "layer_types", None)
-    if types:
-        return window, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    return window, tuple(range(hf.num_hidden_layers))
+    """(window, windowed layers), as the engine windows them."""
+    windows = read_layer_windows(arch, hf)
+    layers = tuple(i for i, w in enumerate(windows) if w)
+    return (max(windows[i] for i in layers), layers) if layers else (0, ())
 
 
 def _quantization(hf: Any) -> str | None:
@@ -49,23 +45,16 @@ def _quantization(hf: Any) -> str | None:
 
 
 def _experts(hf: Any, arch: str) -> Experts:
-    layers = hf.num_hidden_layers
-    k = hf.num_experts_per_tok
-    if arch == "MixtralForCausalLM":
-        return Experts(hf.num_local_experts, k, hf.intermediate_size)
-    if arch == "GptOssForCausalLM":
-        quant = MXFP4_BYTES if _quantization(hf) == "mxfp4" else None
-        return Experts(hf.num_local_experts, k, hf.intermediate_size, bias=True, router_bias=True,
-                       bytes_per_param=quant)
-    if arch == "Qwen3MoeForCausalLM":
-        only = set(getattr(hf, "mlp_only_layers", None) or ())
-        step = getattr(hf, "decoder_sparse_step", 1) or 1
-        dense = tuple(i for i in range(layers) if i in only or hf.num_experts <= 0 or (i + 1) % step != 0)
-        return Experts(hf.num_experts, k, hf.moe_intermediate_size, dense_layers=dense)
-    # DeepSeek-V2 / V3: the first first_k_dense_replace layers are dense (as transformers builds them)
-    first = getattr(hf, "first_k_dense_replace", 0) or 0
-    return Experts(hf.n_routed_experts, k, hf.moe_intermediate_size, shared=hf.n_shared_experts or 0,
-                   dense_layers=tuple(range(min(first, layers))))
+    """The routed experts as the engine builds them (which layers, widths, shared experts)."""
+    e = read_experts(arch, hf)
+    dense = tuple(i for i in range(hf.num_hidden_layers) if i not in e["moe_layers"])
+    shared = e.get("shared_intermediate_size", 0) // e["moe_intermediate_size"]
+    extra = {}
+    if arch == "GptOssForCausalLM":  # biased experts and router; MXFP4 experts where quantized
+        extra = dict(bias=True, router_bias=True,
+                     bytes_per_param=MXFP4_BYTES if _quantization(hf) == "mxfp4" else None)
+    return Experts(e["num_experts"], e["num_experts_per_tok"], e["moe_intermediate_size"], shared=shared,
+                   dense_layers=dense, **extra)
 
 
 def read_shape(path: str | Path) -> ModelShape:

@@ -33,7 +33,6 @@ class Experts:
     per_token: int  # routed experts each token uses (top-k)
     intermediate_size: int  # of one routed expert
     shared: int = 0  # experts every token uses (DeepSeek: 1)
-    shared_intermediate_size: int = 0  # of one shared expert (0: intermediate_size)
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is the model's dense one
     bias: bool = False  # gpt-oss: each expert's gate_up and down carry biases
     router_bias: bool = False  # gpt-oss: the router carries a bias
@@ -46,7 +45,7 @@ class Experts:
 
     def shared_params(self, hidden: int) -> int:
         """All shared experts of one layer (DeepSeek fuses them into one MLP of shared x size)."""
-        return 3 * hidden * self.shared * (self.shared_intermediate_size or self.intermediate_size)
+        return 3 * hidden * self.shared * self.intermediate_size
 
     def router_params(self, hidden: int) -> int:
         return self.num * hidden + (self.num if self.router_bias else 0)
@@ -110,6 +109,11 @@ class ModelShape:
     experts: Experts | None = None
     mla: LatentAttention | None = None
     weight_bytes_per_param: float | None = None  # decoder layers' matrices, where the checkpoint is quantized
+
+    @property
+    def is_dense(self) -> bool:
+        """No experts and no latent attention: planned as it always was (tensor parallelism only)."""
+        return self.experts is None and self.mla is None
 
     # ------------------------------------------------------------------ attention
     @property

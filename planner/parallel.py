@@ -34,8 +34,7 @@ from planner.model_shape import ModelShape
 def allowed(model: ModelShape, hw: Hardware, degree: int) -> tuple[str, ...]:
     """The layouts (`tp`, `ep`) a worker of `degree` devices of `hw` may run (before memory)."""
     out = []
-    special = model.experts is not None or model.mla is not None
-    if degree <= hw.max_tp and (not special or model.num_heads % degree == 0):
+    if degree <= hw.max_tp and (model.is_dense or model.num_heads % degree == 0):
         out.append("tp")
     e = model.experts
     if e is not None and degree >= 2 and e.num % degree == 0 and (degree <= hw.max_tp or degree % hw.max_tp == 0):
@@ -47,7 +46,7 @@ def kv_copies(model: ModelShape, degree: int, ep: bool) -> int:
     """How many copies of each token's KV a worker holds. Dense models are left at one (as they
     have always been planned); under TP latent attention has one per rank and GQA one per rank that
     shares a KV head with another."""
-    if ep or degree <= 1 or (model.experts is None and model.mla is None):
+    if ep or degree <= 1 or model.is_dense:
         return 1
     if model.mla is not None:
         return degree

@@ -280,11 +280,7 @@ class Searcher:
         h, m = self.ctx.hardware(hw), self.ctx.model
         if h.is_cpu and self.ctx.coefficients and tp > 1:
             return []
-        if m.experts is None and m.mla is None:
-            layouts = ("tp",) if tp <= h.max_tp else ()
-        else:
-            layouts = allowed(m, h, tp)
-        pools = [Pool(hw, 1, tp, ep=layout == "ep") for layout in layouts]
+        pools = [Pool(hw, 1, tp, ep=layout == "ep") for layout in allowed(m, h, tp)]
         return [p for p in pools if fits(p, self.ctx, self.longest)]
 
     def estimate(self, plan: Plan, g: float) -> Evaluation:

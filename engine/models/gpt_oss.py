@@ -56,7 +56,7 @@ class GptOssExperts(nn.Module):
 class GptOssMoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.num_experts = cfg.num_experts
         self.router = GptOssRouter(cfg)
         self.experts = GptOssExperts(cfg)
 

@@ -128,7 +128,7 @@ class SparseMoE(nn.Module):
                  shared: nn.Module | None = None) -> None:
         """`shared`: DeepSeek's shared experts (an MLP every token goes through), added after the routed."""
         super().__init__()
-        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.num_experts = cfg.num_experts
         self.reduce = reduce
         inter = layout.moe_inter if layout is not None else cfg.moe_intermediate_size
         self.gate = Router(cfg)

@@ -73,8 +73,8 @@ def test_layer_windows_are_read_as_transformers_applies_them(checkpoint):
         "mistral": (None, None), "llama-gqa": (None, None), "qwen2-bias": (None, None),
     }
     cfg = ModelConfig.from_pretrained(checkpoint("mistral-window"))
-    assert cfg.kv_window == 14
-    assert ModelConfig.from_pretrained(checkpoint("qwen3-window-alternating")).kv_window is None
+    assert cfg.kv_spec.kv_window == 14
+    assert ModelConfig.from_pretrained(checkpoint("qwen3-window-alternating")).kv_spec.kv_window is None
     # a window no longer caps the sequence length
     assert resolve_max_model_len(cfg, None) == cfg.max_position_embeddings == 512
 
