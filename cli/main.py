@@ -140,6 +140,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"{w.get('pool', ''):<10} {w['worker_id']:<16} {w['role']:<9} {w['state']:<12} "
               f"{w.get('running', '-'):>7} {w.get('queued', '-'):>6} {kv:>14} {hit_rate(w):>18}  "
               f"{len(ranks)} ({', '.join(map(str, ranks))})")
+    kinds = sorted({w["kv"] for w in info["workers"] if w.get("kv")})
+    for kv in kinds:  # one line per kind of cache (one for a cluster of one model)
+        print(f"KV per token: {kv}")
     return 0
 
 

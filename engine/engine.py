@@ -205,6 +205,13 @@ class Engine:
                 self.broken = f"tensor-parallel rank {gone[0][0]} exited (code {gone[0][1]})"
         return self.broken
 
+    def kv_description(self) -> str:
+        """What this engine's cache keeps per token, as `pdcluster status` shows it:
+        "heads:2x64x4 float32, 2048 B/token" (the whole model's, all ranks together)."""
+        dtype = self.cfg.torch_dtype(self.model_cfg)
+        spec = self.model_cfg.kv_spec
+        return f"{spec.describe()} {str(dtype).removeprefix('torch.')}, {spec.bytes_per_token(dtype)} B/token"
+
     def rank_pids(self) -> list[int]:
         """The processes of this engine: its own, then its other tensor-parallel ranks'."""
         return [os.getpid(), *(p.pid for p in (self._ranks.processes if self._ranks is not None else []))]

@@ -111,7 +111,8 @@ class WorkerActor:
             "pid": os.getpid(),
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "gc_frozen": self.gc_frozen,  # objects kept out of the garbage collector's scans
-            "ranks": self.server.engine_ranks(),  # tensor-parallel ranks: [this process's pid, children's ...]
+            "ranks": self.server.engine_ranks(),
+            "kv": self.server.engine.kv_description(),  # what its KV cache keeps per token  # tensor-parallel ranks: [this process's pid, children's ...]
             # a decode worker's KV receivers (one per tensor-parallel rank on the direct path)
             "kv_endpoints": self.server.kv_endpoints() if hasattr(self.server, "kv_endpoints") else [],
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,11 @@ def test_up_detach_status_generate_down_from_a_shell(tmp_path):
         lines = status.stdout.splitlines()
         assert any("prefill-0" in line and "healthy" in line for line in lines), status.stdout
         assert any("decode-0" in line and "healthy" in line for line in lines), status.stdout
+        # what the cache keeps per token: K and V of every layer's heads, float32 (4 bytes)
+        kv = re.search(r"KV per token: heads:(\d+)x(\d+)x(\d+) float32, (\d+) B/token", status.stdout)
+        assert kv is not None, status.stdout
+        heads, head_dim, layers, per_token = map(int, kv.groups())
+        assert per_token == 2 * heads * head_dim * layers * 4
 
         gen = _pdcluster("generate", "--json", "--max-tokens", "8", "Once upon a time")
         assert gen.returncode == 0, gen.stderr[-3000:]
