@@ -12,6 +12,8 @@ from safetensors import safe_open
 from engine.checkpoint_names import Piece, beyond, expected_pieces, fused_shards, is_stacked, piece_of
 from engine.config import ModelConfig
 from engine.models.llama import LlamaModel
+from engine.models.moe import Experts
+from engine.native import native_lib
 from engine.packed_linear import pack_linears
 from engine.tp_layout import TPLayout
 
@@ -103,4 +105,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         raise ValueError(f"checkpoint {cfg.path} is missing tensors: {names}{' ...' if len(missing) > 5 else ''}")
     if pack:
         pack_linears(model)
+        if device.type == "cpu" and dtype == torch.float32:  # routed experts in one native call per layer
+            lib = native_lib()
+            for module in model.modules():
+                if isinstance(module, Experts):
+                    module.native = lib
     return model.eval()

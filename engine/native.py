@@ -1,4 +1,5 @@
-"""The engine's native CPU kernel (engine/csrc), built on first use: paged decode attention.
+"""The engine's native CPU kernels (engine/csrc), built on first use: paged decode attention, and a
+mixture-of-experts layer's routed experts (float32).
 
 The C sources are compiled with the host's C compiler (`$CC`, else cc / gcc) for this CPU
 (`-O3 -march=native`) into `$PDCLUSTER_CACHE/native/` (default ~/.cache/pdcluster), named by a
@@ -90,6 +91,9 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.paged_decode_attention
     p, i = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
+    fn.restype = ctypes.c_int
+    fn = lib.moe_experts
+    fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i]
     fn.restype = ctypes.c_int
     return lib
 

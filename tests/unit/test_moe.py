@@ -84,7 +84,8 @@ def test_a_decode_step_runs_only_the_routed_experts(checkpoint, monkeypatch):
         calls.append(len(x))
         return run(self, expert, x)
 
-    llm = LLM(str(checkpoint("qwen3-moe")), num_blocks=32, max_model_len=128, mode="colocated")
+    # enforce_eager: torch's path, one expert at a time (the native kernel's reads are checked below)
+    llm = LLM(str(checkpoint("qwen3-moe")), num_blocks=32, max_model_len=128, mode="colocated", enforce_eager=True)
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=1, temperature=0.0))  # warm
     monkeypatch.setattr(Experts, "run", counted)
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -92,3 +93,36 @@ def test_a_decode_step_runs_only_the_routed_experts(checkpoint, monkeypatch):
     prefill, decode = calls[:-8], calls[-8:]
     assert decode == [1] * 8  # 2 steps x 2 layers x top-2, each expert on its one token
     assert sum(prefill) == 5 * 2 * 2 and len(prefill) <= 2 * 8
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])
+def test_the_native_experts_kernel_computes_what_torch_does_and_reads_only_chosen_experts(checkpoint, name):
+    """engine/csrc/moe_experts.c against the per-expert torch path, at 1 to 40 rows (1 to 4 rows per
+    pass over a weight row, scalar tails); every expert no token chose has NaN weights, so a read of
+    one would show."""
+    from engine.builtin_model import resolve_model_path
+    from engine.loader import load_model
+    from engine.models.moe import dispatch
+
+    cfg = ModelConfig.from_pretrained(resolve_model_path(str(checkpoint(name))))
+    model = load_model(cfg, torch.float32, torch.device("cpu"), 128)
+    layer = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts"))
+    experts = layer.experts
+    assert experts.native is not None, "the native kernels did not build"
+    torch.manual_seed(0)
+    for rows in (1, 2, 3, 5, 9, 40):
+        x = torch.randn(rows, cfg.hidden_size)
+        with torch.no_grad():
+            ids, weights = layer.gate(x)
+            want = dispatch(x, ids, weights, cfg.num_experts, experts.run)
+            unchosen = sorted(set(range(cfg.num_experts)) - set(ids.flatten().tolist()))
+            saved = experts.gate_up_proj.data[unchosen].clone(), experts.down_proj.data[unchosen].clone()
+            experts.gate_up_proj.data[unchosen] = float("nan")
+            experts.down_proj.data[unchosen] = float("nan")
+            try:
+                got = experts(x, ids, weights)
+            finally:
+                experts.gate_up_proj.data[unchosen], experts.down_proj.data[unchosen] = saved
+        if rows * ids.shape[1] < 12 * cfg.num_experts:  # the native kernel's range (see moe.py)
+            assert torch.isfinite(got).all(), f"{rows} rows: an unchosen expert was read"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,228 @@
+/* A mixture-of-experts layer's routed experts in one call: every (token, expert) pair a router
+ * chose, SwiGLU experts, float32.
+ *
+ * Layout (engine/models/moe.py): x[T][H]; gate_up[E][2I][H] (gate rows, then up rows);
+ * down[E][H][I]; ids[T][k] and weights[T][k] (float32) as the router returns them; out[T][H] is
+ * overwritten. The pairs are counting-sorted by expert (stable: token order within an expert), so
+ * each expert's weights are read once for all its tokens, and an expert no token chose is never
+ * read. Two phases, each split over `threads` threads (torch's OpenMP threads where built with it):
+ *   1. units (expert, i): rows i of gate and up against each of the expert's tokens, then
+ *      silu(gate) * up into act[pair][i];
+ *   2. units: output columns h; for each expert in ascending order, each of its tokens'
+ *      out[token][h] += weight * (act[pair] . down[e][h]). Summed in expert order, as
+ *      transformers sums the experts.
+ * Dot products run four token rows against one or two weight rows at once (AVX2 + FMA where
+ * built with them), so a weight row is loaded once per four tokens.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define MAX_THREADS 64
+
+typedef struct {
+    const float *x, *gate_up, *down;
+    const int32_t *tok;   /* pair -> token, pairs grouped by expert */
+    const float *wt;      /* pair -> router weight */
+    const int32_t *start; /* expert -> its first pair; start[E] = pairs */
+    const int32_t *active;/* the experts with pairs, ascending */
+    int n_active, H, I;
+    float *act, *out;
+} moe_t;
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* Scalar tail of rows[r] . w over [d, n). */
+static inline float tail_dot(const float *row, const float *w, int d, int n) {
+    float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (; d + 8 <= n; d += 8)
+        for (int u = 0; u < 8; u++) part[u] += row[d + u] * w[d + u];
+    float tail = 0.f;
+    for (; d < n; d++) tail += row[d] * w[d];
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) + tail;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* NR rows against one weight row, one chain of multiply-adds per row, the weight loaded once per
+ * eight values for all of them. */
+#define DOT_ROWS(NR)                                                                                     \
+    static void dot_rows##NR(const float *w, const float *const *rows, int n, float *res) {            \
+        __m256 a[NR];                                                                                  \
+        for (int r = 0; r < NR; r++) a[r] = _mm256_setzero_ps();                                       \
+        int d = 0;                                                                                     \
+        for (; d + 8 <= n; d += 8) {                                                                   \
+            const __m256 wv = _mm256_loadu_ps(w + d);                                                  \
+            for (int r = 0; r < NR; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[r] + d), wv, a[r]); \
+        }                                                                                              \
+        for (int r = 0; r < NR; r++) res[r] = hsum(a[r]) + tail_dot(rows[r], w, d, n);                 \
+    }
+DOT_ROWS(2)
+DOT_ROWS(3)
+DOT_ROWS(4)
+
+/* One row: four independent chains (one chain would wait on each add's latency). */
+static void dot_rows1(const float *w, const float *const *rows, int n, float *res) {
+    const float *r0 = rows[0];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int d = 0;
+    for (; d + 32 <= n; d += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + d), _mm256_loadu_ps(w + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + d + 8), _mm256_loadu_ps(w + d + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + d + 16), _mm256_loadu_ps(w + d + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + d + 24), _mm256_loadu_ps(w + d + 24), a3);
+    }
+    res[0] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + tail_dot(r0, w, d, n);
+}
+#endif
+
+/* res[r] = rows[r] . w over n values, for nr <= 4 rows. */
+static void dot_rows(const float *w, const float *const *rows, int nr, int n, float *res) {
+#if defined(__AVX2__) && defined(__FMA__)
+    switch (nr) {
+    case 1: dot_rows1(w, rows, n, res); return;
+    case 2: dot_rows2(w, rows, n, res); return;
+    case 3: dot_rows3(w, rows, n, res); return;
+    default: dot_rows4(w, rows, n, res); return;
+    }
+#else
+    for (int r = 0; r < nr; r++) res[r] = tail_dot(rows[r], w, 0, n);
+#endif
+}
+
+static inline float silu(float g) { return g / (1.f + expf(-g)); }
+
+/* Phase 1 for units [lo, hi) of the n_active * I units (expert slot, intermediate row). */
+static void gate_up_units(const moe_t *m, int64_t lo, int64_t hi) {
+    const int H = m->H, I = m->I;
+    for (int64_t u = lo; u < hi; u++) {
+        const int slot = (int)(u / I), i = (int)(u % I), e = m->active[slot];
+        const float *g = m->gate_up + ((int64_t)e * 2 * I + i) * H, *up = g + (int64_t)I * H;
+        for (int p = m->start[e]; p < m->start[e + 1]; p += 4) {
+            const int nr = m->start[e + 1] - p < 4 ? m->start[e + 1] - p : 4;
+            const float *rows[4];
+            float gv[4], uv[4];
+            for (int r = 0; r < nr; r++) rows[r] = m->x + (int64_t)m->tok[p + r] * H;
+            dot_rows(g, rows, nr, H, gv);
+            dot_rows(up, rows, nr, H, uv);
+            for (int r = 0; r < nr; r++) m->act[(int64_t)(p + r) * I + i] = silu(gv[r]) * uv[r];
+        }
+    }
+}
+
+/* Phase 2 for output columns [lo, hi). */
+static void down_units(const moe_t *m, int64_t lo, int64_t hi) {
+    const int H = m->H, I = m->I;
+    for (int64_t h = lo; h < hi; h++) {
+        for (int slot = 0; slot < m->n_active; slot++) {
+            const int e = m->active[slot];
+            const float *w = m->down + ((int64_t)e * H + h) * I;
+            for (int p = m->start[e]; p < m->start[e + 1]; p += 4) {
+                const int nr = m->start[e + 1] - p < 4 ? m->start[e + 1] - p : 4;
+                const float *rows[4];
+                float y[4];
+                for (int r = 0; r < nr; r++) rows[r] = m->act + (int64_t)(p + r) * I;
+                dot_rows(w, rows, nr, I, y);
+                for (int r = 0; r < nr; r++) {
+                    float *o = m->out + (int64_t)m->tok[p + r] * H + h;
+                    const float contrib = y[r] * m->wt[p + r];
+                    *o = *o + contrib;
+                }
+            }
+        }
+    }
+}
+
+typedef struct {
+    const moe_t *m;
+    int phase, t, threads;
+} job_t;
+
+static void *run(void *arg) {
+    const job_t *j = (const job_t *)arg;
+    const int64_t n = j->phase == 1 ? (int64_t)j->m->n_active * j->m->I : j->m->H;
+    const int64_t lo = n * j->t / j->threads, hi = n * (j->t + 1) / j->threads;
+    if (j->phase == 1)
+        gate_up_units(j->m, lo, hi);
+    else
+        down_units(j->m, lo, hi);
+    return NULL;
+}
+
+static void parallel(const moe_t *m, int phase, int threads) {
+    job_t jobs[MAX_THREADS];
+    for (int t = 0; t < threads; t++) jobs[t] = (job_t){m, phase, t, threads};
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) run(&jobs[t]);
+#else
+    pthread_t tids[MAX_THREADS];
+    int spawned = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[t], NULL, run, &jobs[t]) != 0) break;
+        spawned = t;
+    }
+    for (int t = spawned + 1; t < threads; t++) run(&jobs[t]);
+    run(&jobs[0]);
+    for (int t = 1; t <= spawned; t++) pthread_join(tids[t], NULL);
+#endif
+}
+
+/* Returns 0 on success, -1 on a bad argument (an expert id out of range), -2 when out of memory. */
+int moe_experts(const float *x, const float *gate_up, const float *down, const int64_t *ids, const float *weights,
+                float *out, int T, int k, int E, int H, int I, int threads) {
+    const int pairs = T * k;
+    int32_t *start = calloc((size_t)E + 1, sizeof(int32_t)), *active = malloc(sizeof(int32_t) * (size_t)E);
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)(pairs ? pairs : 1));
+    float *wt = malloc(sizeof(float) * (size_t)(pairs ? pairs : 1));
+    float *act = malloc(sizeof(float) * (size_t)(pairs ? pairs : 1) * (size_t)I);
+    int rc = 0;
+    if (!start || !active || !tok || !wt || !act) {
+        rc = -2;
+        goto done;
+    }
+    for (int p = 0; p < pairs; p++) {
+        if (ids[p] < 0 || ids[p] >= E) {
+            rc = -1;
+            goto done;
+        }
+        start[ids[p] + 1]++;
+    }
+    int n_active = 0;
+    for (int e = 0; e < E; e++) {
+        if (start[e + 1]) active[n_active++] = e;
+        start[e + 1] += start[e];
+    }
+    int32_t *cursor = malloc(sizeof(int32_t) * (size_t)E);
+    if (!cursor) {
+        rc = -2;
+        goto done;
+    }
+    memcpy(cursor, start, sizeof(int32_t) * (size_t)E);
+    for (int p = 0; p < pairs; p++) { /* stable: pairs keep token order within an expert */
+        const int c = cursor[ids[p]]++;
+        tok[c] = p / k;
+        wt[c] = weights[p];
+    }
+    free(cursor);
+    memset(out, 0, sizeof(float) * (size_t)T * (size_t)H);
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    moe_t m = {x, gate_up, down, tok, wt, start, active, n_active, H, I, act, out};
+    parallel(&m, 1, threads);
+    parallel(&m, 2, threads);
+done:
+    free(start), free(active), free(tok), free(wt), free(act);
+    return rc;
+}
