@@ -15,10 +15,11 @@
  * built with them), so a weight row is loaded once per four tokens.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+void pd_parallel(void *(*run)(void *), void *jobs, size_t size, int threads); /* parallel.c */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -163,20 +164,7 @@ static void *run(void *arg) {
 static void parallel(const moe_t *m, int phase, int threads) {
     job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++) jobs[t] = (job_t){m, phase, t, threads};
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int t = 0; t < threads; t++) run(&jobs[t]);
-#else
-    pthread_t tids[MAX_THREADS];
-    int spawned = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[t], NULL, run, &jobs[t]) != 0) break;
-        spawned = t;
-    }
-    for (int t = spawned + 1; t < threads; t++) run(&jobs[t]);
-    run(&jobs[0]);
-    for (int t = 1; t <= spawned; t++) pthread_join(tids[t], NULL);
-#endif
+    pd_parallel(run, jobs, sizeof(job_t), threads);
 }
 
 /* Returns 0 on success, -1 on a bad argument (an expert id out of range), -2 when out of memory. */

@@ -15,6 +15,8 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+void pd_parallel(void *(*run)(void *), void *jobs, size_t size, int threads); /* parallel.c */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -189,29 +191,10 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     int splits = 1;
     while (b * splits < threads && splits < kvh) splits++;
     job_t jobs[64];
-#ifndef _OPENMP
-    pthread_t tids[64];
-#endif
     for (int t = 0; t < threads; t++) {
         jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, starts, out, b, kvh, group, hd, bs, max_blocks,
                           is_bf16, t, threads, splits, scale};
     }
-#ifdef _OPENMP
-    /* torch's own OpenMP runtime (libgomp.so.1, already loaded by torch): its worker threads, which
-     * spin for a while after every torch op, take these jobs at once instead of competing with new
-     * threads for the cores. */
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int t = 0; t < threads; t++) run(&jobs[t]);
-#else
-    int spawned = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[t], NULL, run, &jobs[t]) != 0) break;
-        spawned = t;
-    }
-    /* threads that could not be started: this thread does their share too */
-    for (int t = spawned + 1; t < threads; t++) run(&jobs[t]);
-    run(&jobs[0]);
-    for (int t = 1; t <= spawned; t++) pthread_join(tids[t], NULL);
-#endif
+    pd_parallel(run, jobs, sizeof(job_t), threads);
     return 0;
 }
