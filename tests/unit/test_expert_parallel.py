@@ -189,3 +189,25 @@ def test_cluster_yaml_pools_pass_it_on_and_up_refuses_what_cannot_split(checkpoi
         check_tensor_parallel(cfg(checkpoint("qwen3-moe-dense-first"), tensor_parallel_size=4, expert_parallel=True))
     with pytest.raises(LaunchError, match=r"pools\[1\].expert_parallel .*needs a mixture-of-experts model"):
         check_tensor_parallel(cfg(checkpoint("llama-gqa"), expert_parallel=True))
+
+
+def test_the_planner_writes_expert_parallel_pools_the_engine_can_serve():
+    """An EP pool of a plan becomes `expert_parallel: true` beside its tensor_parallel_size, a
+    cluster.yaml the schema accepts; the header says how the engine's EP differs from the plan's, or
+    why the pool cannot be served as written."""
+    from planner.catalog import load_catalog
+    from planner.cli import ep_header
+    from planner.models import PRESETS
+    from planner.plan import Plan, PlanContext, Pool
+    from planner.report import cluster_dict
+    from planner.search import SLOTarget
+
+    ctx = PlanContext(PRESETS["DeepSeek-V3"], load_catalog())
+    plan = Plan("disaggregated", Pool("H200", 1, tp=8), Pool("H200", 2, tp=8, ep=True))
+    cfg = ClusterConfig.from_dict(cluster_dict(plan, ctx, SLOTarget(1000, 50), "/models/deepseek-v3", 3000))
+    assert [(p.tensor_parallel_size, p.expert_parallel) for p in cfg.pools] == [(8, False), (8, True)]
+    assert cfg.engine_kwargs(cfg.pools[1])["expert_parallel"] is True
+    assert "attention tensor-parallel and combines with an all-reduce" in ep_header(plan.decode, ctx)
+    assert "not servable as written: ep16 spans 2 nodes" in ep_header(Pool("H100-SXM", 1, tp=16, ep=True), ctx)
+    oss = PlanContext(PRESETS["gpt-oss-120b"], load_catalog())
+    assert "gpt-oss on one rank only" in ep_header(Pool("H200", 1, tp=4, ep=True), oss)
