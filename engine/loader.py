@@ -94,7 +94,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
                     continue  # another expert-parallel rank's expert: not read
                 for part, tensor in _read(f, name, piece, layout, dtype, whole):
                     dst = params[part.target].data
-                    if part.expert is not None:  # the rank's own index of it (expert parallel: from held.start)
+                    if part.expert is not None:  # the rank's own index (expert parallel: from held.start)
                         dst = dst[part.expert - (held.start if held is not None else 0)]
                     if part.shard is not None:  # q/k/v, or the halves of gate/up
                         sizes = [q, kv, kv] if ".qkv_proj." in part.target else [dst.shape[0] // 2] * 2
@@ -110,7 +110,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
             raise ValueError(f"checkpoint {cfg.path} has no lm_head.weight and does not tie embeddings")
         model.lm_head.weight = model.embed_tokens.weight
         loaded.add(Piece("lm_head.weight"))
-    stacked = {n: (held if held is not None else p.shape[0]) if is_stacked(n, whole) else 0 for n, p in params.items()}
+    stacked = {n: (held if held is not None else p.shape[0]) if is_stacked(n, whole) else 0
+               for n, p in params.items()}
     missing = sorted(expected_pieces(stacked, whole) - loaded, key=str)
     if missing:
         names = [f"{m.target}{'' if m.expert is None else f'[{m.expert}]'}" for m in missing[:5]]

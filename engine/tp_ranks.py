@@ -112,7 +112,8 @@ class LocalRanks:
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, size: int, backend: str = "gloo",
                  timeout_s: float = 60.0, join_timeout_s: float = 300.0, rank_kv: RankKV | None = None) -> None:
-        layout_for(model_cfg, 0, size, cfg.expert_parallel)  # refuse a size the model cannot be split by, before any process starts
+        # refuse a size the model cannot be split by, before any process starts
+        layout_for(model_cfg, 0, size, cfg.expert_parallel)
         self.leader = Leader(size, timeout_s=timeout_s)
         # a fork server that imported torch and the engine once starts each rank in a fraction of a
         # fresh interpreter's time; it never touches CUDA, so its children may (unlike plain fork)

@@ -98,7 +98,8 @@ class DecoderLayer(nn.Module):
         # a mixture-of-experts model's sparse layers route each token to a few experts
         if cfg.router == "gpt_oss":
             if layout is not None:
-                raise ValueError("tensor parallelism of gpt-oss is not supported (tp 1 only; expert parallelism neither)")
+                raise ValueError("tensor parallelism of gpt-oss is not supported (tp 1 only; "
+                                 "expert parallelism neither)")
             self.mlp = GptOssMoE(cfg)
         elif index in cfg.moe_layers:
             # shared experts: tensor-parallel even when the routed ones are expert-parallel
