@@ -76,7 +76,9 @@ def fused_shards(target: str, whole: bool = False) -> list[int | None]:
     return [None]
 
 
-def expected_pieces(params: dict[str, int], whole: bool = False) -> set[Piece]:
-    """Every piece a complete checkpoint fills, for parameters `name -> experts` (0: not stacked)."""
+def expected_pieces(params: dict[str, int | range], whole: bool = False) -> set[Piece]:
+    """Every piece a complete checkpoint fills, for parameters `name -> experts` (0: not stacked; a
+    count: experts 0.., a range: those experts, the ones an expert-parallel rank holds)."""
     return {Piece(name, shard, expert) for name, experts in params.items()
-            for expert in (range(experts) if experts else [None]) for shard in fused_shards(name, whole)}
+            for expert in ((range(experts) if isinstance(experts, int) else experts) if experts else [None])
+            for shard in fused_shards(name, whole)}

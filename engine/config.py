@@ -291,6 +291,10 @@ class EngineConfig:
     # the model split over this many processes of one machine (engine/tp_layout.py); the engine's
     # process is rank 0 and starts the others (engine/tp_ranks.py)
     tensor_parallel_size: int = 1
+    # a mixture-of-experts model's routed experts placed whole, E/N per rank, instead of each split N
+    # ways (engine/tp_layout.py); attention and the dense and shared MLPs stay tensor-parallel. With
+    # tensor_parallel_size 1 it changes nothing (one rank holds every expert whole either way)
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != AUTO_DTYPE:
@@ -311,6 +315,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.expert_parallel, bool):
+            raise ValueError(f"expert_parallel must be true or false, got {self.expert_parallel!r}")
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         """The dtype weights and KV are held in. "auto": the checkpoint's, except float32 on a CPU

@@ -29,7 +29,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_stats import StepShape
 from engine.tp_group import TPError
-from engine.tp_ranks import LocalRanks
+from engine.tp_ranks import LocalRanks, check_expert_parallel
 from engine.tp_steps import RankKV, TPContext
 
 ROLES = ("colocated", "prefill", "decode")
@@ -63,6 +63,7 @@ class Engine:
         self.cfg = cfg
         self.role = role
         self.model_cfg = model_cfg or ModelConfig.from_pretrained(resolve_model_path(cfg.model))
+        check_expert_parallel(self.model_cfg, cfg.tensor_parallel_size, cfg.expert_parallel)
         self._ranks: LocalRanks | None = None
         if tp is None and cfg.tensor_parallel_size > 1:
             backend = "nccl" if cfg.torch_device.type == "cuda" else "gloo"

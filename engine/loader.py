@@ -33,11 +33,16 @@ def _weight_files(path: Path) -> list[Path]:
 def _read(f, name: str, piece: Piece, layout: TPLayout | None, dtype: torch.dtype, whole: bool = False):
     """(piece, tensor in `dtype`) for the checkpoint tensor `name`: with tensor parallelism only
     the rank's slice (engine/tp_layout.py) is read. A stacked experts tensor (E, ...) is handed on
-    one expert (and gate/up shard) at a time."""
-    if is_stacked(piece.target, whole) and piece.expert is None:  # transformers' stacked form: read whole
-        whole = f.get_tensor(name).to(dtype)
+    one expert (and gate/up shard) at a time; with expert parallelism only the rank's experts (its
+    rows of dim 0) are read."""
+    if is_stacked(piece.target, whole) and piece.expert is None:  # transformers' stacked form
+        held = _held(layout)
+        if held is None:
+            stacked, first = f.get_tensor(name).to(dtype), 0
+        else:
+            stacked, first = f.get_slice(name)[held.start:held.stop].to(dtype), held.start
         shards = fused_shards(piece.target)
-        for expert, rows in enumerate(whole):
+        for expert, rows in enumerate(stacked, first):
             for shard, part in zip(shards, rows.chunk(len(shards), dim=0)):
                 sub = Piece(piece.target, shard, expert)
                 cut = layout.shard(sub.target, shard) if layout is not None else None
@@ -53,11 +58,17 @@ def _read(f, name: str, piece: Piece, layout: TPLayout | None, dtype: torch.dtyp
     yield piece, f.get_slice(name)[tuple(index)].to(dtype)
 
 
+def _held(layout: TPLayout | None) -> range | None:
+    """The routed experts an expert-parallel rank holds; None: every expert."""
+    return layout.experts if layout is not None and layout.expert_parallel else None
+
+
 def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
                pack: bool = True, layout: TPLayout | None = None, reduce=None) -> LlamaModel:
     """The checkpoint's weights in `dtype` on `device`; `pack`: linear layers on oneDNN with
     prepacked weights where the device has it (engine/packed_linear.py). `layout`: one
-    tensor-parallel rank's shard (each tensor read only in its slice; `reduce` sums the ranks')."""
+    tensor-parallel rank's shard (each tensor read only in its slice; `reduce` sums the ranks'); with
+    expert parallelism only the rank's experts are read (another rank's `experts.N.*` is skipped)."""
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions, layout, reduce)
     model = model.to_empty(device=device).to(dtype)
@@ -66,6 +77,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     heads, kv_heads = (layout.heads, layout.kv_heads) if layout is not None else (cfg.num_heads, cfg.num_kv_heads)
     q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
     whole = cfg.router == "gpt_oss"  # experts kept in the checkpoint's layout (engine/models/gpt_oss.py)
+    held = _held(layout)
     loaded: set[Piece] = set()
     skipped = 0
     for file in _weight_files(Path(cfg.path)):
@@ -80,10 +92,12 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
                         skipped += 1
                         continue
                     raise ValueError(f"unexpected tensor {name!r} in {file.name}")
+                if held is not None and piece.expert is not None and piece.expert not in held:
+                    continue  # another expert-parallel rank's expert: not read
                 for part, tensor in _read(f, name, piece, layout, dtype, whole):
                     dst = params[part.target].data
-                    if part.expert is not None:
-                        dst = dst[part.expert]
+                    if part.expert is not None:  # the rank's own index (expert parallel: from held.start)
+                        dst = dst[part.expert - (held.start if held is not None else 0)]
                     if part.shard is not None:  # q/k/v, or the halves of gate/up
                         sizes = [q, kv, kv] if ".qkv_proj." in part.target else [dst.shape[0] // 2] * 2
                         dst = dst.narrow(0, sum(sizes[:part.shard]), sizes[part.shard])
@@ -98,8 +112,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
             raise ValueError(f"checkpoint {cfg.path} has no lm_head.weight and does not tie embeddings")
         model.lm_head.weight = model.embed_tokens.weight
         loaded.add(Piece("lm_head.weight"))
-    missing = sorted(expected_pieces({n: p.shape[0] if is_stacked(n, whole) else 0 for n, p in params.items()}, whole) - loaded,
-                     key=str)
+    stacked = {n: (held if held is not None else p.shape[0]) if is_stacked(n, whole) else 0
+               for n, p in params.items()}
+    missing = sorted(expected_pieces(stacked, whole) - loaded, key=str)
     if missing:
         names = [f"{m.target}{'' if m.expert is None else f'[{m.expert}]'}" for m in missing[:5]]
         raise ValueError(f"checkpoint {cfg.path} is missing tensors: {names}{' ...' if len(missing) > 5 else ''}")

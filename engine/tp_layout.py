@@ -10,6 +10,11 @@ With N ranks, rank r holds:
 - MLP: `gate_up_proj` column-parallel (rows [r*I/N, (r+1)*I/N) of gate and of up), `down_proj`
   row-parallel (those columns), then one all-reduce. Routed experts (engine/models/moe.py) alike,
   each expert split by its own intermediate size; the router is replicated.
+- with `expert_parallel` (a mixture-of-experts model): the routed experts are not split but placed,
+  whole, E/N per rank: rank r holds experts [r*E/N, (r+1)*E/N) (E % N == 0). Attention, the dense
+  MLPs and DeepSeek's shared experts stay tensor-parallel as above. The MoE layer's output is then
+  each rank's experts' weighted sum (plus its share of the shared experts), and the same one
+  all-reduce adds the ranks' partial sums.
 - everything else whole (replicated): the embedding (a lookup: nothing to split in compute, and a
   vocab-parallel one would add an all-reduce per step), the norms, and the LM head, which only
   rank 0 runs (it samples): sharding it would save memory on the other ranks but add a gather of
@@ -50,6 +55,9 @@ class TPLayout:
     qk_head_dim: int = 0
     kv_b_head_dim: int = 0
     v_head_dim: int = 0
+    # expert parallelism: the routed experts whole, `num_experts` / size of them on each rank
+    num_experts: int = 0
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         n = self.size
@@ -66,7 +74,13 @@ class TPLayout:
         if self.shared_intermediate_size % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the shared experts' intermediate size "
                              f"{self.shared_intermediate_size}")
-        if self.moe_intermediate_size % n:
+        if self.expert_parallel:
+            if not self.num_experts:
+                raise ValueError("expert_parallel needs a mixture-of-experts model (this one has no routed experts)")
+            if self.num_experts % n:
+                raise ValueError(f"expert_parallel: tensor_parallel_size {n} must divide the model's "
+                                 f"{self.num_experts} routed experts")
+        elif self.moe_intermediate_size % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the experts' intermediate size "
                              f"{self.moe_intermediate_size}")
 
@@ -96,8 +110,16 @@ class TPLayout:
 
     @property
     def moe_inter(self) -> int:
-        """Each routed expert's intermediate rows on this rank."""
-        return self.moe_intermediate_size // self.size
+        """Each routed expert's intermediate rows on this rank (expert parallel: all of them)."""
+        return self.moe_intermediate_size if self.expert_parallel else self.moe_intermediate_size // self.size
+
+    @property
+    def experts(self) -> range:
+        """The model's indices of the routed experts this rank holds (all of them without expert parallelism)."""
+        if not self.expert_parallel:
+            return range(self.num_experts)
+        per = self.num_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
 
     def shard(self, target: str, fused_shard: int | None) -> tuple[int, int, int] | None:
         """The slice (dim, start, length) of the checkpoint tensor that loads into `target` (the
@@ -113,6 +135,8 @@ class TPLayout:
             if ".gate_up_proj." in target:
                 return 0, self.rank * inter, inter
             return (1, self.rank * inter, inter) if target.endswith("weight") else None
+        if self.expert_parallel and target.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return None  # whole experts (which ones: `experts`)
         if target.endswith(".experts.gate_up_proj"):  # one expert's gate or up (the fused shard)
             return 0, self.rank * self.moe_inter, self.moe_inter
         if target.endswith(".experts.down_proj"):
@@ -160,5 +184,6 @@ class TPLayout:
     def describe(self) -> str:
         """The layout in a few words (compatibility hashes, logs, `pdcluster status`)."""
         kv = f"{self.kv_heads} KV head{'s' if self.kv_heads > 1 else ''} from {self.first_kv_head}"
+        ep = f", ep: experts {self.experts.start}-{self.experts.stop - 1} whole" if self.expert_parallel else ""
         return (f"tp {self.rank}/{self.size}: heads {self.rank * self.heads}-{(self.rank + 1) * self.heads - 1}, {kv}"
-                f"{' (replicated)' if self.kv_replicated else ''}")
+                f"{' (replicated)' if self.kv_replicated else ''}{ep}")

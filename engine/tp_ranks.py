@@ -25,20 +25,38 @@ from engine.tp_steps import INIT, READY, STOP, RankKV, TPContext, follow_steps
 log = logging.getLogger("pdcluster.engine")
 
 
-def layout_for(model_cfg: ModelConfig, rank: int, size: int) -> TPLayout:
+def layout_for(model_cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> TPLayout:
+    """Rank `rank` of `size`'s layout of the model; ValueError when the model cannot be split so."""
     m = model_cfg
+    check_expert_parallel(m, size, expert_parallel)
     latent = dict(qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, kv_b_head_dim=m.qk_nope_head_dim + m.v_head_dim,
                   v_head_dim=m.v_head_dim) if m.kv_lora_rank else {}
     return TPLayout(rank, size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.moe_intermediate_size,
-                    m.shared_intermediate_size, **latent)
+                    m.shared_intermediate_size, **latent, num_experts=m.num_experts,
+                    expert_parallel=expert_parallel and size > 1)
+
+
+def check_expert_parallel(model_cfg: ModelConfig, size: int, expert_parallel: bool) -> None:
+    """`expert_parallel` needs routed experts (at any size: the flag on a dense model is a mistake);
+    with one rank it changes nothing (that rank holds every expert whole either way). gpt-oss is
+    refused with more than one rank, as its tensor parallelism is."""
+    if not expert_parallel:
+        return
+    if not model_cfg.num_experts:
+        raise ValueError(f"expert_parallel needs a mixture-of-experts model; {model_cfg.architecture} "
+                         f"({model_cfg.path}) has no routed experts")
+    if model_cfg.router == "gpt_oss" and size > 1:
+        raise ValueError("expert parallelism of gpt-oss is not supported (its experts keep the checkpoint's "
+                         "stacked layout, loaded whole); serve it with tensor_parallel_size 1")
 
 
 def lead(model_cfg: ModelConfig, leader: Leader, backend: str, join_timeout_s: float,
-         check: Callable[[], None] | None = None) -> TPContext:
+         check: Callable[[], None] | None = None, expert_parallel: bool = False) -> TPContext:
     """Rank 0's context once every other rank has joined the group (they connect to `leader.rendezvous`);
     `check` raises when one of them is known to have failed."""
     group = leader.join(backend, join_timeout_s, check)
-    return TPContext(layout_for(model_cfg, 0, leader.size), group, leader=leader, join_timeout_s=join_timeout_s)
+    return TPContext(layout_for(model_cfg, 0, leader.size, expert_parallel), group, leader=leader,
+                     join_timeout_s=join_timeout_s)
 
 
 def handshake(ctx: TPContext, num_blocks: int) -> None:
@@ -68,7 +86,7 @@ def run_follower(cfg: EngineConfig, rank: int, size: int, rendezvous: Rendezvous
         if init is None or int(init[0]) != INIT:
             return  # rank 0 went away before the start
         model_cfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model))
-        ctx = TPContext(layout_for(model_cfg, rank, size), group)
+        ctx = TPContext(layout_for(model_cfg, rank, size, cfg.expert_parallel), group)
         runner = ModelRunner(model_cfg, dataclasses.replace(cfg, num_blocks=int(init[1])), tp=ctx)
         info = rank_kv.start(runner) if rank_kv is not None else []
         channel.send(torch.tensor([READY, *info], dtype=torch.int64))
@@ -94,7 +112,8 @@ class LocalRanks:
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, size: int, backend: str = "gloo",
                  timeout_s: float = 60.0, join_timeout_s: float = 300.0, rank_kv: RankKV | None = None) -> None:
-        layout_for(model_cfg, 0, size)  # refuse a size the model cannot be split by, before any process starts
+        # refuse a size the model cannot be split by, before any process starts
+        layout_for(model_cfg, 0, size, cfg.expert_parallel)
         self.leader = Leader(size, timeout_s=timeout_s)
         # a fork server that imported torch and the engine once starts each rank in a fraction of a
         # fresh interpreter's time; it never touches CUDA, so its children may (unlike plain fork)
@@ -105,7 +124,7 @@ class LocalRanks:
         for p in self.processes:
             p.start()
         try:
-            self.context = lead(model_cfg, self.leader, backend, join_timeout_s, self._check)
+            self.context = lead(model_cfg, self.leader, backend, join_timeout_s, self._check, cfg.expert_parallel)
         except BaseException:
             self.close()
             raise

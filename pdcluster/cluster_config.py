@@ -149,6 +149,9 @@ class PoolConfig:
     # each replica's model split over this many processes on its node (engine/tp_layout.py); with
     # accelerators one device each (resources.num_gpus >= it), on CPU num_cpus shared by them
     tensor_parallel_size: Annotated[StrictInt, Field(ge=1)] = 1
+    # a mixture-of-experts model's routed experts whole, E/N per rank of those N, instead of each
+    # expert split N ways; attention and dense/shared MLPs stay tensor-parallel (docs/models.md)
+    expert_parallel: StrictBool = False
 
     @property
     def device(self) -> str:
@@ -297,6 +300,7 @@ class ClusterConfig:
         if pool is not None:
             kwargs["device"] = pool.device
             kwargs["tensor_parallel_size"] = pool.tensor_parallel_size
+            kwargs["expert_parallel"] = pool.expert_parallel
         return kwargs
 
     @model_validator(mode="after")

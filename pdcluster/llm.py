@@ -103,9 +103,11 @@ class LLM:
         tensor_parallel_size: int = 1,
         decode_tensor_parallel_size: int | None = None,
         num_threads: int | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         """`tensor_parallel_size` N > 1: each engine's model is split over N processes (its own and
-        N - 1 children, gloo between them; engine/tp_layout.py says how). Disaggregated:
+        N - 1 children, gloo between them; engine/tp_layout.py says how); `expert_parallel`: a
+        mixture-of-experts model's routed experts placed whole, E/N per rank. Disaggregated:
         `decode_tensor_parallel_size` is the decode engine's (default: the same). `num_threads`:
         CPU threads of each process (default: the cores shared by the largest group's ranks)."""
         if mode not in MODES:
@@ -132,6 +134,7 @@ class LLM:
             num_threads=(threads_per_rank(max(tensor_parallel_size, decode_tp), num_threads)
                          if max(tensor_parallel_size, decode_tp) > 1 else num_threads),
             tensor_parallel_size=tensor_parallel_size,
+            expert_parallel=expert_parallel,
         )
         self.tokenizer = load_tokenizer(path)
         self.mode = mode

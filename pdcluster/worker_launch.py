@@ -57,8 +57,10 @@ def cluster_kv_backend(cfg: ClusterConfig) -> str:
 def check_tensor_parallel(cfg: ClusterConfig) -> None:
     """A pool whose tensor_parallel_size cannot split the model is an error at `up`, naming the pool,
     before any worker starts (a worker would fail loading its shard). Any two degrees that each split
-    the model can exchange KV (kv_transfer/parts.py plans every such pair), so no pair is checked."""
-    if all(p.tensor_parallel_size == 1 for p in cfg.pools):
+    the model can exchange KV (kv_transfer/parts.py plans every such pair), so no pair is checked.
+    `expert_parallel` is checked alike (routed experts that the ranks divide; not gpt-oss); it does
+    not enter the KV compatibility key (attention, and so the cache, is laid out as without it)."""
+    if all(p.tensor_parallel_size == 1 and not p.expert_parallel for p in cfg.pools):
         return
     from engine.builtin_model import resolve_model_path
     from engine.config import ModelConfig
@@ -67,9 +69,10 @@ def check_tensor_parallel(cfg: ClusterConfig) -> None:
     model = ModelConfig.from_pretrained(resolve_model_path(cfg.model.path))
     for i, pool in enumerate(cfg.pools):
         try:
-            layout_for(model, 0, pool.tensor_parallel_size)
+            layout_for(model, 0, pool.tensor_parallel_size, pool.expert_parallel)
         except ValueError as e:
-            raise LaunchError(f"pools[{i}].tensor_parallel_size (pool {pool.name!r}): {e}") from None
+            key = "expert_parallel" if str(e).startswith("expert") else "tensor_parallel_size"
+            raise LaunchError(f"pools[{i}].{key} (pool {pool.name!r}): {e}") from None
 
 
 def check_backend_placement(kv_backend: str, workers: list[dict[str, Any]]) -> None:

@@ -229,8 +229,7 @@ def _plan(argv: list[str]) -> int:
               f"at {best.rate:.3g} req/s)")]
     if not args.model_path and not (args.model.startswith("builtin:") or Path(args.model).is_dir()):
         header.append(f"set model.path to a local checkpoint directory of {m.name}")
-    header += [f"{pool}: planned as expert parallel (experts whole per GPU, attention data-parallel); "
-               "cluster.yaml has no key for it: serve it with an engine that does" for pool in best.plan.pools if pool.ep]
+    header += [ep_header(pool, ctx) for pool in best.plan.pools if pool.ep]
     write_cluster_yaml(yaml_path, best, ctx, slo, model_path, longest, header)
     written.append(yaml_path)
     if why:
@@ -243,6 +242,19 @@ def _plan(argv: list[str]) -> int:
     print(f"best: {best.plan.label()} -> {yaml_path}")
     print("wrote " + ", ".join(map(str, written)))
     return 0
+
+
+def ep_header(pool, ctx) -> str:
+    """The cluster.yaml's note on an expert-parallel pool: what the plan assumed against what
+    `expert_parallel: true` runs, or why the engine cannot serve it as written."""
+    from planner.parallel import engine_ep_gap
+
+    gap = engine_ep_gap(ctx.model, ctx.hardware(pool.hardware), pool.tp)
+    if gap is not None:
+        return f"{pool}: planned as expert parallel; not servable as written: {gap}"
+    return (f"{pool}: expert_parallel: true places the experts whole per GPU as planned, but the engine keeps "
+            "attention tensor-parallel and combines with an all-reduce (the plan assumed data-parallel "
+            "attention and all-to-alls): expect other timings than predicted")
 
 
 # ---------------------------------------------------------------------------------------------- simulate

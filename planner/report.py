@@ -129,6 +129,8 @@ def cluster_dict(plan: Plan, ctx: PlanContext, slo: SLOTarget, model_path: str, 
                              "resources": {"num_cpus": 1} if hw.is_cpu else {"num_cpus": 1, "num_gpus": pool.tp}}
         if pool.tp > 1:
             d["tensor_parallel_size"] = pool.tp
+        if pool.ep:  # the engine's expert parallelism (docs/models.md); the header says where it differs
+            d["expert_parallel"] = True
         if pin:
             d["cpus"] = [usable[i]]
         pools.append(d)

@@ -167,7 +167,8 @@ static void parallel(const moe_t *m, int phase, int threads) {
     pd_parallel(run, jobs, sizeof(job_t), threads);
 }
 
-/* Returns 0 on success, -1 on a bad argument (an expert id out of range), -2 when out of memory. */
+/* Returns 0 on success, -2 when out of memory. Pairs whose expert is outside [0, E) are another
+ * rank's (expert parallelism: the caller numbers its own experts from 0) and are skipped. */
 int moe_experts(const float *x, const float *gate_up, const float *down, const int64_t *ids, const float *weights,
                 float *out, int T, int k, int E, int H, int I, int threads) {
     const int pairs = T * k;
@@ -180,13 +181,8 @@ int moe_experts(const float *x, const float *gate_up, const float *down, const i
         rc = -2;
         goto done;
     }
-    for (int p = 0; p < pairs; p++) {
-        if (ids[p] < 0 || ids[p] >= E) {
-            rc = -1;
-            goto done;
-        }
-        start[ids[p] + 1]++;
-    }
+    for (int p = 0; p < pairs; p++)
+        if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
     int n_active = 0;
     for (int e = 0; e < E; e++) {
         if (start[e + 1]) active[n_active++] = e;
@@ -199,6 +195,7 @@ int moe_experts(const float *x, const float *gate_up, const float *down, const i
     }
     memcpy(cursor, start, sizeof(int32_t) * (size_t)E);
     for (int p = 0; p < pairs; p++) { /* stable: pairs keep token order within an expert */
+        if (ids[p] < 0 || ids[p] >= E) continue;
         const int c = cursor[ids[p]]++;
         tok[c] = p / k;
         wt[c] = weights[p];

@@ -98,9 +98,11 @@ class DecoderLayer(nn.Module):
         # a mixture-of-experts model's sparse layers route each token to a few experts
         if cfg.router == "gpt_oss":
             if layout is not None:
-                raise ValueError("tensor parallelism of gpt-oss is not supported (tp 1 only)")
+                raise ValueError("tensor parallelism of gpt-oss is not supported (tp 1 only; "
+                                 "expert parallelism neither)")
             self.mlp = GptOssMoE(cfg)
         elif index in cfg.moe_layers:
+            # shared experts: tensor-parallel even when the routed ones are expert-parallel
             width = cfg.shared_intermediate_size // (layout.size if layout is not None else 1)
             shared = MLP(cfg, inter=width) if width else None  # summed with the routed experts' output
             self.mlp = SparseMoE(cfg, layout, reduce, shared)

@@ -25,6 +25,15 @@ With tensor parallelism (engine/tp_layout.py) every expert is sharded like a den
 holds rows [r*I/N, (r+1)*I/N) of each expert's gate and up and those columns of its down; the
 router is replicated, so every rank routes each token alike; one all-reduce sums the ranks'
 partial outputs.
+
+With expert parallelism (`TPLayout.expert_parallel`) rank r holds experts [r*E/N, (r+1)*E/N)
+whole instead. Attention is tensor-parallel, so after its all-reduce every rank holds every token's
+hidden state, and the router is replicated: the dispatch is local. Each rank runs the (token,
+expert) pairs whose expert it holds, weighted, into its partial output (plus its share of the
+shared experts), and the layer's one all-reduce, the same as with TP, combines them. An all-to-all
+dispatch (each token's hidden state sent to its experts' ranks and back) pays off when attention
+is data-parallel, each rank holding different tokens; this engine does not do that, so every rank
+already has every token and nothing needs sending before the experts run.
 """
 
 from __future__ import annotations
@@ -62,12 +71,16 @@ class Experts(nn.Module):
         gate, up = F.linear(x, self.gate_up_proj[expert]).split([self.inter, self.inter], dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each token's experts `ids` (T, k) on it, weighted by `weights` (T, k), summed."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                held: range | None = None) -> torch.Tensor:
+        """Each token's experts `ids` (T, k) of the model's `num_experts` on it, weighted by `weights`
+        (T, k), summed; `held`: the experts this rank holds (expert parallelism, see `dispatch`)."""
         E = self.gate_up_proj.shape[0]
         if (self.native is None or x.dtype != torch.float32 or x.device.type != "cpu"
                 or ids.numel() >= NATIVE_MAX_ROWS_PER_EXPERT * E):
-            return dispatch(x, ids, weights, E, self.run)
+            return dispatch(x, ids, weights, num_experts, self.run, held)
+        if held is not None:  # the kernel numbers this rank's experts from 0 and skips the others'
+            ids = ids - held.start
         x, ids = x.contiguous(), ids.to(torch.int64).contiguous()
         weights = weights.to(torch.float32).contiguous()
         out = torch.empty_like(x)
@@ -76,15 +89,17 @@ class Experts(nn.Module):
                                      ids.data_ptr(), weights.data_ptr(), out.data_ptr(), x.shape[0], ids.shape[1], E,
                                      H, self.inter, torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"native experts kernel failed ({'an expert id out of range' if rc == -1 else 'out of memory'})")
+            raise MemoryError("the native experts kernel could not allocate its buffers")
         return out
 
 
 def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-             run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+             run: Callable[[int, torch.Tensor], torch.Tensor], held: range | None = None) -> torch.Tensor:
     """Each token's experts `ids` (T, k) run on it (`run(expert, rows)`), weighted by `weights` and
     summed in expert order. The (token, choice) pairs are sorted by expert once; an expert no token
-    picked is never run, so its weights are never read."""
+    picked is never run, so its weights are never read. `held`: the experts this rank holds (expert
+    parallelism): only their pairs run, `run` gets the index within `held`, and the result is this
+    rank's partial sum."""
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
     counts = torch.bincount(flat, minlength=num_experts).tolist()
@@ -95,8 +110,11 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_expe
     for expert, n in enumerate(counts):
         if n == 0:
             continue
+        if held is not None and expert not in held:  # another rank's
+            start += n
+            continue
         tokens = rows[start:start + n]
-        y = run(expert, x[tokens]) * flat_weights[start:start + n, None]
+        y = run(expert - (held.start if held is not None else 0), x[tokens]) * flat_weights[start:start + n, None]
         out.index_add_(0, tokens, y.to(out.dtype))
         start += n
     return out
@@ -156,13 +174,15 @@ class SparseMoE(nn.Module):
         self.num_experts = cfg.num_experts
         self.reduce = reduce
         inter = layout.moe_inter if layout is not None else cfg.moe_intermediate_size
+        # expert parallel: the experts this rank holds, whole (None: every expert, maybe sharded)
+        self.held = layout.experts if layout is not None and layout.expert_parallel else None
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, inter)
+        self.experts = Experts(len(self.held) if self.held is not None else cfg.num_experts, cfg.hidden_size, inter)
         self.shared_experts = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights)
+        out = self.experts(x, ids, weights, self.num_experts, self.held)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out if self.reduce is None else self.reduce(out)

@@ -179,7 +179,7 @@ ERRORS = [
     (_pools({"role": "prefill"}), "pools[0].name", ["required", "[a-z0-9][a-z0-9-]*"]),
     (_pools({"name": "p"}), "pools[0].role", ["required", "prefill, decode, colocated"]),
     (_pools({"name": "p", "role": "prefill", "gpus": 1}), "pools[0].gpus",
-     ["unknown key", "cpus, hardware, name, replicas, resources, role"]),
+     ["unknown key", "cpus, expert_parallel, hardware, name, replicas, resources, role"]),
     (_with("pools.0.cpus", []), "pools[0].cpus", ["non-empty list of CPU ids"]),
     (_with("pools.0.cpus", [0, 0]), "pools[0].cpus", ["distinct CPU ids"]),
     (_with("pools.0.cpus", ["0"]), "pools[0].cpus", ["list of CPU ids"]),

@@ -120,9 +120,35 @@ def test_the_native_experts_kernel_computes_what_torch_does_and_reads_only_chose
             experts.gate_up_proj.data[unchosen] = float("nan")
             experts.down_proj.data[unchosen] = float("nan")
             try:
-                got = experts(x, ids, weights)
+                got = experts(x, ids, weights, cfg.num_experts)
             finally:
                 experts.gate_up_proj.data[unchosen], experts.down_proj.data[unchosen] = saved
         if rows * ids.shape[1] < 12 * cfg.num_experts:  # the native kernel's range (see moe.py)
             assert torch.isfinite(got).all(), f"{rows} rows: an unchosen expert was read"
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_native_experts_kernel_runs_only_the_experts_a_rank_holds(checkpoint):
+    """Expert parallelism: a rank holding experts [E/2, E) sums only their pairs, like torch's path."""
+    from engine.builtin_model import resolve_model_path
+    from engine.loader import load_model
+    from engine.models.moe import dispatch
+
+    cfg = ModelConfig.from_pretrained(resolve_model_path(str(checkpoint("qwen3-moe"))))
+    layer = next(layer.mlp for layer in load_model(cfg, torch.float32, torch.device("cpu"), 128).layers
+                 if hasattr(layer.mlp, "experts"))
+    E = cfg.num_experts
+    held = range(E // 2, E)
+    half = Experts(len(held), cfg.hidden_size, layer.experts.inter)
+    half.gate_up_proj.data = layer.experts.gate_up_proj.data[held.start:].clone()
+    half.down_proj.data = layer.experts.down_proj.data[held.start:].clone()
+    half.native = layer.experts.native
+    torch.manual_seed(1)
+    x = torch.randn(6, cfg.hidden_size)
+    with torch.no_grad():
+        ids, weights = layer.gate(x)
+        got = half(x, ids, weights, E, held)
+        want = dispatch(x, ids, weights, E, half.run, held)
+        whole = layer.experts(x, ids, weights, E)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, whole)  # the other half's experts are not in it
