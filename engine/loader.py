@@ -94,8 +94,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
                         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
                     dst.copy_(tensor)
                     loaded.add(part)
-    if quantized is not None and quantized.summary():
-        log.info(quantized.summary())
+    if quantized is not None and (cost := quantized.summary()):
+        log.info(cost)
     if skipped:
         log.info("skipped %d tensors of layers past the model's %d (multi-token prediction)", skipped, cfg.num_layers)
     if cfg.tie_word_embeddings or Piece("lm_head.weight") not in loaded:
