@@ -12,6 +12,8 @@ from engine.kv_spec import KV_LAYOUT_VERSION, KVSpec  # noqa: F401  (the layout 
 if TYPE_CHECKING:  # torch is imported where a dtype or device is made, not when this module is
     import torch
 
+    from engine.quantized_weights import Quantization
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -116,6 +118,8 @@ class ModelConfig:
     attention_sinks: bool = False
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    # a quantized checkpoint's format (engine/quantized_weights.py), dequantized at load; None: plain
+    quantization: Quantization | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -133,10 +137,11 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r} in {path}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if "quantization_config" in raw:  # e.g. gpt-oss's MXFP4 experts: weights we would misread
-            method = raw["quantization_config"].get("quant_method", "?")
-            raise ValueError(f"quantized checkpoint in {path} (quantization_config, quant_method {method!r}) "
-                             "is not supported; use its unquantized (bf16/fp32) weights")
+        quantization = None
+        if "quantization_config" in raw:  # fp8 block scales, mxfp4 experts; any other method refused
+            from engine.quantized_weights import read_quantization
+
+            quantization = read_quantization(raw["quantization_config"], path)
         hf = AutoConfig.from_pretrained(path)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -172,6 +177,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **read_experts(arch, hf),
             **_latent_attention(arch, hf),
+            quantization=quantization,
         )
 
     @property

@@ -15,6 +15,7 @@ from engine.models.llama import LlamaModel
 from engine.models.moe import Experts
 from engine.native import native_lib
 from engine.packed_linear import pack_linears
+from engine.quantized_weights import DequantizingFiles
 from engine.tp_layout import TPLayout
 
 log = logging.getLogger("pdcluster.engine")
@@ -80,8 +81,12 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     held = _held(layout)
     loaded: set[Piece] = set()
     skipped = 0
-    for file in _weight_files(Path(cfg.path)):
+    files = _weight_files(Path(cfg.path))
+    quantized = DequantizingFiles(cfg.quantization, files, dtype) if cfg.quantization is not None else None
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
+            if quantized is not None:  # quantized tensors read as plain ones, their scales hidden
+                f = quantized.view(f)
             for name in f.keys():
                 if "rotary_emb" in name:
                     continue
@@ -105,6 +110,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
                         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
                     dst.copy_(tensor)
                     loaded.add(part)
+    if quantized is not None and (cost := quantized.summary()):
+        log.info(cost)
     if skipped:
         log.info("skipped %d tensors of layers past the model's %d (multi-token prediction)", skipped, cfg.num_layers)
     if cfg.tie_word_embeddings or Piece("lm_head.weight") not in loaded:

@@ -26,9 +26,10 @@ def _prompts(seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _reference(path, prompts, dtype=torch.float32):
-    """transformers greedy tokens and per-step log-probabilities, one prompt at a time (no padding)."""
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+def _reference(path, prompts, dtype=torch.float32, **load_kwargs):
+    """transformers greedy tokens and per-step log-probabilities, one prompt at a time (no padding);
+    `load_kwargs` go to from_pretrained."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **load_kwargs).eval()
     refs = []
     for p in prompts:
         out = hf.generate(
