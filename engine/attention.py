@@ -95,7 +95,17 @@ def paged_attention(
             # rows); positions past each sequence's end are masked.
             b, L = group.block_tables.shape[0], group.mask.shape[-1]
             kb = kv_cache[0][group.block_tables].view(b, L, kvh, hd).transpose(1, 2)  # (b, kvh, L, hd)
-            vb = kv_cache[1][group.block_tables].view(b, L, kvh, vd).transpose(1, 2)
+            if kv_cache[1].data_ptr() == kv_cache[0].data_ptr() and kv_cache[1].stride() == kv_cache[0].stride():
+                vb = kb[..., :vd]  # the values are the keys' first vd (a latent cache): gathered once
+            else:
+                vb = kv_cache[1][group.block_tables].view(b, L, kvh, vd).transpose(1, 2)
+            if sinks is None:
+                # each KV head's query heads as the query rows of one head: (b, kvh, H/kvh, hd); no
+                # copy of a key per query head (what enable_gqa costs; 16x for MLA's one latent)
+                qb = q[group.rows].view(b, kvh, -1, hd)
+                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scale)
+                out[group.rows] = o.reshape(b, -1, vd)
+                continue
             qb = q[group.rows].unsqueeze(2)  # (b, H, 1, hd)
             o = sdpa(qb, kb, vb, attn_mask=group.mask, scale=scale, enable_gqa=True)
             out[group.rows] = o.squeeze(2)

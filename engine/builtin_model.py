@@ -15,8 +15,8 @@ tokens follow the Llama convention: <unk>=0, <s>=1 (bos), </s>=2 (eos), <pad>=3.
 "tiny-moe" (Qwen3-MoE: 8 experts, each token routed to 2; 37,281,216 parameters, 16,047,552 read
 per token) and "moe-400m" (a realistic MoE shape: 406,176,896 parameters, 75,875,456 per token) share
 the tokenizer, and so does "tiny-mla" (DeepSeek-V3's latent attention and routing: 23,541,504
-parameters, 14,694,144 per token; its KV is one 128+32 latent per token and layer); "llama-200m" is a
-realistic dense shape.
+parameters, 14,694,144 per token; its KV is one 128+32 latent per token and layer) and "mla-400m" (its
+realistic shape: 403,098,432 parameters, 100,322,112 per token); "llama-200m" is a realistic dense shape.
 
 The weights are random: the model writes gibberish, but it is real, exercises the real code
 paths (GQA, RoPE, RMSNorm, SwiGLU), and greedy decoding of it is reproducible.
@@ -96,12 +96,27 @@ BUILTIN_MODELS["moe-400m"] = {
 
 # Multi-head latent attention with experts (DeepSeek-V3: a q LoRA, one 128+32 latent per token and
 # layer, a dense first layer, 8 routed experts in 4 groups, top-2, one shared expert).
+# `topk_method`/`scoring_func` as DeepSeek-V3's published config.json names its router (transformers
+# does not read them; vLLM does).
+_DEEPSEEK_V3 = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "routed_scaling_factor": 2.5,
+                "norm_topk_prob": True, "first_k_dense_replace": 1}
 BUILTIN_MODELS["tiny-mla"] = {
-    **BUILTIN_MODELS["tiny-llama"], "family": "DeepseekV3", "router_scale": 4.0,
-    "config": {**_TINY, "num_key_value_heads": 8, "q_lora_rank": 192, "kv_lora_rank": 128, "qk_rope_head_dim": 32,
-               "qk_nope_head_dim": 32, "v_head_dim": 48, "n_routed_experts": 8, "num_experts_per_tok": 2,
-               "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "moe_intermediate_size": 256,
-               "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True},
+    **BUILTIN_MODELS["tiny-llama"], "family": "DeepseekV3", "router_scale": 4.0, "version": 2,
+    "config": {**_TINY, **_DEEPSEEK_V3, "num_key_value_heads": 8, "q_lora_rank": 192, "kv_lora_rank": 128,
+               "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 48, "n_routed_experts": 8,
+               "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+               "moe_intermediate_size": 256},
+}
+# A realistic MLA shape for performance work: DeepSeek-V3's layout and its very latent (512 + RoPE 64,
+# the only size vLLM's CPU MLA kernel takes), a q LoRA, 8 expert groups of which a token's top-8
+# come from the best 4, one shared expert, a dense first layer; moe-400m's width and experts.
+BUILTIN_MODELS["mla-400m"] = {
+    **BUILTIN_MODELS["tiny-mla"], "dtype": "bfloat16", "version": 1,
+    "config": {**_TINY, **_DEEPSEEK_V3, "hidden_size": 640, "num_hidden_layers": 12, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "intermediate_size": 1792, "q_lora_rank": 384, "kv_lora_rank": 512,
+               "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 64,
+               "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+               "moe_intermediate_size": 256},
 }
 
 # Each message as "<|role|>\ncontent\n", then "<|assistant|>\n" when a generation prompt is asked
