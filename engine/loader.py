@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from safetensors import safe_open
 
 from engine.checkpoint_names import Piece, beyond, expected_pieces, fused_shards, is_stacked, piece_of
 from engine.config import ModelConfig
 from engine.models.llama import LlamaModel
 from engine.models.moe import Experts
+from engine.models.moe_packed import packable
 from engine.native import native_lib
 from engine.packed_linear import pack_linears
 from engine.quantized_weights import DequantizingFiles
@@ -127,9 +130,21 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         raise ValueError(f"checkpoint {cfg.path} is missing tensors: {names}{' ...' if len(missing) > 5 else ''}")
     if pack:
         pack_linears(model)
-        if device.type == "cpu" and dtype == torch.float32:  # routed experts in one native call per layer
-            lib = native_lib()
-            for module in model.modules():
-                if isinstance(module, Experts):
-                    module.native = lib
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            _native_experts(model, native_lib(), dtype)
     return model.eval()
+
+
+def _native_experts(model: nn.Module, lib: Any, dtype: torch.dtype) -> None:
+    """Routed experts in one native call per layer: float32 (small batches), or bfloat16 on AMX
+    tiles (every batch; the weights repacked for them)."""
+    if lib is None:
+        return
+    amx = dtype == torch.bfloat16 and bool(lib.moe_bf16_amx_ready())
+    for module in model.modules():
+        if not isinstance(module, Experts):
+            continue
+        if dtype == torch.float32:
+            module.native = lib
+        elif amx and packable(module.gate_up_proj.shape[2], module.inter):
+            module.pack(lib, amx=True)

@@ -1,5 +1,5 @@
 """The engine's native CPU kernels (engine/csrc), built on first use: paged decode attention, and a
-mixture-of-experts layer's routed experts (float32).
+mixture-of-experts layer's routed experts (float32; and bfloat16 on AMX tiles).
 
 The C sources are compiled with the host's C compiler (`$CC`, else cc / gcc) for this CPU
 (`-O3 -march=native`) into `$PDCLUSTER_CACHE/native/` (default ~/.cache/pdcluster), named by a
@@ -25,7 +25,9 @@ from engine.builtin_model import cache_root, file_lock
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.c"))
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.c"))
+HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
 # OpenMP: the kernels then run on torch's own OpenMP threads (libgomp.so.1, which torch has already
 # loaded, is the one the dynamic loader binds); where the compiler lacks it, POSIX threads.
@@ -62,7 +64,7 @@ def _build(cc: str) -> Path:
 
 
 def _build_with(cc: str, flags: list[str]) -> Path:
-    text = b"".join(src.read_bytes() for src in SOURCES)
+    text = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
     key = hashlib.sha256(text + " ".join([cc, *flags]).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out_dir = cache_root() / "native"
     target = out_dir / f"pdcluster_kernels-{key}.so"
@@ -95,6 +97,11 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.moe_experts
     fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i]
     fn.restype = ctypes.c_int
+    fn = lib.moe_experts_bf16
+    fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i]
+    fn.restype = ctypes.c_int
+    lib.moe_bf16_amx_ready.argtypes = []
+    lib.moe_bf16_amx_ready.restype = ctypes.c_int
     return lib
 
 

@@ -19,12 +19,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-void pd_parallel(void *(*run)(void *), void *jobs, size_t size, int threads); /* parallel.c */
+#include "moe_pairs.h"
+
+#include "parallel.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-#define MAX_THREADS 64
 
 typedef struct {
     const float *x, *gate_up, *down;
@@ -145,69 +146,34 @@ static void down_units(const moe_t *m, int64_t lo, int64_t hi) {
     }
 }
 
-typedef struct {
-    const moe_t *m;
-    int phase, t, threads;
-} job_t;
-
-static void *run(void *arg) {
-    const job_t *j = (const job_t *)arg;
-    const int64_t n = j->phase == 1 ? (int64_t)j->m->n_active * j->m->I : j->m->H;
-    const int64_t lo = n * j->t / j->threads, hi = n * (j->t + 1) / j->threads;
-    if (j->phase == 1)
-        gate_up_units(j->m, lo, hi);
+/* Phase `phase`'s share of thread t of `threads`. */
+static void run(const void *ctx, int phase, int t, int threads) {
+    const moe_t *m = (const moe_t *)ctx;
+    const int64_t n = phase == 1 ? (int64_t)m->n_active * m->I : m->H;
+    const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+    if (phase == 1)
+        gate_up_units(m, lo, hi);
     else
-        down_units(j->m, lo, hi);
-    return NULL;
-}
-
-static void parallel(const moe_t *m, int phase, int threads) {
-    job_t jobs[MAX_THREADS];
-    for (int t = 0; t < threads; t++) jobs[t] = (job_t){m, phase, t, threads};
-    pd_parallel(run, jobs, sizeof(job_t), threads);
+        down_units(m, lo, hi);
 }
 
 /* Returns 0 on success, -2 when out of memory. Pairs whose expert is outside [0, E) are another
  * rank's (expert parallelism: the caller numbers its own experts from 0) and are skipped. */
 int moe_experts(const float *x, const float *gate_up, const float *down, const int64_t *ids, const float *weights,
                 float *out, int T, int k, int E, int H, int I, int threads) {
-    const int pairs = T * k;
-    int32_t *start = calloc((size_t)E + 1, sizeof(int32_t)), *active = malloc(sizeof(int32_t) * (size_t)E);
-    int32_t *tok = malloc(sizeof(int32_t) * (size_t)(pairs ? pairs : 1));
-    float *wt = malloc(sizeof(float) * (size_t)(pairs ? pairs : 1));
-    float *act = malloc(sizeof(float) * (size_t)(pairs ? pairs : 1) * (size_t)I);
-    int rc = 0;
-    if (!start || !active || !tok || !wt || !act) {
-        rc = -2;
-        goto done;
+    pd_pairs_t pairs;
+    if (pd_pairs_sort(ids, weights, T, k, E, &pairs) != 0) return -2;
+    const int32_t kept = pairs.start[E];
+    float *act = malloc(sizeof(float) * (size_t)(kept ? kept : 1) * (size_t)I);
+    if (!act) {
+        pd_pairs_free(&pairs);
+        return -2;
     }
-    for (int p = 0; p < pairs; p++)
-        if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
-    int n_active = 0;
-    for (int e = 0; e < E; e++) {
-        if (start[e + 1]) active[n_active++] = e;
-        start[e + 1] += start[e];
-    }
-    int32_t *cursor = malloc(sizeof(int32_t) * (size_t)E);
-    if (!cursor) {
-        rc = -2;
-        goto done;
-    }
-    memcpy(cursor, start, sizeof(int32_t) * (size_t)E);
-    for (int p = 0; p < pairs; p++) { /* stable: pairs keep token order within an expert */
-        if (ids[p] < 0 || ids[p] >= E) continue;
-        const int c = cursor[ids[p]]++;
-        tok[c] = p / k;
-        wt[c] = weights[p];
-    }
-    free(cursor);
     memset(out, 0, sizeof(float) * (size_t)T * (size_t)H);
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    moe_t m = {x, gate_up, down, tok, wt, start, active, n_active, H, I, act, out};
-    parallel(&m, 1, threads);
-    parallel(&m, 2, threads);
-done:
-    free(start), free(active), free(tok), free(wt), free(act);
-    return rc;
+    moe_t m = {x, gate_up, down, pairs.tok, pairs.wt, pairs.start, pairs.active, pairs.n_active, H, I, act, out};
+    pd_parallel_phase(run, &m, 1, threads);
+    pd_parallel_phase(run, &m, 2, threads);
+    free(act);
+    pd_pairs_free(&pairs);
+    return 0;
 }

@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-void pd_parallel(void *(*run)(void *), void *jobs, size_t size, int threads); /* parallel.c */
+#include "parallel.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif

@@ -16,7 +16,8 @@ rows first, and `experts.down_proj` (E, H, I)), as transformers holds them. A st
 a decode step reads the weights of the experts its tokens were routed to and no others (batch 1,
 top-2: two experts' bytes). The routed outputs are summed in expert order, as transformers sums
 them, so float32 results agree with its `generate()` to the last bits that matter for greedy
-choices. On CPU in float32, batches of a few rows per expert (decode) run the whole layer's experts
+choices. In bfloat16 on a CPU with AMX tiles, every step runs in one native call on weights
+prepacked at load (engine/models/moe_packed.py). On CPU in float32, batches of a few rows per expert (decode) run the whole layer's experts
 in one native call (engine/csrc/moe_experts.c: one pass over each chosen expert's weights for all
 its tokens, no per-expert torch ops); larger batches (prefill) take torch's GEMMs, one expert at a
 time.
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.models.moe_packed import PackedExperts
 
 if TYPE_CHECKING:
     from engine.tp_layout import TPLayout
@@ -65,6 +67,12 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
         self.native: Any = None  # the native kernels (engine/native.py) where they serve this layer
+        self.packed: PackedExperts | None = None  # bfloat16 experts in the tile kernel's layout
+
+    def pack(self, lib: Any, amx: bool) -> None:
+        """Move the (bfloat16) weights into the tile kernel's layout; every later step runs there."""
+        self.packed = PackedExperts(self.gate_up_proj.data, self.down_proj.data, lib, amx)
+        self.gate_up_proj = self.down_proj = None  # the packed copies replace them
 
     def run(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert`'s SwiGLU on the rows `x` (n, H) -> (n, H)."""
@@ -75,6 +83,8 @@ class Experts(nn.Module):
                 held: range | None = None) -> torch.Tensor:
         """Each token's experts `ids` (T, k) of the model's `num_experts` on it, weighted by `weights`
         (T, k), summed; `held`: the experts this rank holds (expert parallelism, see `dispatch`)."""
+        if self.packed is not None:
+            return self.packed(x, ids if held is None else ids - held.start, weights)
         E = self.gate_up_proj.shape[0]
         if (self.native is None or x.dtype != torch.float32 or x.device.type != "cpu"
                 or ids.numel() >= NATIVE_MAX_ROWS_PER_EXPERT * E):
