@@ -81,8 +81,14 @@ class Peer:
         line = self.proc.stdout.readline() if r else ""
         if not line:
             code = self.proc.poll()
+            if r and code is None:  # its output closed: it is exiting (or has died)
+                try:
+                    code = self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
             self.close()
-            why = f"exited with code {code}" if code is not None else f"no reply within {timeout_s:.0f}s"
+            why = (f"exited with code {code}" if code is not None
+                   else "closed its output" if r else f"no reply within {timeout_s:.0f}s")
             raise RuntimeError(f"{self.name}: {why}; rerun with BENCH_VERBOSE=1 to see its output")
         return json.loads(line)
 
@@ -110,6 +116,16 @@ class Peer:
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
     """(requests with identical tokens, requests whose first token agrees)."""
     return sum(x == y for x, y in zip(a, b)), sum(x[:1] == y[:1] for x, y in zip(a, b))
+
+
+def settle(idle: float = 0.2, limit_s: float = 120.0) -> tuple[float, float | None]:
+    """Wait until the cores are idle after the loads (a peer's compile workers may run on after it
+    reports ready and would slow whichever system runs first); (seconds waited, last busy cores)."""
+    t = time.perf_counter()
+    busy = busy_cores()
+    while busy is not None and busy > idle and time.perf_counter() - t < limit_s:
+        busy = busy_cores()
+    return time.perf_counter() - t, busy
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -167,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     peers: dict[str, Peer] = {}
     runs: list[dict] = []
+    waited, busy_after = 0.0, None
     try:
         for name, python in (("ours", sys.executable), ("vllm", args.vllm_python)):
             t = time.perf_counter()
@@ -174,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             peers[name] = Peer(name, python, ["--system", name, *common, *extra], env)
             print(f"{name:5s} loaded + warmed up in {time.perf_counter() - t:.1f}s "
                   f"(its own count: {peers[name].ready['load_s']:.1f}s)", flush=True)
+        waited, busy_after = settle()
+        print(f"cores busy after loading: {'?' if busy_after is None else f'{busy_after:.2f}'} "
+              f"(waited {waited:.0f}s for the loads' background work to end)", flush=True)
         for r in range(args.repeats):
             order = ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")
             for m, mode in enumerate(modes):
@@ -234,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
               "model": args.model, "dtype": dname, "threads": args.threads, "ours_mode": args.ours_mode,
               "commit": git_commit(),
-              "machine": {"gemm_tflops": gemm, "read_gbs": bw, "busy_cores_before": busy,
+              "machine": {"gemm_tflops": gemm, "read_gbs": bw, "busy_cores_before": busy, "busy_cores_after_load": busy_after, "settle_s": waited,
                           "cpu_capability": torch.backends.cpu.get_cpu_capability()},
               "load_s": {k: p.ready["load_s"] for k, p in peers.items()},
               "workload": {"requests": len(rows), "factor": factor, "prompt_tokens": n_prompt, "output_tokens": n_out},

@@ -5,12 +5,16 @@ its RMSNorm) and one RoPE key part `k_pe` shared by every head. The cache keeps 
 one row `[c, k_pe]` per token and layer (engine/kv_spec.py, kind "latent"), which is what a
 prefill worker ships to a decode worker.
 
-Attention runs on the latents themselves ("absorbed"): head h's key is `W_uk[h] c` and its
-value `W_uv[h] c`, so `q_h . k = (W_uk[h]^T q_nope_h) . c + q_pe_h . k_pe`: each query is folded
-into the latent space once, attends over the cached rows as one shared key/value head (MQA, key
-width kv_lora_rank + rope, value width kv_lora_rank), and its output is unfolded by `W_uv[h]`.
-No per-head key or value is ever expanded, in prefill or decode. The result equals transformers'
-expanded computation up to float rounding.
+Decode runs on the latents themselves ("absorbed"): head h's key is `W_uk[h] c` and its value
+`W_uv[h] c`, so `q_h . k = (W_uk[h]^T q_nope_h) . c + q_pe_h . k_pe`: each query is folded into
+the latent space once, attends over the cached rows as one shared key/value head (MQA, key width
+kv_lora_rank + rope, value width kv_lora_rank), and its output is unfolded by `W_uv[h]`; no
+per-head key or value is expanded, so a step reads each cached row once. A prefill step (no decode
+rows) expands instead, as transformers computes: each span's latents, new or cached, become
+per-head keys `[W_uk c, k_pe]` and values `W_uv c`, and attention is ordinary multi-head attention
+of width qk_nope + rope: a prompt's queries are many, and scores over 576-wide latents cost
+(kv_lora_rank + rope) / (qk_nope + rope) = 4.5x the flops of DeepSeek's 192-wide heads.
+Both equal transformers' computation up to float rounding.
 
 RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ... of q_pe and k_pe; gathering the
 even then the odd dims turns that into the half-split rotation the other models use, and a dot
@@ -22,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
@@ -86,10 +91,37 @@ class LatentAttention(nn.Module):
         cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope)
         cache.view(-1, 1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row)
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.latent)
+        if meta.spans is not None and meta.decode_groups is None and meta.native_decode is None:
+            out = self._expanded(q, row[:, 0], cache.view(-1, row.shape[-1]), meta, cos, sin)
+            return self._finish(out, T)
         q_latent = torch.einsum("thn,hnl->thl", q[..., :self.nope], w[:, :self.nope])
         q_full = torch.cat([q_latent, self._rotate(q[..., self.nope:], cos, sin)], dim=-1)
         values = (cache, cache[..., :self.latent])  # the key row, and its latent part as the value
         out = paged_attention(q_full, row, row[..., :self.latent], values, meta, self.scale)  # (T, H, latent)
-        out = torch.einsum("thl,hvl->thv", out, w[:, self.nope:])
-        out = self.o_proj(out.reshape(T, H * self.v_dim))
+        return self._finish(torch.einsum("thl,hvl->thv", out, w[:, self.nope:]), T)
+
+    def _finish(self, out: torch.Tensor, T: int) -> torch.Tensor:
+        """(T, H, v_dim) heads' outputs -> the layer's output."""
+        out = self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
         return out if self.reduce is None else self.reduce(out)
+
+    def _expanded(self, q: torch.Tensor, new_rows: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Prefill spans as multi-head attention over keys and values expanded from their latents
+        (the span's new rows, or its cached ones); (T, H, v_dim)."""
+        H, nope, qk = self.num_heads, self.nope, self.nope + self.rope
+        q = torch.cat([q[..., :nope], self._rotate(q[..., nope:], cos, sin)], dim=-1)
+        outs = []
+        for span in meta.spans:
+            rows = new_rows[span.q_start:span.q_end] if span.kv_index is None else flat[span.kv_index]
+            n = rows.shape[0]
+            kv = F.linear(rows[:, :self.latent], self.kv_b_proj.weight).view(n, H, nope + self.v_dim)
+            k = torch.cat([kv[..., :nope], rows[:, None, self.latent:].expand(n, H, self.rope)], dim=-1)
+            # CPU's fused attention wants one head width: the values padded with zeros to the keys'
+            v = F.pad(kv[..., nope:], (0, qk - self.v_dim)) if self.v_dim < qk else kv[..., nope:]
+            qs = q[span.q_start:span.q_end].transpose(0, 1)[None]  # (1, H, n, qk): 4-d, the fused kernel's
+            o = F.scaled_dot_product_attention(
+                qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=span.mask, scale=self.scale,
+                is_causal=span.kv_index is None and span.mask is None and qs.shape[2] > 1)
+            outs.append(o[0].transpose(0, 1)[..., :self.v_dim])
+        return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]

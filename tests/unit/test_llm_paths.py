@@ -25,9 +25,11 @@ def _ids(outs):
     return [o.token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def path(checkpoint):
-    return str(checkpoint("llama-gqa"))
+@pytest.fixture(scope="module", params=["llama-gqa", "deepseek-v3"])
+def path(checkpoint, request):
+    """A dense model, and latent attention with routed experts (its prefill expands the latents of
+    new and cached tokens alike; decode attends to them as they are)."""
+    return str(checkpoint(request.param))
 
 
 @pytest.fixture(scope="module")
