@@ -128,6 +128,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     if missing:
         names = [f"{m.target}{'' if m.expert is None else f'[{m.expert}]'}" for m in missing[:5]]
         raise ValueError(f"checkpoint {cfg.path} is missing tensors: {names}{' ...' if len(missing) > 5 else ''}")
+    for module in model.modules():  # layouts a module keeps for its steps (engine/models/mla.py)
+        if hasattr(module, "finish_load"):
+            module.finish_load()
     if pack:
         pack_linears(model)
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):

@@ -70,10 +70,27 @@ class LatentAttention(nn.Module):
             self.q_proj = nn.Linear(h, self.num_heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.latent + self.rope, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
-        self.kv_b_proj = Weight(self.num_heads * (self.nope + self.v_dim), self.latent)
+        self.kv_b_proj: Weight | None = Weight(self.num_heads * (self.nope + self.v_dim), self.latent)
+        self.w_uk: torch.Tensor | None = None  # (H, nope, latent) and (H, v_dim, latent) once split
+        self.w_uv: torch.Tensor | None = None
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
         self.scale = attention_scale(cfg.hf_config, qk)
         self.q_lora = bool(cfg.q_lora_rank)
+
+    def finish_load(self) -> None:
+        """Split kv_b_proj into contiguous per-head stacks W_uk (H, nope, latent) and W_uv (H, v_dim,
+        latent), which a step reads in place (a strided slice of the fused weight was copied by
+        every decode step's absorb and unfold)."""
+        w_uk, w_uv = self._per_head()
+        self.w_uk, self.w_uv = w_uk.contiguous(), w_uv.contiguous()
+        self.kv_b_proj = None
+
+    def _per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.w_uk is not None and self.w_uv is not None:
+            return self.w_uk, self.w_uv
+        assert self.kv_b_proj is not None
+        w = self.kv_b_proj.weight.data.view(self.num_heads, self.nope + self.v_dim, self.latent)
+        return w[:, :self.nope], w[:, self.nope:]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleaved:  # (x0, x1), (x2, x3), ... -> evens then odds: a half-split rotation
@@ -90,15 +107,15 @@ class LatentAttention(nn.Module):
         row = row.view(T, 1, self.latent + self.rope)
         cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope)
         cache.view(-1, 1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row)
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.latent)
+        w_uk, w_uv = self._per_head()
         if meta.spans is not None and meta.decode_groups is None and meta.native_decode is None:
             out = self._expanded(q, row[:, 0], cache.view(-1, row.shape[-1]), meta, cos, sin)
             return self._finish(out, T)
-        q_latent = torch.einsum("thn,hnl->thl", q[..., :self.nope], w[:, :self.nope])
+        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # (T, H, latent)
         q_full = torch.cat([q_latent, self._rotate(q[..., self.nope:], cos, sin)], dim=-1)
         values = (cache, cache[..., :self.latent])  # the key row, and its latent part as the value
         out = paged_attention(q_full, row, row[..., :self.latent], values, meta, self.scale)  # (T, H, latent)
-        return self._finish(torch.einsum("thl,hvl->thv", out, w[:, self.nope:]), T)
+        return self._finish(torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), T)
 
     def _finish(self, out: torch.Tensor, T: int) -> torch.Tensor:
         """(T, H, v_dim) heads' outputs -> the layer's output."""
@@ -111,14 +128,16 @@ class LatentAttention(nn.Module):
         (the span's new rows, or its cached ones); (T, H, v_dim)."""
         H, nope, qk = self.num_heads, self.nope, self.nope + self.rope
         q = torch.cat([q[..., :nope], self._rotate(q[..., nope:], cos, sin)], dim=-1)
+        w_uk, w_uv = (w.reshape(-1, self.latent) for w in self._per_head())
         outs = []
         for span in meta.spans:
             rows = new_rows[span.q_start:span.q_end] if span.kv_index is None else flat[span.kv_index]
-            n = rows.shape[0]
-            kv = F.linear(rows[:, :self.latent], self.kv_b_proj.weight).view(n, H, nope + self.v_dim)
-            k = torch.cat([kv[..., :nope], rows[:, None, self.latent:].expand(n, H, self.rope)], dim=-1)
+            n, c = rows.shape[0], rows[:, :self.latent]
+            k = torch.cat([F.linear(c, w_uk).view(n, H, nope), rows[:, None, self.latent:].expand(n, H, self.rope)],
+                          dim=-1)
+            v = F.linear(c, w_uv).view(n, H, self.v_dim)
             # CPU's fused attention wants one head width: the values padded with zeros to the keys'
-            v = F.pad(kv[..., nope:], (0, qk - self.v_dim)) if self.v_dim < qk else kv[..., nope:]
+            v = F.pad(v, (0, qk - self.v_dim)) if self.v_dim < qk else v
             qs = q[span.q_start:span.q_end].transpose(0, 1)[None]  # (1, H, n, qk): 4-d, the fused kernel's
             o = F.scaled_dot_product_attention(
                 qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=span.mask, scale=self.scale,
