@@ -158,16 +158,23 @@ def native_decode_supported(kv_cache: torch.Tensor) -> bool:
     return kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
 
 
-def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor, nd: NativeDecode, scale: float) -> torch.Tensor:
+def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], nd: NativeDecode,
+                   scale: float) -> torch.Tensor:
+    """kv_cache: a layer's [2, blocks, bs, kvh, hd], or (keys, values) as views of one latent cache
+    whose values are each key row's first vd (the kernel reads both in place)."""
     T, H, hd = q.shape
-    _, _, bs, kvh, _ = kv_cache.shape
+    keys, values = kv_cache[0], kv_cache[1]
+    _, bs, kvh, _ = keys.shape
+    vd = values.shape[-1]
+    if values.stride() != keys.stride():
+        raise RuntimeError("native decode attention needs keys and values laid out alike")
     q = q.contiguous()
-    out = torch.empty((T, H, hd), dtype=torch.float32)
+    out = torch.empty((T, H, vd), dtype=torch.float32)
     rc = nd.lib.paged_decode_attention(
-        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), nd.block_tables.data_ptr(),
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(),
         nd.context_lens.data_ptr(), nd.starts.data_ptr() if nd.starts is not None else None, out.data_ptr(),
-        T, kvh, H // kvh, hd, bs, nd.block_tables.shape[1],
-        scale, int(kv_cache.dtype == torch.bfloat16), nd.threads,
+        T, kvh, H // kvh, hd, vd, bs, nd.block_tables.shape[1],
+        scale, int(keys.dtype == torch.bfloat16), nd.threads,
     )
     if rc != 0:
         raise RuntimeError(f"native decode attention refused the shape (head_dim {hd}, group {H // kvh}, block {bs})")

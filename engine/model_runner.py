@@ -25,7 +25,7 @@ from engine.tp_steps import RankSend, TPContext, encode_copy, encode_step, settl
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 DECODE_PAD_SLACK = 1.3  # padded/real KV blocks allowed within one decode attention group
-NATIVE_MAX_HEAD_DIM, NATIVE_MAX_GROUP, NATIVE_MAX_BLOCK = 256, 32, 64  # engine/csrc limits (MAX_HD, MAX_ROWS, MAX_BS)
+NATIVE_MAX_HEAD_DIM, NATIVE_MAX_BLOCK = 576, 64  # engine/csrc limits (MAX_HD, MAX_BS)
 
 
 @dataclass
@@ -99,10 +99,10 @@ class ModelRunner:
         return self._native is not None
 
     def _native_lib(self):
-        """The native decode kernel where it serves this engine (CPU, float32/bf16, its size limits)."""
+        """The native decode kernel where it serves this engine (CPU, float32/bf16, its size limits;
+        K/V heads or a latent cache)."""
         m = self.model_cfg
-        fits = (self.spec.kind == "heads" and m.head_dim <= NATIVE_MAX_HEAD_DIM and self.num_heads // self.num_kv_heads <= NATIVE_MAX_GROUP
-                and self.block_size <= NATIVE_MAX_BLOCK)
+        fits = self.spec.head_dim <= NATIVE_MAX_HEAD_DIM and self.block_size <= NATIVE_MAX_BLOCK
         # the kernel has no sink logit (gpt-oss): those models attend through torch
         if self.cfg.enforce_eager or m.attention_sinks or not fits or not native_decode_supported(self.kv_caches[0]):
             return None

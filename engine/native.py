@@ -92,7 +92,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode_attention
     p, i = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
+    fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int
     fn = lib.moe_experts
     fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i]

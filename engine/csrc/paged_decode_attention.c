@@ -4,11 +4,13 @@
  * Layout (engine/attention.py): a layer's cache is kv[2][num_blocks][block_size][kvh][hd];
  * token t of sequence i lives at block tables[i * max_blocks + t / block_size], offset
  * t % block_size; row i attends to its tokens [starts[i], ctx[i]) (starts NULL: from 0; with a
- * sliding window they start later, and the blocks before the start are never read). q and out are
- * [b][H][hd], H = kvh * group. Work is split over units of
- * (sequence, slice of kv heads) across `threads` threads; a unit reads each token row of
- * its slice once, in order, and keeps its query rows, running max, running sum and accumulators
- * on its stack. Built with OpenMP, the threads are torch's own (see the end); else POSIX threads.
+ * sliding window they start later, and the blocks before the start are never read). q is
+ * [b][H][hd] and out [b][H][vd], H = kvh * group; a value row is the first vd of the hd values at
+ * its place in v (vd = hd for K/V heads; for a latent cache (engine/models/mla.py) k and v are the
+ * same rows, [latent, rope], and the value is the latent). Work is split over units of
+ * (sequence, slice of kv heads, slice of each head's query rows) across `threads` threads; a unit
+ * reads each token row of its slice once, in order, and keeps its query rows, running max, running
+ * sum and accumulators on its stack. Built with OpenMP, the threads are torch's own (see the end); else POSIX threads.
  * Built by engine/native.py with the host compiler; float32 and bfloat16 caches.
  */
 #include <math.h>
@@ -21,7 +23,7 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_HD 256
+#define MAX_HD 576 /* DeepSeek's latent + rope */
 #define MAX_BS 64
 #define MAX_ROWS 32 /* query rows one unit holds at once (a unit with more heads loops) */
 
@@ -29,7 +31,7 @@ typedef struct {
     const void *q, *k, *v;
     const int64_t *tables, *ctx, *starts;
     float *out;
-    int b, kvh, group, hd, bs, max_blocks, is_bf16, thread, threads, splits;
+    int b, kvh, group, hd, vd, bs, max_blocks, is_bf16, thread, threads, splits, row_splits;
     float scale;
 } job_t;
 
@@ -107,15 +109,17 @@ static inline const float *row_f32(const void *base, int64_t off, int is_bf16, f
     return buf;
 }
 
-/* Sequence i, kv heads [h0, h1): every token row of a block is read once, in order. */
-static void one_unit(const job_t *j, int i, int h0, int h1) {
-    const int hd = j->hd, g = j->group, bs = j->bs, kvh = j->kvh, H = kvh * g;
-    const int rows = (h1 - h0) * g;  /* query rows of this unit: heads h0*g .. h1*g-1 */
+/* Sequence i, kv heads [h0, h1), query rows [g0, g1) of each: every token row of a block is read
+ * once, in order. */
+static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
+    const int hd = j->hd, vd = j->vd, G = j->group, bs = j->bs, kvh = j->kvh, H = kvh * G;
+    const int g = g1 - g0;
+    const int rows = (h1 - h0) * g;  /* query rows of this unit: rows g0..g1-1 of heads h0..h1-1 */
     float qv[MAX_ROWS][MAX_HD], acc[MAX_ROWS][MAX_HD], m[MAX_ROWS], l[MAX_ROWS], s[MAX_ROWS][MAX_BS];
     float buf[MAX_HD];
     for (int r = 0; r < rows; r++) {
         for (int d = 0; d < hd; d++) {
-            qv[r][d] = load(j->q, ((int64_t)i * H + h0 * g + r) * hd + d, j->is_bf16) * j->scale;
+            qv[r][d] = load(j->q, ((int64_t)i * H + (h0 + r / g) * G + g0 + r % g) * hd + d, j->is_bf16) * j->scale;
             acc[r][d] = 0.f;
         }
         m[r] = -INFINITY;
@@ -144,38 +148,41 @@ static void one_unit(const job_t *j, int i, int h0, int h1) {
             const float mnew = bmax[r] > m[r] ? bmax[r] : m[r];
             const float corr = expf(m[r] - mnew);  /* 0 on the first block (m = -inf) */
             l[r] *= corr;
-            for (int d = 0; d < hd; d++) acc[r][d] *= corr;
+            for (int d = 0; d < vd; d++) acc[r][d] *= corr;
             l[r] += exp_shifted(s[r] + t0, cnt - t0, mnew);
             m[r] = mnew;
         }
         for (int t = t0; t < cnt; t++) {
             for (int h = h0; h < h1; h++) {
-                const float *vr = row_f32(j->v, base + t * row + (int64_t)h * hd, j->is_bf16, buf, hd);
+                const float *vr = row_f32(j->v, base + t * row + (int64_t)h * hd, j->is_bf16, buf, vd);
                 for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
                     const float p = s[r][t];
-                    for (int d = 0; d < hd; d++) acc[r][d] += p * vr[d];
+                    for (int d = 0; d < vd; d++) acc[r][d] += p * vr[d];
                 }
             }
         }
     }
     for (int r = 0; r < rows; r++) {
-        float *o = j->out + ((int64_t)i * H + h0 * g + r) * hd;
+        float *o = j->out + ((int64_t)i * H + (h0 + r / g) * G + g0 + r % g) * vd;
         const float inv = 1.f / l[r];
-        for (int d = 0; d < hd; d++) o[d] = acc[r][d] * inv;
+        for (int d = 0; d < vd; d++) o[d] = acc[r][d] * inv;
     }
 }
 
-/* Units: (sequence, slice of kv heads); `splits` slices per sequence, so that there are at least
- * as many units as threads when the batch is small. */
+/* Units: (sequence, slice of kv heads, slice of query rows); `splits` head slices and
+ * `row_splits` row slices per sequence, so that there are at least as many units as threads when
+ * the batch is small (a latent cache has one kv head: its query rows are split). */
 static void *run(void *arg) {
     const job_t *j = (const job_t *)arg;
-    const int splits = j->splits, units = j->b * splits;
+    const int per_seq = j->splits * j->row_splits, units = j->b * per_seq;
     for (int u = j->thread; u < units; u += j->threads) {
-        const int i = u / splits, part = u % splits;
-        const int h0 = part * j->kvh / splits, h1 = (part + 1) * j->kvh / splits;
-        for (int h = h0; h < h1; h += MAX_ROWS / j->group) {
-            const int hend = h + MAX_ROWS / j->group < h1 ? h + MAX_ROWS / j->group : h1;
-            one_unit(j, i, h, hend);
+        const int i = u / per_seq, part = (u % per_seq) / j->row_splits, rpart = u % j->row_splits;
+        const int h0 = part * j->kvh / j->splits, h1 = (part + 1) * j->kvh / j->splits;
+        const int g0 = rpart * j->group / j->row_splits, g1 = (rpart + 1) * j->group / j->row_splits;
+        const int heads_at_once = MAX_ROWS / (g1 - g0);
+        for (int h = h0; h < h1; h += heads_at_once) {
+            const int hend = h + heads_at_once < h1 ? h + heads_at_once : h1;
+            one_unit(j, i, h, hend, g0, g1);
         }
     }
     return NULL;
@@ -184,16 +191,17 @@ static void *run(void *arg) {
 /* Returns 0 on success, -1 when a size is beyond the fixed limits (the caller falls back). */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
                            const int64_t *ctx, const int64_t *starts, float *out, int b, int kvh, int group,
-                           int hd, int bs, int max_blocks, float scale, int is_bf16, int threads) {
-    if (hd > MAX_HD || group > MAX_ROWS || bs > MAX_BS || threads < 1) return -1;
-    if (threads > b * kvh) threads = b * kvh;
-    if (threads > 64) threads = 64;
-    int splits = 1;
+                           int hd, int vd, int bs, int max_blocks, float scale, int is_bf16, int threads) {
+    if (hd > MAX_HD || vd > hd || vd < 1 || bs > MAX_BS || threads < 1) return -1;
+    if (threads > b * kvh * group) threads = b * kvh * group;
+    if (threads > PD_MAX_THREADS) threads = PD_MAX_THREADS;
+    int splits = 1, row_splits = (group + MAX_ROWS - 1) / MAX_ROWS; /* a unit holds <= MAX_ROWS query rows */
     while (b * splits < threads && splits < kvh) splits++;
-    job_t jobs[64];
+    while (b * splits * row_splits < threads && row_splits < group) row_splits++;
+    job_t jobs[PD_MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, starts, out, b, kvh, group, hd, bs, max_blocks,
-                          is_bf16, t, threads, splits, scale};
+        jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, starts, out, b, kvh, group, hd, vd, bs, max_blocks,
+                          is_bf16, t, threads, splits, row_splits, scale};
     }
     pd_parallel(run, jobs, sizeof(job_t), threads);
     return 0;

@@ -25,13 +25,15 @@ def _case(b: int, heads: int, kv_heads: int, hd: int, bs: int, dtype: torch.dtyp
 
 
 def _torch_path(q, cache, lens, padded, scale, starts=None):
-    bs = cache.shape[2]
+    """cache: [2, blocks, bs, kvh, hd], or (keys, values) views of a latent cache."""
+    bs = cache[0].shape[1]
     slot = torch.arange(padded.shape[1] * bs)[None, :]
     mask = (slot < lens[:, None]) & (slot >= (starts if starts is not None else torch.zeros_like(lens))[:, None])
     mask = mask[:, None, None, :]
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
                              decode_groups=[DecodeGroup(torch.arange(q.shape[0]), padded, mask)])
-    return paged_attention(q, q[:, : cache.shape[3]], q[:, : cache.shape[3]], cache, meta, scale)
+    kvh = cache[0].shape[2]
+    return paged_attention(q, q[:, :kvh], q[:, :kvh, : cache[1].shape[-1]], cache, meta, scale)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -62,6 +64,28 @@ def test_native_window_starts_match_torch(window):
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
                              native_decode=NativeDecode(LIB, padded, lens, 2, starts))
     torch.testing.assert_close(paged_attention(q, q, q, cache, meta, scale), ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("b", "heads", "latent", "rope", "dtype"), [
+    (3, 4, 32, 8, torch.float32),      # the test checkpoints' scale
+    (1, 40, 64, 16, torch.float32),    # more query rows than a unit holds: each sequence's rows split
+    (4, 16, 512, 64, torch.bfloat16),  # DeepSeek's latent (mla-400m)
+])
+def test_native_latent_cache_matches_torch(b, heads, latent, rope, dtype, threads):
+    """Latent attention (engine/models/mla.py): one cached row [latent, rope] per token is the key,
+    and its first `latent` values are the value, both read in place from the one cache."""
+    cache, q, lens, padded = _case(b, heads, 1, latent + rope, 16, dtype, seed=heads + latent)
+    rows = cache[:1]  # (1, blocks, bs, 1, latent + rope): a latent layer's cache
+    views = (rows[0], rows[0][..., :latent])
+    scale = (latent + rope) ** -0.5
+    ref = _torch_path(q.float(), (views[0].float(), views[1].float()), lens, padded, scale)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             native_decode=NativeDecode(LIB, padded, lens, threads))
+    out = paged_attention(q, q, q[..., :latent], views, meta, scale)
+    assert out.shape == (b, heads, latent) and out.dtype == dtype
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)
 
 
 def test_native_bfloat16_cache():
