@@ -143,7 +143,7 @@ def _native_experts(model: nn.Module, lib: Any, dtype: torch.dtype) -> None:
     tiles (every batch; the weights repacked for them)."""
     if lib is None:
         return
-    amx = dtype == torch.bfloat16 and bool(lib.moe_bf16_amx_ready())
+    amx = dtype == torch.bfloat16 and bool(lib.pd_amx_ready())
     for module in model.modules():
         if not isinstance(module, Experts):
             continue

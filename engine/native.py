@@ -1,5 +1,6 @@
-"""The engine's native CPU kernels (engine/csrc), built on first use: paged decode attention, and a
-mixture-of-experts layer's routed experts (float32; and bfloat16 on AMX tiles).
+"""The engine's native CPU kernels (engine/csrc), built on first use: paged decode attention (and
+its bfloat16 form on AMX tiles), and a mixture-of-experts layer's routed experts (float32; and
+bfloat16 on AMX tiles).
 
 The C sources are compiled with the host's C compiler (`$CC`, else cc / gcc) for this CPU
 (`-O3 -march=native`) into `$PDCLUSTER_CACHE/native/` (default ~/.cache/pdcluster), named by a
@@ -94,14 +95,17 @@ def _load(path: Path) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int
+    fn = lib.decode_attention_amx
+    fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
+    fn.restype = ctypes.c_int
     fn = lib.moe_experts
     fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i]
     fn.restype = ctypes.c_int
     fn = lib.moe_experts_bf16
     fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i]
     fn.restype = ctypes.c_int
-    lib.moe_bf16_amx_ready.argtypes = []
-    lib.moe_bf16_amx_ready.restype = ctypes.c_int
+    lib.pd_amx_ready.argtypes = []
+    lib.pd_amx_ready.restype = ctypes.c_int
     return lib
 
 

@@ -21,64 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_tiles.h"
 #include "moe_pairs.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PD_AMX 1
-#endif
-
 #include "parallel.h"
-
-#define TILE 16   /* rows of a tile, and output columns of one */
-#define DEPTH 32  /* bfloat16 values of a row of a tile (64 bytes) */
-
-static inline float bf2f(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* f rounded to the nearest bfloat16 (ties to even, as torch rounds), as a float; branch-free so
- * the loops below vectorize. */
-static inline float round_bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-    const uint32_t r = nan ? (u | 0x00400000u) & 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    float o;
-    memcpy(&o, &r, 4);
-    return o;
-}
-
-static inline uint16_t f2bf(float f) {
-    const float r = round_bf(f);
-    uint32_t u;
-    memcpy(&u, &r, 4);
-    return (uint16_t)(u >> 16);
-}
-
-/* exp(x) in float (Cephes' range reduction and polynomial, within about 1 ulp: torch's own vector
- * exp is as close, and each use rounds to bfloat16 after); plain arithmetic, so it vectorizes. */
-static inline float exp_f(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
 
 typedef struct {
     const uint16_t *x, *gate_up, *down;
@@ -108,34 +53,6 @@ static inline const uint16_t *tile_at(const uint16_t *w, int nb, int kb, int K) 
     return w + ((int64_t)nb * (K / DEPTH) + kb) * (DEPTH * TILE);
 }
 
-#ifdef PD_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
-static void tiles_on(void) { /* every tile 16 rows of 64 bytes */
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = TILE;
-    _tile_loadconfig(&cfg);
-}
-#endif
-
-/* 1 when this build has AMX and the kernel may use its tile registers (Linux hands them out on
- * request, once per process); call once before the kernel. */
-int moe_bf16_amx_ready(void) {
-#ifdef PD_AMX
-    static int ready = -1;
-    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return ready;
-#else
-    return 0;
-#endif
-}
-
 /* c[t] = a . W[nbs[t]]^T over K for the nt <= 4 column tiles nbs of a packed weight w, `rows` real
  * rows of a (16 read: the padding is zero); the tiles' products, or the same in portable C. */
 static void tile_products(const moe_t *m, float c[4][TILE][TILE], const uint16_t *a, const uint16_t *w,
@@ -143,25 +60,13 @@ static void tile_products(const moe_t *m, float c[4][TILE][TILE], const uint16_t
     const int kbs = K / DEPTH;
 #ifdef PD_AMX
     if (m->amx) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        pd_tiles_zero4();
         for (int kb = 0; kb < kbs; kb++) { /* A in tile 4, weights through 5-7, sums in 0-3 */
-            _tile_loadd(4, a + kb * DEPTH, K * 2);
-            _tile_loadd(5, tile_at(w, nbs[0], kb, K), 64);
-            if (nt > 1) _tile_loadd(6, tile_at(w, nbs[1], kb, K), 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (nt > 2) _tile_loadd(7, tile_at(w, nbs[2], kb, K), 64);
-            if (nt > 1) _tile_dpbf16ps(1, 4, 6);
-            if (nt > 3) _tile_loadd(5, tile_at(w, nbs[3], kb, K), 64);
-            if (nt > 2) _tile_dpbf16ps(2, 4, 7);
-            if (nt > 3) _tile_dpbf16ps(3, 4, 5);
+            const uint16_t *b[4] = {tile_at(w, nbs[0], kb, K), tile_at(w, nbs[1], kb, K), tile_at(w, nbs[2], kb, K),
+                                    tile_at(w, nbs[3], kb, K)};
+            pd_tiles_dp4(a + kb * DEPTH, K * 2, b, nt);
         }
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
+        pd_tiles_store4(c);
         return;
     }
 #else
@@ -240,7 +145,7 @@ static void run(const void *ctx, int phase, int t, int threads) {
                                    : (m->H / TILE + 3) / 4;
     const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
 #ifdef PD_AMX
-    if (m->amx && phase > 0) tiles_on();
+    if (m->amx && phase > 0) pd_tiles_on();
 #endif
     for (int64_t u = lo; u < hi; u++) {
         if (phase == 0)
@@ -256,12 +161,12 @@ static void run(const void *ctx, int phase, int t, int threads) {
 }
 
 /* x[T][H], out[T][H] bfloat16; ids/weights as moe_experts (float32 weights; experts outside
- * [0, E) are another rank's and skipped). `amx`: use the tiles (only where moe_bf16_amx_ready()).
+ * [0, E) are another rank's and skipped). `amx`: use the tiles (only where pd_amx_ready()).
  * Returns 0, -1 for shapes the layout cannot hold, -2 when out of memory. */
 int moe_experts_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *down, const int64_t *ids,
                      const float *weights, uint16_t *out, int T, int k, int E, int H, int I, int threads, int amx) {
     if (H % DEPTH || I % DEPTH || H <= 0 || I <= 0) return -1;
-    if (amx && !moe_bf16_amx_ready()) return -1;
+    if (amx && !pd_amx_ready()) return -1;
     pd_pairs_t p;
     if (pd_pairs_sort(ids, weights, T, k, E, &p) != 0) return -2;
     int32_t *row0 = malloc(sizeof(int32_t) * ((size_t)E + 1));

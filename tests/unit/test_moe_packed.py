@@ -14,7 +14,7 @@ from engine.models.moe_packed import pack, packable, unpack
 from engine.native import native_lib
 
 LIB = native_lib()
-AMX = bool(LIB is not None and LIB.moe_bf16_amx_ready())
+AMX = bool(LIB is not None and LIB.pd_amx_ready())
 PATHS = [False] + ([True] if AMX else [])
 needs_lib = pytest.mark.skipif(LIB is None, reason="the native kernels did not build (no C compiler)")
 

@@ -88,6 +88,25 @@ def test_native_latent_cache_matches_torch(b, heads, latent, rope, dtype, thread
     torch.testing.assert_close(out.float(), ref, **tol)
 
 
+@pytest.mark.parametrize(("b", "heads", "kv_heads", "hd", "bs", "window"), [
+    (3, 8, 2, 64, 16, None),   # GQA: 4 query rows of a tile's 16 per KV head
+    (2, 40, 1, 96, 8, None),   # three 16-row groups, blocks of 8 (tiles gather tokens across blocks)
+    (5, 8, 4, 128, 32, 21),    # a sliding window, larger blocks
+])
+def test_bfloat16_decode_on_tiles_matches_float_math(b, heads, kv_heads, hd, bs, window):
+    """Where the CPU has AMX, bfloat16 decode runs on tiles (engine/csrc/decode_attention_amx.c);
+    elsewhere the vector kernel: either way the float math on the same bf16 values, to bf16's
+    precision (probabilities are rounded to bf16 for the value product on tiles)."""
+    cache, q, lens, padded = _case(b, heads, kv_heads, hd, bs, torch.bfloat16, seed=hd + bs)
+    starts = (lens - window).clamp(min=0) if window else None
+    scale = hd ** -0.5
+    ref = _torch_path(q.float(), cache.float(), lens, padded, scale, starts)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             native_decode=NativeDecode(LIB, padded, lens, 2, starts))
+    out = paged_attention(q, q, q, cache, meta, scale)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
 def test_native_bfloat16_cache():
     cache, q, lens, padded = _case(4, 8, 4, 64, 16, torch.bfloat16, seed=7)
     scale = 64 ** -0.5
