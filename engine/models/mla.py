@@ -13,7 +13,7 @@ per-head key or value is expanded, so a step reads each cached row once. A prefi
 rows) expands instead, as transformers computes: each span's latents, new or cached, become
 per-head keys `[W_uk c, k_pe]` and values `W_uv c`, and attention is ordinary multi-head attention
 of width qk_nope + rope: a prompt's queries are many, and scores over 576-wide latents cost
-(kv_lora_rank + rope) / (qk_nope + rope) = 4.5x the flops of DeepSeek's 192-wide heads.
+(kv_lora_rank + rope) / (qk_nope + rope) = 3x the flops of DeepSeek's 192-wide heads.
 Both equal transformers' computation up to float rounding.
 
 RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ... of q_pe and k_pe; gathering the
