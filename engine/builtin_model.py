@@ -93,6 +93,14 @@ BUILTIN_MODELS["moe-400m"] = {
                "num_key_value_heads": 2, "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 8,
                "moe_intermediate_size": 256},
 }
+# moe-400m's dense twin: the same attention, and one dense MLP as wide as the 8 experts a token is
+# routed to (8 x 256): its parameters are moe-400m's active ones but the routers' (75,382,400 of
+# 75,875,456). What a MoE decode step is measured against (benchmarks/moe_step.py).
+BUILTIN_MODELS["moe-400m-dense"] = {
+    **BUILTIN_MODELS["tiny-llama"], "family": "Qwen3", "dtype": "bfloat16",
+    "config": {**_TINY, "hidden_size": 640, "num_hidden_layers": 12, "num_attention_heads": 16,
+               "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 2048},
+}
 
 # Multi-head latent attention with experts (DeepSeek-V3: a q LoRA, one 128+32 latent per token and
 # layer, a dense first layer, 8 routed experts in 4 groups, top-2, one shared expert).
