@@ -1,13 +1,15 @@
 """The mixture-of-experts model (builtin:tiny-moe) and the latent-attention one (builtin:tiny-mla,
 DeepSeek-V3's attention and routing) through every way the cluster serves them: each KV backend
 disaggregated, colocated, prefix-cache hits, a decode worker stopped mid-stream, and a real Ray
-cluster through `pdcluster up`. Greedy tokens equal transformers' generate() every time; a latent
+cluster through `pdcluster up` with a decode worker SIGKILLed under load. Greedy tokens equal transformers' generate() every time; a latent
 model's transfers carry one latent row per token and layer, nothing per head."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import os
+import signal
 import threading
 
 import pytest
@@ -20,6 +22,7 @@ from pdcluster.client import Client
 from pdcluster.cluster_config import load_cluster_config
 from pdcluster.launcher import up
 from pdcluster.local_cluster import LocalCluster
+from tests.integration.test_faults import _retries, wait_blocks_free
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -81,18 +84,52 @@ def test_colocated_and_a_decode_worker_stopped_mid_stream(model, reference):
     assert got == reference(PROMPTS[1], 60)  # resumed on the other worker: nothing lost, nothing repeated
 
 
-def test_pdcluster_up_serves_the_model(model, reference):
+def test_pdcluster_up_serves_the_model_and_survives_a_killed_decode_worker(model, reference):
+    """A real Ray cluster (1 prefill + 2 decode workers): the prompts token for token, then a decode
+    worker SIGKILLed while it streams: every stream goes on elsewhere from the tokens it had, equal to
+    transformers', and the live workers' KV blocks return to zero."""
     cfg = load_cluster_config("cluster.yaml")
     usable = sorted(os.sched_getaffinity(0))
-    pools = (dataclasses.replace(cfg.pools[0], cpus=(usable[0],)), dataclasses.replace(cfg.pools[1], cpus=(usable[-1],)))
+    pools = (dataclasses.replace(cfg.pools[0], cpus=(usable[0],)),
+             dataclasses.replace(cfg.pools[1], cpus=(usable[-1],), replicas=2))
     cfg = dataclasses.replace(
-        cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=0, http_port=0, local_prefill_max_tokens=0),
+        cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=0, http_port=0, local_prefill_max_tokens=0,
+                                                     max_retries=2),
         kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=64),
         model=dataclasses.replace(cfg.model, path=model, max_model_len=512)).validate()
     handle = up(cfg, say=lambda _: None)
+    long = 80
     try:
         with Client(handle.router_address, timeout_s=120) as client:
             got = [client.complete(p, max_tokens=N, temperature=0.0, ignore_eos=True).token_ids for p in PROMPTS]
+        before = _retries(handle)
+        streamed = _stream_through_a_kill(handle, PROMPTS, long)
+        retried = _retries(handle) - before
+        used = wait_blocks_free(handle)
     finally:
         handle.stop()
     assert got == [reference(p, N) for p in PROMPTS]
+    assert retried >= 1, "no stream was on the killed worker"
+    assert streamed == [reference(p, long) for p in PROMPTS]  # nothing lost, nothing repeated
+    assert not any(used.values()), used
+
+
+def _stream_through_a_kill(handle, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Stream every prompt at once; SIGKILL one decode worker once all have begun."""
+    started = [threading.Event() for _ in prompts]
+
+    def run(i: int) -> list[int]:
+        tokens: list[int] = []
+        with Client(handle.router_address, timeout_s=120) as client:
+            for chunk in client.stream(prompts[i], max_tokens=n, temperature=0.0, ignore_eos=True):
+                tokens += chunk.token_ids
+                if len(tokens) >= 5:
+                    started[i].set()
+        return tokens
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(run, i) for i in range(len(prompts))]
+        assert all(e.wait(120) for e in started), "streams did not start"
+        victim = next(w for w in handle.workers if w["role"] == "decode")
+        os.kill(victim["pid"], signal.SIGKILL)
+        return [f.result(timeout=240) for f in futures]

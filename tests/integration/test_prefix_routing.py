@@ -15,6 +15,7 @@ import pytest
 from engine.config import EngineConfig
 from pdcluster.local_cluster import LocalCluster
 from proto import worker_pb2 as wk
+from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 BS = 16  # block size of the engines below
@@ -54,6 +55,16 @@ def _turn(client, prompt: list[int], n: int = 8) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["grpc", "shm", "tcp", "torch_distributed"])
 def test_next_turn_reuses_the_decode_workers_blocks_and_sends_only_the_rest(path, reference, backend):
+    _next_turn_reuses_blocks(path, reference, backend)
+
+
+def test_a_latent_attention_moe_models_next_turn_reuses_its_blocks_too(checkpoint):
+    """The same with DeepSeek-V3's latent attention and routed experts: a block is latent rows."""
+    path = str(checkpoint("deepseek-v3"))
+    _next_turn_reuses_blocks(path, hf_greedy(path), "tcp")
+
+
+def _next_turn_reuses_blocks(path, reference, backend):
     with _cluster(path, backend=backend) as c:
         (prefill,), (decode,) = c.prefill_workers, c.decode_workers
         _wait_index(c)
