@@ -6,7 +6,6 @@ model's transfers carry one latent row per token and layer, nothing per head."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import os
 import signal
@@ -22,6 +21,7 @@ from pdcluster.client import Client
 from pdcluster.cluster_config import load_cluster_config
 from pdcluster.launcher import up
 from pdcluster.local_cluster import LocalCluster
+from tests.integration.kill_streams import streams_through_a_kill
 from tests.integration.test_faults import _retries, wait_blocks_free
 from tests.reference import hf_greedy
 
@@ -103,7 +103,9 @@ def test_pdcluster_up_serves_the_model_and_survives_a_killed_decode_worker(model
         with Client(handle.router_address, timeout_s=120) as client:
             got = [client.complete(p, max_tokens=N, temperature=0.0, ignore_eos=True).token_ids for p in PROMPTS]
         before = _retries(handle)
-        streamed = _stream_through_a_kill(handle, PROMPTS, long)
+        victim = next(w for w in handle.workers if w["role"] == "decode")
+        streamed = streams_through_a_kill(handle.router_address, PROMPTS, long,
+                                          lambda: os.kill(victim["pid"], signal.SIGKILL), begun=5)
         retried = _retries(handle) - before
         used = wait_blocks_free(handle)
     finally:
@@ -112,24 +114,3 @@ def test_pdcluster_up_serves_the_model_and_survives_a_killed_decode_worker(model
     assert retried >= 1, "no stream was on the killed worker"
     assert streamed == [reference(p, long) for p in PROMPTS]  # nothing lost, nothing repeated
     assert not any(used.values()), used
-
-
-def _stream_through_a_kill(handle, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Stream every prompt at once; SIGKILL one decode worker once all have begun."""
-    started = [threading.Event() for _ in prompts]
-
-    def run(i: int) -> list[int]:
-        tokens: list[int] = []
-        with Client(handle.router_address, timeout_s=120) as client:
-            for chunk in client.stream(prompts[i], max_tokens=n, temperature=0.0, ignore_eos=True):
-                tokens += chunk.token_ids
-                if len(tokens) >= 5:
-                    started[i].set()
-        return tokens
-
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(run, i) for i in range(len(prompts))]
-        assert all(e.wait(120) for e in started), "streams did not start"
-        victim = next(w for w in handle.workers if w["role"] == "decode")
-        os.kill(victim["pid"], signal.SIGKILL)
-        return [f.result(timeout=240) for f in futures]

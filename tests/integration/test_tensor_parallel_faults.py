@@ -5,16 +5,15 @@ with new ranks, which serve again. `pdcluster status`'s rows carry each worker's
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from pdcluster.client import Client
 from pdcluster.launcher import up
+from tests.integration.kill_streams import streams_through_a_kill
 from tests.integration.test_faults import _alive, _membership, _prompts, _retries, small_cluster, wait_blocks_free
 from tests.reference import hf_greedy
 
@@ -36,25 +35,10 @@ def test_a_rank_killed_under_load_loses_no_token_and_its_worker_comes_back(clust
     # a KV receiver per rank (the direct path), each handshaken by the prefill workers at `up`
     assert all(len(set(w["kv_endpoints"])) == 2 for w in decode)
     prompts = _prompts(6, 30, seed=7)
-    started = [threading.Event() for _ in prompts]
     before = _retries(cluster)
-
-    def run(i: int) -> list[int]:
-        tokens = []
-        with Client(cluster.router_address, timeout_s=120) as client:
-            for chunk in client.stream(prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True):
-                tokens += chunk.token_ids
-                if len(tokens) >= 3:
-                    started[i].set()
-        return tokens
-
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(run, i) for i in range(len(prompts))]
-        for e in started:
-            assert e.wait(120), "streams did not start"
-        victim = decode[0]
-        os.kill(victim["ranks"][1], signal.SIGKILL)
-        results = [f.result(timeout=180) for f in futures]
+    victim = decode[0]
+    results = streams_through_a_kill(cluster.router_address, prompts, MAX_TOKENS,
+                                     lambda: os.kill(victim["ranks"][1], signal.SIGKILL))
     assert results == [reference(p, MAX_TOKENS) for p in prompts]
     assert _retries(cluster) - before >= 1
     assert not any(wait_blocks_free(cluster).values())
