@@ -2,13 +2,16 @@
 
     python -m benchmarks.tensor_parallel                  # builtin:llama-200m, TP 1 (2 threads) vs TP 2 (1 each)
     python -m benchmarks.tensor_parallel --model builtin:tiny-llama --repeats 3 --out bench_results/tp.json
+    python -m benchmarks.tensor_parallel --model builtin:moe-400m --layouts tp1,tp2,ep2   # experts split vs placed
 
 Both engines load once; per repeat, in alternating order, each runs (1) one prefill step of a
 `--prompt-tokens` prompt and (2) `--decode-steps` decode steps of `--batch` sequences whose context
 is `--prompt-tokens` (the median step). TP 2 on two CPU processes pays an all-reduce per layer twice
 over gloo and the per-step message to the other rank: on CPUs this shows the cost of the machinery,
 not a speed-up (the point here is correctness; on GPUs with NCCL the same split is how a model
-larger than one device is served). Medians over repeats; ratios TP2 / TP1 (> 1: TP 2 slower).
+larger than one device is served). `ep2`: two ranks with expert parallelism (each holds half the
+routed experts whole; attention split as in TP 2). Medians over repeats; ratios to the first layout
+(> 1: slower).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import os
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from engine.sampling_params import SamplingParams
 from pdcluster.llm import LLM
@@ -57,39 +62,55 @@ def _decode_ms(llm: LLM, batch: int, context: int, steps: int, seed: int) -> flo
     return statistics.median(times)
 
 
+LAYOUTS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "ep2": {"tensor_parallel_size": 2, "expert_parallel": True}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="builtin:llama-200m")
+    ap.add_argument("--layouts", default="tp1,tp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads in all (TP 2: half each)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads in all (2 ranks: half each)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    common = dict(dtype="float32", max_model_len=args.prompt_tokens + args.decode_steps + 8, enable_prefix_caching=False,
-                  max_num_batched_tokens=max(2048, args.prompt_tokens), max_num_seqs=max(args.batch, 1))
-    llms = {1: LLM(args.model, num_threads=args.threads, **common),
-            2: LLM(args.model, tensor_parallel_size=2, num_threads=max(1, args.threads // 2), **common)}
-    rows: dict[int, dict[str, list[float]]] = {tp: {"prefill_ms": [], "decode_step_ms": []} for tp in llms}
+    layouts = args.layouts.split(",")
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        ap.error(f"--layouts: unknown {unknown}; known: {', '.join(LAYOUTS)}")
+    common = dict(dtype=args.dtype, max_model_len=args.prompt_tokens + args.decode_steps + 8,
+                  enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.prompt_tokens),
+                  max_num_seqs=max(args.batch, 1))
+    threads = {name: max(1, args.threads // LAYOUTS[name].get("tensor_parallel_size", 1)) for name in layouts}
+    llms = {name: LLM(args.model, num_threads=threads[name], **LAYOUTS[name], **common) for name in layouts}
+    rows: dict[str, dict[str, list[float]]] = {name: {"prefill_ms": [], "decode_step_ms": []} for name in llms}
     try:
-        for tp, llm in llms.items():  # warm-up
+        for name, llm in llms.items():  # warm-up
+            torch.set_num_threads(threads[name])
             _prefill_ms(llm, args.prompt_tokens, 999)
             _decode_ms(llm, 2, 16, 2, 999)
         for r in range(args.repeats):
-            for tp in ([1, 2] if r % 2 == 0 else [2, 1]):
-                rows[tp]["prefill_ms"].append(_prefill_ms(llms[tp], args.prompt_tokens, r))
-                rows[tp]["decode_step_ms"].append(_decode_ms(llms[tp], args.batch, args.prompt_tokens,
-                                                             args.decode_steps, r))
+            for name in (layouts if r % 2 == 0 else layouts[::-1]):
+                # rank 0 runs in this process, whose thread count the engine loaded last has set
+                torch.set_num_threads(threads[name])
+                rows[name]["prefill_ms"].append(_prefill_ms(llms[name], args.prompt_tokens, r))
+                rows[name]["decode_step_ms"].append(_decode_ms(llms[name], args.batch, args.prompt_tokens,
+                                                               args.decode_steps, r))
     finally:
         for llm in llms.values():
             llm.close()
-    med = {tp: {k: statistics.median(v) for k, v in m.items()} for tp, m in rows.items()}
-    print(f"{args.model}: prefill of {args.prompt_tokens} tokens; decode steps of {args.batch} sequences at "
-          f"context {args.prompt_tokens}; {args.threads} threads in all; medians of {args.repeats}")
-    print(f"{'':<16}{'TP 1':>8}{'TP 2':>12}{'TP2/TP1':>10}")
+    med = {name: {k: statistics.median(v) for k, v in m.items()} for name, m in rows.items()}
+    print(f"{args.model} ({args.dtype}): prefill of {args.prompt_tokens} tokens; decode steps of {args.batch} "
+          f"sequences at context {args.prompt_tokens}; {args.threads} threads in all; medians of {args.repeats}")
+    base = layouts[0]
+    print(f"{'':<16}" + "".join(f"{name.upper():>10}" for name in layouts)
+          + "".join(f"{name.upper() + '/' + base.upper():>12}" for name in layouts[1:]))
     for key in ("prefill_ms", "decode_step_ms"):
-        print(f"{key:<16}{med[1][key]:>8.1f}{med[2][key]:>12.1f}{med[2][key] / med[1][key]:>10.2f}")
+        print(f"{key:<16}" + "".join(f"{med[name][key]:>10.1f}" for name in layouts)
+              + "".join(f"{med[name][key] / med[base][key]:>12.2f}" for name in layouts[1:]))
     write_runs(args, rows, med)
     return 0
 

@@ -16,9 +16,20 @@ def test_the_step_time_benchmark_measures_both_degrees(tmp_path, capsys):
     assert main(["--model", "builtin:tiny-llama", "--repeats", "1", "--prompt-tokens", "32", "--batch", "2",
                  "--decode-steps", "2", "--out", str(out)]) == 0
     medians = json.loads(out.read_text())["medians"]
-    assert set(medians) == {"1", "2"}
+    assert set(medians) == {"tp1", "tp2"}
     assert all(medians[tp][k] > 0 for tp in medians for k in ("prefill_ms", "decode_step_ms"))
     assert "TP2/TP1" in capsys.readouterr().out
+
+
+def test_the_step_time_benchmark_sets_expert_parallelism_against_tensor_parallelism(tmp_path, capsys):
+    out = tmp_path / "ep.json"
+    assert main(["--model", "builtin:tiny-moe", "--layouts", "tp2,ep2", "--repeats", "1", "--prompt-tokens", "32",
+                 "--batch", "2", "--decode-steps", "2", "--out", str(out)]) == 0
+    medians = json.loads(out.read_text())["medians"]
+    assert set(medians) == {"tp2", "ep2"} and all(medians[n]["decode_step_ms"] > 0 for n in medians)
+    assert "EP2/TP2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--layouts", "tp3"])
 
 
 def test_the_kv_paths_benchmark_measures_both_paths(tmp_path, capsys):
