@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 
 # bfloat16 decode attention on AMX tiles (engine/csrc/decode_attention_amx.c) where the CPU has them;
-# PDCLUSTER_AMX_DECODE=0 keeps the vector kernel
-AMX_DECODE = os.environ.get("PDCLUSTER_AMX_DECODE", "1") != "0"
+# PDCLUSTER_AMX_ATTENTION=0 keeps the vector kernel
+AMX_ATTENTION = os.environ.get("PDCLUSTER_AMX_ATTENTION", "1") != "0"
 
 
 @dataclass
@@ -177,7 +177,7 @@ def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor,
         raise RuntimeError("native decode attention needs keys and values laid out alike")
     q = q.contiguous()
     out = torch.empty((T, H, vd), dtype=torch.float32)
-    if q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and AMX_DECODE:
+    if q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and AMX_ATTENTION:
         rc = nd.lib.decode_attention_amx(  # where the CPU has AMX tiles and the widths fit them
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(), nd.context_lens.data_ptr(),
             nd.starts.data_ptr() if nd.starts is not None else None, out.data_ptr(),

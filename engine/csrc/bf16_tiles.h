@@ -88,6 +88,21 @@ static inline void pd_tiles_store4(float c[4][TILE][TILE]) {
 }
 #endif
 
+/* Value rows packed as a tile product's second operand, in pairs of tokens: vals[c][nb][kk][col][j] =
+ * rows[32 c + 2 kk + j][16 nb + col], rows[t] NULL or t >= L: zero; Lp a multiple of 32. */
+void pd_pack_values(uint16_t *vals, const uint16_t *const *rows, int64_t L, int64_t Lp, int vd);
+
+/* One query row's probabilities from its scores s[0, upto) (scaled): exact softmax in float32,
+ * each rounded to bfloat16 into p[0, upto), zeros in p[upto, Lp); returns their sum. */
+float pd_softmax_row(float *s, uint16_t *p, int64_t upto, int64_t Lp);
+
+#ifdef PD_AMX
+/* out[r * out_stride + d] = (p[r] . vals[:, d]) / sum[r] for the first `rows` of 16 probability
+ * rows (p: 16 x Lp bf16) against packed values of width vd (vd % 16 == 0). Tiles configured. */
+void pd_values_product(const uint16_t *p, int64_t Lp, const uint16_t *vals, int vd, int rows, const float *sum,
+                       float *out, int64_t out_stride);
+#endif
+
 /* 1 when this build has AMX and the kernels may use its tile registers (Linux hands them out on
  * request, once per process); call once before a kernel that uses them. */
 int pd_amx_ready(void);

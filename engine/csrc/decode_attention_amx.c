@@ -44,8 +44,9 @@ static int one_unit(const att_t *a, int i, int h, int g0, int rows) {
     uint16_t *keys = calloc((size_t)Lp * hd, 2), *vals = malloc((size_t)Lp * vd * 2);
     uint16_t *qt = calloc((size_t)hd * TILE, 2), *p = calloc((size_t)TILE * Lp, 2);
     float *s = malloc(sizeof(float) * TILE * (size_t)Lp);
+    const uint16_t **vrows = malloc(sizeof(uint16_t *) * (size_t)(L ? L : 1));
     int rc = 0;
-    if (!keys || !vals || !qt || !p || !s) {
+    if (!keys || !vals || !qt || !p || !s || !vrows) {
         rc = -2;
         goto done;
     }
@@ -70,42 +71,13 @@ static int one_unit(const att_t *a, int i, int h, int g0, int rows) {
     }
     /* 2. softmax per query row over its L scores; the padding keeps probability 0 */
     float sum[TILE];
-    for (int r = 0; r < rows; r++) {
-        float *sr = s + (int64_t)r * Lp, mx = -INFINITY, total = 0.f;
-        for (int64_t t = 0; t < L; t++) mx = sr[t] > mx ? sr[t] : mx;
-        for (int64_t t = 0; t < L; t++) sr[t] = round_bf(exp_f(sr[t] - mx));
-        for (int64_t t = 0; t < L; t++) total += sr[t];
-        sum[r] = total;
-        for (int64_t t = 0; t < L; t++) p[(int64_t)r * Lp + t] = f2bf(sr[t]);
-    }
-    /* 3. values: vals[c][nb][kk][col][j] = V[32 c + 2 kk + j][16 nb + col] (zero past L) */
-    const int nbs = vd / TILE;
-    for (int64_t t = 0; t < Lp; t += 2) { /* a pair of tokens: one 64-byte row of each 16-dim tile */
-        const uint16_t *v0 = t < L ? cache_row(a, a->v, i, first + t, h) : keys + t * hd; /* zero past L */
-        const uint16_t *v1 = t + 1 < L ? cache_row(a, a->v, i, first + t + 1, h) : keys + (t + 1) * hd;
-        uint32_t *row = (uint32_t *)(vals + ((t / 32) * nbs * (DEPTH / 2) + (t % 32) / 2) * 2 * TILE);
-        for (int nb = 0; nb < nbs; nb++, row += DEPTH * TILE / 2)
-            for (int col = 0; col < TILE; col++)
-                row[col] = (uint32_t)v0[nb * TILE + col] | (uint32_t)v1[nb * TILE + col] << 16;
-    }
-    for (int nb0 = 0; nb0 < nbs; nb0 += 4) {
-        const int nt = nbs - nb0 < 4 ? nbs - nb0 : 4;
-        pd_tiles_zero4();
-        for (int64_t ch = 0; ch < Lp / 32; ch++) {
-            const uint16_t *vt = vals + (ch * nbs + nb0) * (DEPTH * TILE);
-            const uint16_t *b[4] = {vt, vt + DEPTH * TILE, vt + 2 * DEPTH * TILE, vt + 3 * DEPTH * TILE};
-            pd_tiles_dp4(p + ch * 32, Lp * 2, b, nt);
-        }
-        pd_tiles_store4(c);
-        for (int r = 0; r < rows; r++) {
-            float *o = a->out + ((int64_t)i * H + (int64_t)h * a->group + g0 + r) * vd + nb0 * TILE;
-            const float inv = 1.f / sum[r];
-            for (int t = 0; t < nt; t++)
-                for (int col = 0; col < TILE; col++) o[t * TILE + col] = c[t][r][col] * inv;
-        }
-    }
+    for (int r = 0; r < rows; r++) sum[r] = pd_softmax_row(s + (int64_t)r * Lp, p + (int64_t)r * Lp, L, Lp);
+    /* 3. values in pairs of tokens, then the probabilities times them */
+    for (int64_t t = 0; t < L; t++) vrows[t] = cache_row(a, a->v, i, first + t, h);
+    pd_pack_values(vals, vrows, L, Lp, vd);
+    pd_values_product(p, Lp, vals, vd, rows, sum, a->out + ((int64_t)i * H + (int64_t)h * a->group + g0) * vd, vd);
 done:
-    free(keys), free(vals), free(qt), free(p), free(s);
+    free(keys), free(vals), free(qt), free(p), free(s), free(vrows);
     return rc;
 }
 

@@ -1,6 +1,31 @@
 /* See bf16_tiles.h. */
 #include "bf16_tiles.h"
 
+#include <math.h>
+
+void pd_pack_values(uint16_t *vals, const uint16_t *const *rows, int64_t L, int64_t Lp, int vd) {
+    static const uint16_t zeros[TILE] = {0};
+    const int nbs = vd / TILE;
+    for (int64_t t = 0; t < Lp; t += 2) { /* a pair of tokens: one 64-byte row of each 16-dim tile */
+        const uint16_t *v0 = t < L ? rows[t] : NULL, *v1 = t + 1 < L ? rows[t + 1] : NULL;
+        uint32_t *row = (uint32_t *)(vals + ((t / 32) * nbs * (DEPTH / 2) + (t % 32) / 2) * 2 * TILE);
+        for (int nb = 0; nb < nbs; nb++, row += DEPTH * TILE / 2) {
+            const uint16_t *a = v0 ? v0 + nb * TILE : zeros, *b = v1 ? v1 + nb * TILE : zeros;
+            for (int col = 0; col < TILE; col++) row[col] = (uint32_t)a[col] | (uint32_t)b[col] << 16;
+        }
+    }
+}
+
+float pd_softmax_row(float *s, uint16_t *p, int64_t upto, int64_t Lp) {
+    float mx = -INFINITY, total = 0.f;
+    for (int64_t t = 0; t < upto; t++) mx = s[t] > mx ? s[t] : mx;
+    for (int64_t t = 0; t < upto; t++) s[t] = round_bf(exp_f(s[t] - mx));
+    for (int64_t t = 0; t < upto; t++) total += s[t];
+    for (int64_t t = 0; t < upto; t++) p[t] = f2bf(s[t]);
+    memset(p + upto, 0, sizeof(uint16_t) * (size_t)(Lp - upto));
+    return total;
+}
+
 #ifdef PD_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -10,6 +35,28 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tilecfg_t;
+
+void pd_values_product(const uint16_t *p, int64_t Lp, const uint16_t *vals, int vd, int rows, const float *sum,
+                       float *out, int64_t out_stride) {
+    const int nbs = vd / TILE;
+    float c[4][TILE][TILE];
+    for (int nb0 = 0; nb0 < nbs; nb0 += 4) {
+        const int nt = nbs - nb0 < 4 ? nbs - nb0 : 4;
+        pd_tiles_zero4();
+        for (int64_t ch = 0; ch < Lp / 32; ch++) {
+            const uint16_t *vt = vals + (ch * nbs + nb0) * (DEPTH * TILE);
+            const uint16_t *b[4] = {vt, vt + DEPTH * TILE, vt + 2 * DEPTH * TILE, vt + 3 * DEPTH * TILE};
+            pd_tiles_dp4(p + ch * 32, (int)(Lp * 2), b, nt);
+        }
+        pd_tiles_store4(c);
+        for (int r = 0; r < rows; r++) {
+            float *o = out + r * out_stride + nb0 * TILE;
+            const float inv = 1.f / sum[r];
+            for (int t = 0; t < nt; t++)
+                for (int col = 0; col < TILE; col++) o[t * TILE + col] = c[t][r][col] * inv;
+        }
+    }
+}
 
 void pd_tiles_on(void) {
     tilecfg_t cfg;
