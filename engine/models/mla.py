@@ -18,7 +18,8 @@ Both equal transformers' computation up to float rounding.
 
 RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ... of q_pe and k_pe; gathering the
 even then the odd dims turns that into the half-split rotation the other models use, and a dot
-product does not care which layout both sides share.
+product does not care which layout both sides share. The gather is done once, at load, on the rows
+of the projections that make q_pe and k_pe (`finish_load`).
 """
 
 from __future__ import annotations
@@ -80,10 +81,28 @@ class LatentAttention(nn.Module):
     def finish_load(self) -> None:
         """Split kv_b_proj into contiguous per-head stacks W_uk (H, nope, latent) and W_uv (H, v_dim,
         latent), which a step reads in place (a strided slice of the fused weight was copied by
-        every decode step's absorb and unfold)."""
+        every decode step's absorb and unfold); and with interleaved RoPE, order the rows that make
+        q_pe and k_pe evens first, then odds, so the projections give what `_rotate` would gather
+        (the same values, no gather per step)."""
         w_uk, w_uv = self._per_head()
         self.w_uk, self.w_uv = w_uk.contiguous(), w_uv.contiguous()
         self.kv_b_proj = None
+        if self.interleaved:
+            order = torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
+            qk = self.nope + self.rope
+            q_rows = torch.arange(self.num_heads * qk).view(self.num_heads, qk)
+            q_rows[:, self.nope:] = q_rows[:, self.nope:][:, order]
+            self._permute_rows(self.q_b_proj if self.q_lora else self.q_proj, q_rows.flatten())
+            kv_rows = torch.arange(self.latent + self.rope)
+            kv_rows[self.latent:] = self.latent + order
+            self._permute_rows(self.kv_a_proj_with_mqa, kv_rows)
+            self.interleaved = False
+
+    @staticmethod
+    def _permute_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
+        linear.weight.data = linear.weight.data[rows].contiguous()
+        if linear.bias is not None:
+            linear.bias.data = linear.bias.data[rows].contiguous()
 
     def _per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.w_uk is not None and self.w_uv is not None:
