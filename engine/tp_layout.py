@@ -58,6 +58,9 @@ class TPLayout:
     # expert parallelism: the routed experts whole, `num_experts` / size of them on each rank
     num_experts: int = 0
     expert_parallel: bool = False
+    # gpt-oss keeps its experts stacked as the checkpoint has them: gate_up_proj (E, H, 2I) with gate
+    # and up interleaved along the last dim, down_proj (E, I, H), and their biases (E, 2I), (E, H)
+    stacked_experts: bool = False
 
     def __post_init__(self) -> None:
         n = self.size
@@ -135,6 +138,10 @@ class TPLayout:
             if ".gate_up_proj." in target:
                 return 0, self.rank * inter, inter
             return (1, self.rank * inter, inter) if target.endswith("weight") else None
+        if ".self_attn.sinks" in target:  # gpt-oss: one logit per query head
+            return 0, self.rank * self.heads, self.heads
+        if self.stacked_experts and ".experts." in target:
+            return self._stacked_shard(target)
         if self.expert_parallel and target.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             return None  # whole experts (which ones: `experts`)
         if target.endswith(".experts.gate_up_proj"):  # one expert's gate or up (the fused shard)
@@ -152,6 +159,28 @@ class TPLayout:
         if ".down_proj." in target:
             return (1, self.rank * self.inter, self.inter) if target.endswith("weight") else None
         return None
+
+    def _stacked_shard(self, target: str) -> tuple[int, int, int] | None:
+        """gpt-oss's stacked experts: expert parallel, the rank's experts (rows of dim 0) of every
+        tensor; else each expert's intermediate slice: gate/up pairs [2 r I/N, 2 (r+1) I/N) of the
+        last dim (gate and up interleaved, so a pair stays together), down_proj's rows of it; the
+        down bias whole (`TPLayout.adds_row_bias`: rank 0 adds it)."""
+        if self.expert_parallel:
+            return 0, self.experts.start, len(self.experts)
+        i = self.moe_inter
+        if target.endswith(".gate_up_proj"):
+            return 2, 2 * self.rank * i, 2 * i
+        if target.endswith(".gate_up_proj_bias"):
+            return 1, 2 * self.rank * i, 2 * i
+        if target.endswith(".down_proj"):
+            return 1, self.rank * i, i
+        return None
+
+    @property
+    def adds_row_bias(self) -> bool:
+        """Whether this rank adds the bias of a row-parallel layer (o_proj, a sharded expert's
+        down_proj): one rank does, so the all-reduce sums it once."""
+        return self.rank == 0
 
     def _latent_shard(self, target: str) -> tuple[int, int, int] | None:
         """Latent attention: the query projection and kv_b_proj by the rank's heads (rows), o_proj by

@@ -33,21 +33,17 @@ def layout_for(model_cfg: ModelConfig, rank: int, size: int, expert_parallel: bo
                   v_head_dim=m.v_head_dim) if m.kv_lora_rank else {}
     return TPLayout(rank, size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.moe_intermediate_size,
                     m.shared_intermediate_size, **latent, num_experts=m.num_experts,
-                    expert_parallel=expert_parallel and size > 1)
+                    expert_parallel=expert_parallel and size > 1, stacked_experts=m.router == "gpt_oss")
 
 
 def check_expert_parallel(model_cfg: ModelConfig, size: int, expert_parallel: bool) -> None:
     """`expert_parallel` needs routed experts (at any size: the flag on a dense model is a mistake);
-    with one rank it changes nothing (that rank holds every expert whole either way). gpt-oss is
-    refused with more than one rank, as its tensor parallelism is."""
+    with one rank it changes nothing (that rank holds every expert whole either way)."""
     if not expert_parallel:
         return
     if not model_cfg.num_experts:
         raise ValueError(f"expert_parallel needs a mixture-of-experts model; {model_cfg.architecture} "
                          f"({model_cfg.path}) has no routed experts")
-    if model_cfg.router == "gpt_oss" and size > 1:
-        raise ValueError("expert parallelism of gpt-oss is not supported (its experts keep the checkpoint's "
-                         "stacked layout, loaded whole); serve it with tensor_parallel_size 1")
 
 
 def lead(model_cfg: ModelConfig, leader: Leader, backend: str, join_timeout_s: float,

@@ -58,7 +58,7 @@ def check_tensor_parallel(cfg: ClusterConfig) -> None:
     """A pool whose tensor_parallel_size cannot split the model is an error at `up`, naming the pool,
     before any worker starts (a worker would fail loading its shard). Any two degrees that each split
     the model can exchange KV (kv_transfer/parts.py plans every such pair), so no pair is checked.
-    `expert_parallel` is checked alike (routed experts that the ranks divide; not gpt-oss); it does
+    `expert_parallel` is checked alike (routed experts that the ranks divide); it does
     not enter the KV compatibility key (attention, and so the cache, is laid out as without it)."""
     if all(p.tensor_parallel_size == 1 and not p.expert_parallel for p in cfg.pools):
         return

@@ -66,8 +66,6 @@ def engine_ep_gap(model: ModelShape, hw: Hardware, degree: int) -> str | None:
     """Why the engine cannot serve this EP pool with `expert_parallel: true` (None: it can). The
     engine's expert parallelism keeps attention tensor-parallel over ranks that are processes of one
     node, so the degree must fit a node and split the attention heads as TP's would."""
-    if model.experts is not None and model.experts.router_bias:  # gpt-oss's router (the engine's "gpt_oss")
-        return "the engine serves gpt-oss on one rank only (neither tensor nor expert parallel)"
     if degree > hw.max_tp:
         return f"ep{degree} spans {-(-degree // hw.max_tp)} nodes; the engine's ranks are processes of one node"
     if model.num_heads % degree or (model.num_kv_heads % degree and degree % model.num_kv_heads):

@@ -8,16 +8,23 @@
   interleaved along the last dim (gate at even columns, up at odd), `down_proj` (E, I, H), applied
   as `x @ W + b` the way transformers multiplies them, so float32 results agree bit for bit that matters.
 Experts run one at a time on the tokens routed to them, summed in expert order (engine/models/moe.py).
+Tensor parallelism keeps each expert's gate/up pairs together: a rank holds columns
+[2 r I/N, 2 (r+1) I/N) of gate_up_proj and those rows of down_proj (engine/tp_layout.py).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.moe import dispatch
+from engine.models.moe import Reduce, dispatch
+
+if TYPE_CHECKING:
+    from engine.tp_layout import TPLayout
 
 
 class GptOssRouter(nn.Module):
@@ -35,9 +42,9 @@ class GptOssRouter(nn.Module):
 
 
 class GptOssExperts(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, num_experts: int, inter: int) -> None:
         super().__init__()
-        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H = num_experts, cfg.hidden_size
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * inter))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * inter))
@@ -54,12 +61,24 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None) -> None:
+        """With tensor parallelism (`layout`) each expert's intermediate slice (its down bias added
+        by one rank), or with expert parallelism the rank's experts whole; `reduce` sums the ranks'
+        partial outputs. The router is whole on every rank."""
         super().__init__()
         self.num_experts = cfg.num_experts
+        self.layout, self.reduce = layout, reduce
+        self.held = layout.experts if layout is not None and layout.expert_parallel else None
+        inter = layout.moe_inter if layout is not None else cfg.moe_intermediate_size
         self.router = GptOssRouter(cfg)
-        self.experts = GptOssExperts(cfg)
+        self.experts = GptOssExperts(cfg, len(self.held) if self.held is not None else cfg.num_experts, inter)
+
+    def finish_load(self) -> None:
+        """Sharded experts: one rank adds the down projections' biases (the all-reduce sums them)."""
+        if self.layout is not None and self.held is None and not self.layout.adds_row_bias:
+            self.experts.down_proj_bias.data.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
-        return dispatch(x, ids, weights, self.num_experts, self.experts.run)
+        out = dispatch(x, ids, weights, self.num_experts, self.experts.run, self.held)
+        return out if self.reduce is None else self.reduce(out)

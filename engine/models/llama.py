@@ -44,9 +44,15 @@ class Attention(nn.Module):
         # gpt-oss: o_proj biased too, and one learned sink logit per head joins each softmax
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.attention_sinks)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
+        self.layout = layout
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+
+    def finish_load(self) -> None:
+        """With tensor parallelism o_proj is row-parallel: only one rank adds its bias (gpt-oss's)."""
+        if self.o_proj.bias is not None and self.layout is not None and not self.layout.adds_row_bias:
+            self.o_proj.bias.data.zero_()
 
     def forward(
         self,
@@ -97,10 +103,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = LatentAttention(cfg, layout, reduce) if cfg.kv_lora_rank else Attention(cfg, layout, reduce)
         # a mixture-of-experts model's sparse layers route each token to a few experts
         if cfg.router == "gpt_oss":
-            if layout is not None:
-                raise ValueError("tensor parallelism of gpt-oss is not supported (tp 1 only; "
-                                 "expert parallelism neither)")
-            self.mlp = GptOssMoE(cfg)
+            self.mlp = GptOssMoE(cfg, layout, reduce)
         elif index in cfg.moe_layers:
             # shared experts: tensor-parallel even when the routed ones are expert-parallel
             width = cfg.shared_intermediate_size // (layout.size if layout is not None else 1)

@@ -47,6 +47,21 @@ def test_greedy_equals_transformers_with_two_expert_parallel_ranks(checkpoint, m
     assert [o.token_ids for o in outs] == [ref(p, N) for p in PROMPTS]
 
 
+def test_gpt_oss_with_two_expert_parallel_ranks_equals_transformers(checkpoint):
+    """gpt-oss keeps its experts stacked: each rank reads its rows of every expert tensor, biases too."""
+    path = str(checkpoint("gpt-oss"))
+    ref = hf_greedy(path, pad_token_id=3)
+    llm = LLM(path, tensor_parallel_size=2, expert_parallel=True, dtype="float32", max_model_len=128, num_blocks=8,
+              max_num_batched_tokens=32, max_num_seqs=4)
+    try:
+        assert llm.engine.runner.tp.layout.experts == range(0, 2)  # 4 experts: rank 0 holds 0-1
+        assert {layer.mlp.experts.gate_up_proj.shape[0] for layer in llm.engine.model.layers} == {2}
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == [ref(p, N) for p in PROMPTS]
+
+
 def test_a_cluster_whose_decode_pool_is_expert_parallel_serves_transformers_tokens():
     """cluster.yaml's pool keys -> the engines' configs -> a disaggregated cluster (router, workers,
     KV transfer from a one-rank prefill worker to each rank of the expert-parallel decode worker)."""

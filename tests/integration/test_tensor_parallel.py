@@ -28,7 +28,9 @@ SHAPES = {"gqa-8-4": ("llama-gqa", dict(num_attention_heads=8, num_key_value_hea
           # every expert sharded across the ranks; a dense first layer beside routed ones
           "mixtral": ("mixtral", {}), "qwen3-moe-dense-first": ("qwen3-moe-dense-first", {}),
           # latent attention: query heads split, the latent whole on every rank; shared experts split
-          "deepseek-v3": ("deepseek-v3", {}), "deepseek-v2": ("deepseek-v2", {})}
+          "deepseek-v3": ("deepseek-v3", {}), "deepseek-v2": ("deepseek-v2", {}),
+          # sinks split with the heads, sliding windows, biased experts' gate/up pairs split together
+          "gpt-oss": ("gpt-oss", {})}
 
 
 def _llm(path: str, tp: int = 2, **kw) -> LLM:

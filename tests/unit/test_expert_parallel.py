@@ -54,13 +54,20 @@ def test_sizes_and_models_expert_parallelism_cannot_split_are_refused(kwargs, ma
         _ep(0, 4, **kwargs)
 
 
-def test_dense_and_gpt_oss_models_are_refused(checkpoint):
+def test_dense_models_are_refused_and_gpt_oss_keeps_its_stacked_experts(checkpoint):
     dense = ModelConfig.from_pretrained(checkpoint("llama-gqa"))
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         layout_for(dense, 0, 1, expert_parallel=True)  # a mistake even where it would change nothing
     gpt_oss = ModelConfig.from_pretrained(checkpoint("gpt-oss"))
-    with pytest.raises(ValueError, match="expert parallelism of gpt-oss is not supported"):
-        layout_for(gpt_oss, 0, 2, expert_parallel=True)
+    ep = layout_for(gpt_oss, 1, 2, expert_parallel=True)
+    assert ep.stacked_experts and ep.experts == range(2, 4)
+    assert ep.shard("layers.0.mlp.experts.down_proj_bias", None) == (0, 2, 2)  # its experts' rows, biases too
+    tp = layout_for(gpt_oss, 1, 2)
+    i = gpt_oss.moe_intermediate_size // 2
+    assert tp.shard("layers.0.mlp.experts.gate_up_proj", None) == (2, 2 * i, 2 * i)  # gate/up pairs together
+    assert tp.shard("layers.0.mlp.experts.down_proj", None) == (1, i, i)
+    assert tp.shard("layers.0.mlp.experts.down_proj_bias", None) is None and not tp.adds_row_bias
+    assert tp.shard("layers.0.self_attn.sinks", None) == (0, 2, 2)
     moe = ModelConfig.from_pretrained(checkpoint("qwen3-moe"))
     assert not layout_for(moe, 0, 1, expert_parallel=True).expert_parallel  # one rank: a no-op
     with pytest.raises(ValueError, match="expert_parallel must be true or false"):
@@ -210,4 +217,4 @@ def test_the_planner_writes_expert_parallel_pools_the_engine_can_serve():
     assert "attention tensor-parallel and combines with an all-reduce" in ep_header(plan.decode, ctx)
     assert "not servable as written: ep16 spans 2 nodes" in ep_header(Pool("H100-SXM", 1, tp=16, ep=True), ctx)
     oss = PlanContext(PRESETS["gpt-oss-120b"], load_catalog())
-    assert "gpt-oss on one rank only" in ep_header(Pool("H200", 1, tp=4, ep=True), oss)
+    assert "not servable" not in ep_header(Pool("H200", 1, tp=4, ep=True), oss)
