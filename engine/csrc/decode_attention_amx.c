@@ -5,7 +5,8 @@
  * whose value is each key row's first vd values), where the tiles and the shapes allow it (head
  * width a multiple of 32, value width of 16); the caller keeps the other kernel for the rest.
  *
- * Per unit (sequence i, KV head h, up to 16 of its query rows), tokens [start, n):
+ * Per unit (sequence i, KV head h, up to 16 of its query rows: fewer when there would be fewer
+ * units than threads), tokens [start, n):
  *   1. the key rows gathered from the blocks into rows of a buffer, zero-padded to 32 tokens;
  *      the query rows packed once as the tile product's second operand (pairs of dims
  *      interleaved), so each 16-token tile of keys times them gives 16 x 16 scores;
@@ -88,7 +89,8 @@ static void run(const void *ctx, int phase, int t, int threads) {
     pd_tiles_on();
     for (int u = t; u < units; u += threads) {
         const int i = u / per_seq, h = (u % per_seq) / a->row_groups, rg = u % a->row_groups;
-        const int g0 = rg * TILE, rows = a->group - g0 < TILE ? a->group - g0 : TILE;
+        const int per = (a->group + a->row_groups - 1) / a->row_groups; /* query rows of a unit, <= 16 */
+        const int g0 = rg * per, rows = a->group - g0 < per ? a->group - g0 : per;
         if (a->ctx[i] > (a->starts ? a->starts[i] : 0) && one_unit(a, i, h, g0, rows) != 0) *a->failed = 1;
     }
     _tile_release();
@@ -102,9 +104,12 @@ int decode_attention_amx(const uint16_t *q, const uint16_t *k_cache, const uint1
                          int vd, int bs, int max_blocks, float scale, int threads) {
 #ifdef PD_AMX
     if (!pd_amx_ready() || hd % DEPTH || vd % TILE || vd > hd || vd < 1 || hd < 1 || threads < 1) return -1;
-    int failed = 0;
+    int failed = 0, row_groups = (group + TILE - 1) / TILE;
+    /* fewer units than threads (one sequence of a latent cache: one KV head): its query rows split
+     * further, each unit reading the same keys */
+    while (b * kvh * row_groups < threads && row_groups < group) row_groups++;
     att_t a = {q, k_cache, v_cache, tables, ctx, starts, out, b, kvh, group, hd, vd, bs, max_blocks,
-               (group + TILE - 1) / TILE, scale, &failed};
+               row_groups, scale, &failed};
     const int units = b * kvh * a.row_groups;
     pd_parallel_phase(run, &a, 0, threads < units ? threads : units);
     return failed ? -2 : 0;

@@ -92,6 +92,7 @@ def test_native_latent_cache_matches_torch(b, heads, latent, rope, dtype, thread
     (3, 8, 2, 64, 16, None),   # GQA: 4 query rows of a tile's 16 per KV head
     (2, 40, 1, 96, 8, None),   # three 16-row groups, blocks of 8 (tiles gather tokens across blocks)
     (5, 8, 4, 128, 32, 21),    # a sliding window, larger blocks
+    (1, 16, 1, 64, 16, None),  # one sequence, one KV head: its 16 rows split over the threads
 ])
 def test_bfloat16_decode_on_tiles_matches_float_math(b, heads, kv_heads, hd, bs, window):
     """Where the CPU has AMX, bfloat16 decode runs on tiles (engine/csrc/decode_attention_amx.c);
