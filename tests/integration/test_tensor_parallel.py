@@ -222,3 +222,22 @@ def test_the_fallback_path_through_rank_0_still_serves(checkpoint, direct):
         got, sent, total = _serve(c, PROMPTS[:3])
     assert got == [ref(p, N) for p in PROMPTS[:3]]
     assert sent == (total // 2 if direct[0] else total)
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_splits_after_dequantizing(checkpoint, tmp_path):
+    """gpt-oss as published (experts in mxfp4): each rank dequantizes, then takes its slice of every
+    expert (gate/up pairs together); two ranks generate what one does."""
+    from tests.quantized_checkpoints import write_mxfp4
+
+    path, _ = write_mxfp4(checkpoint("gpt-oss", intermediate_size=64), tmp_path / "mxfp4")
+    params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+    one = _llm(str(path), tp=1, num_blocks=64)
+    try:
+        want = [o.token_ids for o in one.generate(PROMPTS, params)]
+    finally:
+        one.close()
+    llm = _llm(str(path), num_blocks=64)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    finally:
+        llm.close()
