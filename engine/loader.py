@@ -103,6 +103,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
                 if held is not None and piece.expert is not None and piece.expert not in held:
                     continue  # another expert-parallel rank's expert: not read
                 for part, tensor in _read(f, name, piece, layout, dtype, whole):
+                    if layout is not None and layout.zeroed(part.target):  # another rank adds it
+                        tensor = torch.zeros_like(tensor)
                     dst = params[part.target].data
                     if part.expert is not None:  # the rank's own index (expert parallel: from held.start)
                         dst = dst[part.expert - (held.start if held is not None else 0)]

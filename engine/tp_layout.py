@@ -164,7 +164,7 @@ class TPLayout:
         """gpt-oss's stacked experts: expert parallel, the rank's experts (rows of dim 0) of every
         tensor; else each expert's intermediate slice: gate/up pairs [2 r I/N, 2 (r+1) I/N) of the
         last dim (gate and up interleaved, so a pair stays together), down_proj's rows of it; the
-        down bias whole (`TPLayout.adds_row_bias`: rank 0 adds it)."""
+        down bias whole (`zeroed`: rank 0 adds it)."""
         if self.expert_parallel:
             return 0, self.experts.start, len(self.experts)
         i = self.moe_inter
@@ -176,11 +176,15 @@ class TPLayout:
             return 1, self.rank * i, i
         return None
 
-    @property
-    def adds_row_bias(self) -> bool:
-        """Whether this rank adds the bias of a row-parallel layer (o_proj, a sharded expert's
-        down_proj): one rank does, so the all-reduce sums it once."""
-        return self.rank == 0
+    def zeroed(self, target: str) -> bool:
+        """Whether this rank loads zeros for `target`: the bias of a row-parallel layer (o_proj, an
+        MLP's down_proj, a sharded stacked expert's down_proj_bias) is added by rank 0 alone, so the
+        all-reduce that sums the ranks' partial outputs counts it once."""
+        if self.size == 1 or self.rank == 0:
+            return False
+        if target.endswith(".experts.down_proj_bias"):  # gpt-oss: whole experts under EP keep theirs
+            return not self.expert_parallel
+        return target.endswith((".o_proj.bias", ".down_proj.bias"))
 
     def _latent_shard(self, target: str) -> tuple[int, int, int] | None:
         """Latent attention: the query projection and kv_b_proj by the rank's heads (rows), o_proj by

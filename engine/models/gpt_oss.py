@@ -67,16 +67,11 @@ class GptOssMoE(nn.Module):
         partial outputs. The router is whole on every rank."""
         super().__init__()
         self.num_experts = cfg.num_experts
-        self.layout, self.reduce = layout, reduce
+        self.reduce = reduce
         self.held = layout.experts if layout is not None and layout.expert_parallel else None
         inter = layout.moe_inter if layout is not None else cfg.moe_intermediate_size
         self.router = GptOssRouter(cfg)
         self.experts = GptOssExperts(cfg, len(self.held) if self.held is not None else cfg.num_experts, inter)
-
-    def finish_load(self) -> None:
-        """Sharded experts: one rank adds the down projections' biases (the all-reduce sums them)."""
-        if self.layout is not None and self.held is None and not self.layout.adds_row_bias:
-            self.experts.down_proj_bias.data.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)

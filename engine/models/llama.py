@@ -44,15 +44,9 @@ class Attention(nn.Module):
         # gpt-oss: o_proj biased too, and one learned sink logit per head joins each softmax
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.attention_sinks)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
-        self.layout = layout
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
-
-    def finish_load(self) -> None:
-        """With tensor parallelism o_proj is row-parallel: only one rank adds its bias (gpt-oss's)."""
-        if self.o_proj.bias is not None and self.layout is not None and not self.layout.adds_row_bias:
-            self.o_proj.bias.data.zero_()
 
     def forward(
         self,

@@ -42,16 +42,28 @@ def _llm(path: str, tp: int = 2, **kw) -> LLM:
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_greedy_equals_transformers_with_two_ranks(checkpoint, shape):
+    """The tokens equal transformers'; their log-probabilities equal one rank's (which
+    tests/unit/test_parity.py checks against transformers): greedy tokens of these decisive models
+    would survive a bias counted twice, the log-probabilities do not."""
     name, overrides = SHAPES[shape]
     path = str(checkpoint(name, **overrides))
     ref = hf_greedy(path)
+    params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, logprobs=1)
+    one = _llm(path, tp=1, num_blocks=64)
+    try:
+        want = one.generate(PROMPTS, params)
+    finally:
+        one.close()
     llm = _llm(path)
     try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
+        outs = llm.generate(PROMPTS, params)
         assert llm.engine.scheduler.num_preemptions > 0  # the recompute path ran too
     finally:
         llm.close()
     assert [o.token_ids for o in outs] == [ref(p, N) for p in PROMPTS]
+    for got, exp in zip(outs, want):
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.logprobs]),
+                                   torch.tensor([lp.logprob for lp in exp.logprobs]), atol=1e-4, rtol=1e-4)
 
 
 def test_forked_choices_match_one_rank(checkpoint):

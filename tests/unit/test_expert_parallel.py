@@ -66,7 +66,11 @@ def test_dense_models_are_refused_and_gpt_oss_keeps_its_stacked_experts(checkpoi
     i = gpt_oss.moe_intermediate_size // 2
     assert tp.shard("layers.0.mlp.experts.gate_up_proj", None) == (2, 2 * i, 2 * i)  # gate/up pairs together
     assert tp.shard("layers.0.mlp.experts.down_proj", None) == (1, i, i)
-    assert tp.shard("layers.0.mlp.experts.down_proj_bias", None) is None and not tp.adds_row_bias
+    assert tp.shard("layers.0.mlp.experts.down_proj_bias", None) is None  # whole, and zeros on rank 1:
+    assert tp.zeroed("layers.0.mlp.experts.down_proj_bias") and tp.zeroed("layers.0.self_attn.o_proj.bias")
+    assert not layout_for(gpt_oss, 0, 2).zeroed("layers.0.self_attn.o_proj.bias")  # rank 0 adds them
+    assert not ep.zeroed("layers.0.mlp.experts.down_proj_bias")  # an EP rank's whole experts keep theirs
+    assert ep.zeroed("layers.0.self_attn.o_proj.bias")  # attention stays tensor-parallel under EP
     assert tp.shard("layers.0.self_attn.sinks", None) == (0, 2, 2)
     moe = ModelConfig.from_pretrained(checkpoint("qwen3-moe"))
     assert not layout_for(moe, 0, 1, expert_parallel=True).expert_parallel  # one rank: a no-op
