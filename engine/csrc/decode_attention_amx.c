@@ -74,7 +74,8 @@ static int one_unit(const att_t *a, int i, int h, int g0, int rows) {
     float sum[TILE];
     for (int r = 0; r < rows; r++) sum[r] = pd_softmax_row(s + (int64_t)r * Lp, p + (int64_t)r * Lp, L, Lp);
     /* 3. values in pairs of tokens, then the probabilities times them */
-    for (int64_t t = 0; t < L; t++) vrows[t] = cache_row(a, a->v, i, first + t, h);
+    for (int64_t t = 0; t < L; t++) /* a latent cache's value is its key row's start: already gathered */
+        vrows[t] = a->v == a->k ? keys + t * hd : cache_row(a, a->v, i, first + t, h);
     pd_pack_values(vals, vrows, L, Lp, vd);
     pd_values_product(p, Lp, vals, vd, rows, sum, a->out + ((int64_t)i * H + (int64_t)h * a->group + g0) * vd, vd);
 done:

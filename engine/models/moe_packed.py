@@ -28,12 +28,6 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(E, N // TILE, TILE, K // DEPTH, DEPTH // 2, 2).permute(0, 1, 3, 4, 2, 5).contiguous()
 
 
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack`: (E, N, K)."""
-    E, nb, kb = packed.shape[:3]
-    return packed.permute(0, 1, 4, 2, 3, 5).reshape(E, nb * TILE, kb * DEPTH)
-
-
 class PackedExperts:
     """One layer's experts, packed, and the call that runs them."""
 

@@ -10,13 +10,19 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.models.moe import Experts, dispatch
-from engine.models.moe_packed import pack, packable, unpack
+from engine.models.moe_packed import DEPTH, TILE, pack, packable
 from engine.native import native_lib
 
 LIB = native_lib()
 AMX = bool(LIB is not None and LIB.pd_amx_ready())
 PATHS = [False] + ([True] if AMX else [])
 needs_lib = pytest.mark.skipif(LIB is None, reason="the native kernels did not build (no C compiler)")
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack`: (E, N, K)."""
+    E, nb, kb = packed.shape[:3]
+    return packed.permute(0, 1, 4, 2, 3, 5).reshape(E, nb * TILE, kb * DEPTH)
 
 
 def test_the_tile_layout_is_a_permutation_of_the_weight():
@@ -26,7 +32,7 @@ def test_the_tile_layout_is_a_permutation_of_the_weight():
     # element [e, nb, kb, kk, n, j] is W[e, 16 nb + n, 32 kb + 2 kk + j]
     assert p[1, 1, 0, 3, 5, 1] == w[1, 16 + 5, 2 * 3 + 1]
     assert p[0, 0, 1, 15, 0, 0] == w[0, 0, 32 + 30]
-    assert torch.equal(unpack(p), w)
+    assert torch.equal(_unpack(p), w)
     assert packable(640, 256) and not packable(640, 48) and not packable(100, 64)
 
 

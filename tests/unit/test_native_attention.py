@@ -81,7 +81,8 @@ def test_native_latent_cache_matches_torch(b, heads, latent, rope, dtype, thread
     scale = (latent + rope) ** -0.5
     ref = _torch_path(q.float(), (views[0].float(), views[1].float()), lens, padded, scale)
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
-                             native_decode=NativeDecode(LIB, padded, lens, threads))
+                             native_decode=NativeDecode(_TilesOnly(LIB) if dtype == torch.bfloat16 and
+                                                        LIB.pd_amx_ready() else LIB, padded, lens, threads))
     out = paged_attention(q, q, q[..., :latent], views, meta, scale)
     assert out.shape == (b, heads, latent) and out.dtype == dtype
     tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -102,10 +103,22 @@ def test_bfloat16_decode_on_tiles_matches_float_math(b, heads, kv_heads, hd, bs,
     starts = (lens - window).clamp(min=0) if window else None
     scale = hd ** -0.5
     ref = _torch_path(q.float(), cache.float(), lens, padded, scale, starts)
+    # on AMX the tiles must serve: the vector kernel is taken away
+    lib = _TilesOnly(LIB) if LIB.pd_amx_ready() else LIB
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
-                             native_decode=NativeDecode(LIB, padded, lens, 2, starts))
+                             native_decode=NativeDecode(lib, padded, lens, 2, starts))
     out = paged_attention(q, q, q, cache, meta, scale)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+class _TilesOnly:
+    """The native library without its vector decode kernel."""
+
+    def __init__(self, lib) -> None:
+        self.decode_attention_amx = lib.decode_attention_amx
+
+    def paged_decode_attention(self, *args):
+        raise AssertionError("the tile kernel refused a shape it serves")
 
 
 def test_native_bfloat16_cache():
