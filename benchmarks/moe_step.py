@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.decode_steps import DecodeSteps
 from benchmarks.machine import gemm_tflops, git_commit, read_bandwidth_gbs
 from engine.builtin_model import resolve_model_path
 from planner.models import ModelShape, from_checkpoint
@@ -47,28 +47,16 @@ class Timed:
         torch.set_num_threads(threads)
         self.path = resolve_model_path(model)
         self.llm = LLM(model, dtype=dtype, max_model_len=1024)
-        self.engine = self.llm.engines[-1]
-        self.dtype = self.engine.runner.dtype
-        self.totals = [0, 0.0]
-        step = self.engine.step
-
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            out = step(*a, **kw)
-            if self.engine.last_step is not None and self.engine.last_step.phase == "decode":
-                self.totals[0] += 1
-                self.totals[1] += time.perf_counter() - t
-            return out
-
-        self.engine.step = timed
+        self.dtype = self.llm.engines[-1].runner.dtype
+        self.decode = DecodeSteps(self.llm.engines[-1])
 
     def mean_step(self, prompts: list[list[int]], steps: int) -> float:
         from pdcluster import SamplingParams
 
-        self.totals[:] = [0, 0.0]
+        self.decode.reset()
         params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
         self.llm.generate(prompts, [params] * len(prompts))
-        return self.totals[1] / max(1, self.totals[0])
+        return self.decode.mean_seconds
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,35 +36,16 @@ class Ours:
 
         self.SamplingParams = SamplingParams
         self.llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, mode=args.mode)
-        self._wrap_decode_step()
+        from benchmarks.decode_steps import DecodeSteps
 
-    def _wrap_decode_step(self) -> None:
-        """Time every pure decode step and note its shape: the bytes a step must read follow from it."""
-        engine = self.llm.engines[-1]  # the colocated engine, or the decode one
-        self.decode_totals = {"steps": 0, "seconds": 0.0, "seqs": 0, "context": 0}
-        step = engine.step
-
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            out = step(*a, **kw)
-            shape = engine.last_step
-            if shape is not None and shape.phase == "decode":
-                d = self.decode_totals
-                d["steps"] += 1
-                d["seconds"] += time.perf_counter() - t
-                d["seqs"] += shape.seqs
-                d["context"] += shape.context
-            return out
-
-        engine.step = timed
+        self.decode = DecodeSteps(self.llm.engines[-1])  # the colocated engine, or the decode one
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], dict]:
-        for k in self.decode_totals:
-            self.decode_totals[k] = 0
+        self.decode.reset()
         params = [self.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
         outs = self.llm.generate(prompts, params)
         runner = self.llm.engines[0].runner
-        return [o.token_ids for o in outs], {"decode": dict(self.decode_totals), "dtype": str(runner.dtype)}
+        return [o.token_ids for o in outs], {"decode": dict(self.decode.totals), "dtype": str(runner.dtype)}
 
 
 class VLLM:
