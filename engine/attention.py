@@ -10,9 +10,8 @@ taken back (engine/block_manager.py `release_outside_window`) are never read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

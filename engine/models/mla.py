@@ -72,8 +72,8 @@ class LatentAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(h, self.latent + self.rope, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
         self.kv_b_proj: Weight | None = Weight(self.num_heads * (self.nope + self.v_dim), self.latent)
-        self.w_uk: torch.Tensor | None = None  # (H, nope, latent) and (H, v_dim, latent) once split
-        self.w_uv: torch.Tensor | None = None
+        # kv_b_proj split by finish_load: (H, nope, latent) and (H, v_dim, latent)
+        self.w_uk = self.w_uv = torch.empty(0)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
         self.scale = attention_scale(cfg.hf_config, qk)
         self.q_lora = bool(cfg.q_lora_rank)
@@ -82,10 +82,11 @@ class LatentAttention(nn.Module):
         """Split kv_b_proj into contiguous per-head stacks W_uk (H, nope, latent) and W_uv (H, v_dim,
         latent), which a step reads in place (a strided slice of the fused weight was copied by
         every decode step's absorb and unfold); and with interleaved RoPE, order the rows that make
-        q_pe and k_pe evens first, then odds, so the projections give what `_rotate` would gather
-        (the same values, no gather per step)."""
-        w_uk, w_uv = self._per_head()
-        self.w_uk, self.w_uv = w_uk.contiguous(), w_uv.contiguous()
+        q_pe and k_pe evens first, then odds, so the projections give the half-split layout RoPE
+        rotates (the same values; no gather per step)."""
+        assert self.kv_b_proj is not None, "finish_load runs once, after the weights are loaded"
+        w = self.kv_b_proj.weight.data.view(self.num_heads, self.nope + self.v_dim, self.latent)
+        self.w_uk, self.w_uv = w[:, :self.nope].contiguous(), w[:, self.nope:].contiguous()
         self.kv_b_proj = None
         if self.interleaved:
             order = torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
@@ -96,7 +97,6 @@ class LatentAttention(nn.Module):
             kv_rows = torch.arange(self.latent + self.rope)
             kv_rows[self.latent:] = self.latent + order
             self._permute_rows(self.kv_a_proj_with_mqa, kv_rows)
-            self.interleaved = False
 
     @staticmethod
     def _permute_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
@@ -104,37 +104,24 @@ class LatentAttention(nn.Module):
         if linear.bias is not None:
             linear.bias.data = linear.bias.data[rows].contiguous()
 
-    def _per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.w_uk is not None and self.w_uv is not None:
-            return self.w_uk, self.w_uv
-        assert self.kv_b_proj is not None
-        w = self.kv_b_proj.weight.data.view(self.num_heads, self.nope + self.v_dim, self.latent)
-        return w[:, :self.nope], w[:, self.nope:]
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:  # (x0, x1), (x2, x3), ... -> evens then odds: a half-split rotation
-            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-        return apply_rope(x, cos, sin)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(T, H, self.nope + self.rope)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)
-        row = torch.cat([self.kv_a_layernorm(c), self._rotate(k_pe.view(T, 1, self.rope), cos, sin)[:, 0]], dim=-1)
+        row = torch.cat([self.kv_a_layernorm(c), apply_rope(k_pe.view(T, 1, self.rope), cos, sin)[:, 0]], dim=-1)
         row = row.view(T, 1, self.latent + self.rope)
         cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope)
         cache.view(-1, 1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row)
-        w_uk, w_uv = self._per_head()
         if meta.spans is not None and meta.decode_groups is None and meta.native_decode is None:
             out = self._expanded(q, row[:, 0], cache.view(-1, row.shape[-1]), meta, cos, sin)
             return self._finish(out, T)
-        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # (T, H, latent)
-        q_full = torch.cat([q_latent, self._rotate(q[..., self.nope:], cos, sin)], dim=-1)
+        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)  # (T, H, latent)
+        q_full = torch.cat([q_latent, apply_rope(q[..., self.nope:], cos, sin)], dim=-1)
         values = (cache, cache[..., :self.latent])  # the key row, and its latent part as the value
         out = paged_attention(q_full, row, row[..., :self.latent], values, meta, self.scale)  # (T, H, latent)
-        return self._finish(torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), T)
+        return self._finish(torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1), T)
 
     def _finish(self, out: torch.Tensor, T: int) -> torch.Tensor:
         """(T, H, v_dim) heads' outputs -> the layer's output."""
@@ -146,8 +133,8 @@ class LatentAttention(nn.Module):
         """Prefill spans as multi-head attention over keys and values expanded from their latents
         (the span's new rows, or its cached ones); (T, H, v_dim)."""
         H, nope, qk = self.num_heads, self.nope, self.nope + self.rope
-        q = torch.cat([q[..., :nope], self._rotate(q[..., nope:], cos, sin)], dim=-1)
-        w_uk, w_uv = (w.reshape(-1, self.latent) for w in self._per_head())
+        q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], cos, sin)], dim=-1)
+        w_uk, w_uv = self.w_uk.view(-1, self.latent), self.w_uv.view(-1, self.latent)
         outs = []
         for span in meta.spans:
             rows = new_rows[span.q_start:span.q_end] if span.kv_index is None else flat[span.kv_index]

@@ -17,10 +17,10 @@ a decode step reads the weights of the experts its tokens were routed to and no 
 top-2: two experts' bytes). The routed outputs are summed in expert order, as transformers sums
 them, so float32 results agree with its `generate()` to the last bits that matter for greedy
 choices. In bfloat16 on a CPU with AMX tiles, every step runs in one native call on weights
-prepacked at load (engine/models/moe_packed.py). On CPU in float32, batches of a few rows per expert (decode) run the whole layer's experts
-in one native call (engine/csrc/moe_experts.c: one pass over each chosen expert's weights for all
-its tokens, no per-expert torch ops); larger batches (prefill) take torch's GEMMs, one expert at a
-time.
+prepacked at load (engine/models/moe_packed.py). On CPU in float32, batches of a few rows per
+expert (decode) run the whole layer's experts in one native call (engine/csrc/moe_experts.c: one
+pass over each chosen expert's weights for all its tokens, no per-expert torch ops); larger batches
+(prefill) take torch's GEMMs, one expert at a time.
 
 With tensor parallelism (engine/tp_layout.py) every expert is sharded like a dense MLP: a rank
 holds rows [r*I/N, (r+1)*I/N) of each expert's gate and up and those columns of its down; the
