@@ -63,7 +63,7 @@ class Engine:
         self.cfg = cfg
         self.role = role
         self.model_cfg = model_cfg or ModelConfig.from_pretrained(resolve_model_path(cfg.model))
-        check_expert_parallel(self.model_cfg, cfg.tensor_parallel_size, cfg.expert_parallel)
+        check_expert_parallel(self.model_cfg, cfg.expert_parallel)
         self._ranks: LocalRanks | None = None
         if tp is None and cfg.tensor_parallel_size > 1:
             backend = "nccl" if cfg.torch_device.type == "cuda" else "gloo"

@@ -28,7 +28,7 @@ log = logging.getLogger("pdcluster.engine")
 def layout_for(model_cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> TPLayout:
     """Rank `rank` of `size`'s layout of the model; ValueError when the model cannot be split so."""
     m = model_cfg
-    check_expert_parallel(m, size, expert_parallel)
+    check_expert_parallel(m, expert_parallel)
     latent = dict(qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, kv_b_head_dim=m.qk_nope_head_dim + m.v_head_dim,
                   v_head_dim=m.v_head_dim) if m.kv_lora_rank else {}
     return TPLayout(rank, size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.moe_intermediate_size,
@@ -36,7 +36,7 @@ def layout_for(model_cfg: ModelConfig, rank: int, size: int, expert_parallel: bo
                     expert_parallel=expert_parallel and size > 1, stacked_experts=m.router == "gpt_oss")
 
 
-def check_expert_parallel(model_cfg: ModelConfig, size: int, expert_parallel: bool) -> None:
+def check_expert_parallel(model_cfg: ModelConfig, expert_parallel: bool) -> None:
     """`expert_parallel` needs routed experts (at any size: the flag on a dense model is a mistake);
     with one rank it changes nothing (that rank holds every expert whole either way)."""
     if not expert_parallel:
