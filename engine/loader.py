@@ -137,7 +137,17 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         pack_linears(model)
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             _native_experts(model, native_lib(), dtype)
+            _native_token_ops(model, native_lib())
     return model.eval()
+
+
+def _native_token_ops(model: nn.Module, lib: Any) -> None:
+    """Norms and RoPE in one native pass each (engine/token_ops.py): every module that takes them."""
+    if lib is None:
+        return
+    for module in model.modules():
+        if hasattr(module, "token_ops"):
+            module.token_ops = lib
 
 
 def _native_experts(model: nn.Module, lib: Any, dtype: torch.dtype) -> None:

@@ -1,6 +1,6 @@
 """The engine's native CPU kernels (engine/csrc), built on first use: paged decode attention (and
-its bfloat16 form on AMX tiles), and a mixture-of-experts layer's routed experts (float32; and
-bfloat16 on AMX tiles).
+its bfloat16 form on AMX tiles), a mixture-of-experts layer's routed experts (float32; and
+bfloat16 on AMX tiles), and the per-token steps of a layer (RMSNorm, RoPE: engine/token_ops.py).
 
 The C sources are compiled with the host's C compiler (`$CC`, else cc / gcc) for this CPU
 (`-O3 -march=native`) into `$PDCLUSTER_CACHE/native/` (default ~/.cache/pdcluster), named by a
@@ -103,6 +103,15 @@ def _load(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn = lib.moe_experts_bf16
     fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i]
+    fn.restype = ctypes.c_int
+    fn = lib.pd_rms_norm
+    fn.argtypes = [p, ctypes.c_long, p, p, p, p, i, i, ctypes.c_float, i, i]
+    fn.restype = ctypes.c_int
+    fn = lib.pd_rope
+    fn.argtypes = [p, ctypes.c_long, ctypes.c_long, p, p, p, p, p, i, i, i, i, ctypes.c_float, i, i]
+    fn.restype = ctypes.c_int
+    fn = lib.pd_route_softmax
+    fn.argtypes = [p, p, p, i, i, i, i, i, i, i, p, p]
     fn.restype = ctypes.c_int
     lib.pd_amx_ready.argtypes = []
     lib.pd_amx_ready.restype = ctypes.c_int

@@ -13,12 +13,13 @@ the MLP, and `reduce` (the group's all-reduce) sums the row-parallel outputs of 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import token_ops
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
 from engine.models.gpt_oss import GptOssMoE
@@ -47,6 +48,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.token_ops: Any = None  # the native kernels (engine/native.py), set by the loader
 
     def forward(
         self,
@@ -59,18 +61,27 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        qk_heads = qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim)
+        qk = self._native_rope(qk_heads, cos, sin) if self.token_ops is not None else None
+        if qk is None and self.q_norm is not None:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
             qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)
-        else:  # q and k rotated in one pass, straight from the projection's output
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
+        elif qk is None:  # q and k rotated in one pass, straight from the projection's output
+            qk = apply_rope(qk_heads, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sinks)
         out = self.o_proj(out.reshape(T, self.q_size))
         return out if self.reduce is None else self.reduce(out)
+
+    def _native_rope(self, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """The query and key heads normed (Qwen3) and rotated in one native pass; None where it does not serve."""
+        if self.q_norm is None:
+            return token_ops.rope(self.token_ops, heads, cos, sin)
+        return token_ops.rope(self.token_ops, heads, cos, sin, self.q_norm.weight, self.k_norm.weight, self.num_heads,
+                              self.q_norm.eps)
 
 
 class MLP(nn.Module):
@@ -108,9 +119,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv_cache, meta, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream, this layer's MLP output), which the caller adds: the next layer's
+        norm (or the final one) does it in passing. `delta`: the previous layer's MLP output."""
+        h, x = self.input_layernorm.after_add(x, delta) if delta is not None else (self.input_layernorm(x), x)
+        h, x = self.post_attention_layernorm.after_add(x, self.self_attn(h, cos, sin, kv_cache, meta))
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -144,11 +158,12 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i], metas[self.cfg.layer_windows[i]])
+            x, delta = layer(x, cos, sin, kv_caches[i], metas[self.cfg.layer_windows[i]], delta)
             if layer_hook is not None:  # layer i's K/V are in the cache: it may be shipped now
                 layer_hook(i)
-        return self.norm(x)
+        return self.norm.after_add(x, delta)[0] if delta is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import token_ops
 from engine.config import ModelConfig
 from engine.models.moe_packed import PackedExperts
 
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 # The native kernel (engine/csrc/moe_experts.c) while the experts' mean rows stay below this; past
 # it (prefill chunks) torch's GEMMs are faster (measured on an AVX2 EPYC: break-even near 16 rows).
 NATIVE_MAX_ROWS_PER_EXPERT = 12
+# The softmax router computes its logits natively up to this many tokens, torch's GEMM above.
+NATIVE_LOGITS_MAX_TOKENS = 64
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sum over the tensor-parallel ranks, in place
 
 
@@ -143,9 +146,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         if cfg.router == "deepseek_v3":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+        self.token_ops: Any = None  # the native kernels (engine/native.py), set by the loader
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, top_k) expert ids and (T, top_k) weights."""
+        if self.kind == "softmax" and self.token_ops is not None and x.dtype in token_ops.DTYPES:
+            return self._native_softmax(x)
         if self.kind == "softmax":
             probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -168,6 +174,25 @@ class Router(nn.Module):
             scores = scores.masked_fill(~best, 0.0)
         weights, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)
         return ids, weights * self.scaling
+
+    def _native_softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The softmax router's choice in one native pass (engine/csrc/router.c); its logits too for a
+        decode-sized batch, torch's GEMM above that. The weights are float32 either way; where
+        transformers hands them on in bfloat16 they hold bfloat16 values, so every product with
+        them rounds as the bfloat16 ones would."""
+        T, E = x.shape[0], self.weight.shape[0]
+        x = x.contiguous()
+        logits = F.linear(x, self.weight) if T > NATIVE_LOGITS_MAX_TOKENS else None
+        ids = torch.empty(T, self.top_k, dtype=torch.int64)
+        weights = torch.empty(T, self.top_k, dtype=torch.float32)
+        rounded = not self.weights_in_float32 and x.dtype == torch.bfloat16
+        rc = self.token_ops.pd_route_softmax(None if logits is None else logits.data_ptr(), x.data_ptr(),
+                                             self.weight.data_ptr(), x.shape[1], token_ops.DTYPES[x.dtype], T, E,
+                                             self.top_k, int(self.norm_topk_prob), int(rounded), ids.data_ptr(),
+                                             weights.data_ptr())
+        if rc != 0:
+            raise ValueError(f"the native router refused {E} experts, top {self.top_k}")
+        return ids, weights
 
     def _in_best_groups(self, scores: torch.Tensor, group_scores: torch.Tensor) -> torch.Tensor:
         """(T, E) bool: the experts in each token's `topk_group` best groups."""

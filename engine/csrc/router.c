@@ -1,0 +1,74 @@
+/* A softmax router's choice (Mixtral, Qwen3-MoE) in one pass (its logits too, for a few tokens), as engine/models/moe.py's
+ * Router computes it with torch: softmax over the experts in float32, the top k, renormalised to sum
+ * to one if the config says, and (Qwen3-MoE) rounded to bfloat16 as its weights are handed on in the
+ * activations' dtype. Softmax is monotonic, so the top k of the probabilities are the top k of the
+ * logits (ties: the lower expert); the k chosen are written in descending order, as torch.topk
+ * writes them. Separate products and sums, as torch's separate ops round them. */
+#pragma GCC optimize("fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
+
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16_tiles.h"
+
+#define MAX_EXPERTS 1024
+
+#define LANES 16
+
+static inline float value(const void *p, int64_t i, int dtype) {
+    return dtype == 1 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* x[H] . w[H] in float32 over LANES partial sums (so it vectorizes), rounded to the dtype as a
+ * linear layer's output is. */
+static float logit(const void *x, const void *w, int64_t xi, int64_t wi, int H, int dtype) {
+    float acc[LANES] = {0};
+    int h = 0;
+    for (; h + LANES <= H; h += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += value(x, xi + h + j, dtype) * value(w, wi + h + j, dtype);
+    for (; h < H; h++) acc[0] += value(x, xi + h, dtype) * value(w, wi + h, dtype);
+    float s = 0.0f;
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    return dtype == 1 ? round_bf(s) : s;
+}
+
+/* The logits are logits[T][E], or with logits NULL x[T][H] times the router's weight w[E][H] (dtype 0
+ * float32, 1 bfloat16) -> ids[T][k], weights[T][k] (float32). Returns 0, or -1 when k or E is out of
+ * range. */
+int pd_route_softmax(const void *logits, const void *x, const void *w, int H, int dtype, int T, int E, int k,
+                     int renorm, int round_weights, int64_t *ids, float *weights) {
+    if (E <= 0 || E > MAX_EXPERTS || k <= 0 || k > E || (logits == NULL && (x == NULL || w == NULL))) return -1;
+    float p[MAX_EXPERTS];
+    for (int t = 0; t < T; t++) {
+        float mx = -INFINITY;
+        for (int e = 0; e < E; e++) {
+            p[e] = logits != NULL ? value(logits, (int64_t)t * E + e, dtype)
+                                  : logit(x, w, (int64_t)t * H, (int64_t)e * H, H, dtype);
+            mx = p[e] > mx ? p[e] : mx;
+        }
+        float sum = 0.0f;
+        for (int e = 0; e < E; e++) {
+            p[e] = expf(p[e] - mx);
+            sum += p[e];
+        }
+        int64_t *id = ids + (int64_t)t * k;
+        float *w = weights + (int64_t)t * k, best[MAX_EXPERTS], chosen = 0.0f;
+        int n = 0; /* best[0, n) descending, with their experts in id; ties keep the lower expert first */
+        for (int e = 0; e < E; e++) {
+            if (n == k && !(p[e] > best[k - 1])) continue;
+            int j = n < k ? n++ : k - 1;
+            for (; j > 0 && p[e] > best[j - 1]; j--) best[j] = best[j - 1], id[j] = id[j - 1];
+            best[j] = p[e], id[j] = e;
+        }
+        for (int j = 0; j < k; j++) {
+            w[j] = best[j] / sum;
+            chosen += w[j];
+        }
+        for (int j = 0; j < k; j++) {
+            if (renorm) w[j] = w[j] / chosen;
+            if (round_weights) w[j] = round_bf(w[j]);
+        }
+    }
+    return 0;
+}
