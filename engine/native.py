@@ -113,6 +113,9 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.pd_route_softmax
     fn.argtypes = [p, p, p, i, i, i, i, i, i, i, p, p]
     fn.restype = ctypes.c_int
+    fn = lib.pd_route_grouped
+    fn.argtypes = [p, p, p, p, i, i, i, i, i, i, i, i, ctypes.c_float, p, p]
+    fn.restype = ctypes.c_int
     lib.pd_amx_ready.argtypes = []
     lib.pd_amx_ready.restype = ctypes.c_int
     return lib

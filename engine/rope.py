@@ -46,6 +46,14 @@ def attention_scale(hf_config: Any, qk_head_dim: int) -> float:
     return scale
 
 
+def rotate(lib: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope in one native pass where `lib` (the native kernels, or None) serves x."""
+    from engine import token_ops
+
+    out = token_ops.rope(lib, x, cos, sin) if lib is not None else None
+    return out if out is not None else apply_rope(x, cos, sin)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`x * cos + rotate_half(x) * sin` as transformers computes it, bit for bit, in fewer passes.
 

@@ -72,3 +72,74 @@ int pd_route_softmax(const void *logits, const void *x, const void *w, int H, in
     }
     return 0;
 }
+
+/* The k best of v[0, n) among those with keep[i] (NULL: all), descending, ties to the lower index;
+ * returns how many were found (fewer than k only when fewer are kept). */
+static int top_k(const float *v, const uint8_t *keep, int n, int k, int *idx) {
+    float best[MAX_EXPERTS];
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if ((keep != NULL && !keep[i]) || (m == k && !(v[i] > best[k - 1]))) continue;
+        int j = m < k ? m++ : k - 1;
+        for (; j > 0 && v[i] > best[j - 1]; j--) best[j] = best[j - 1], idx[j] = idx[j - 1];
+        best[j] = v[i], idx[j] = i;
+    }
+    return m;
+}
+
+/* DeepSeek-V3's router (engine/models/moe.py, "deepseek_v3"): sigmoid scores of float32 logits; the
+ * choice adds the correction bias and keeps the `topk_group` of `groups` groups whose two best
+ * biased scores sum highest; the weights are the unbiased scores of the k chosen, renormalised if
+ * `renorm`, times `scaling`. Logits as pd_route_softmax's, but always float32 (dtype: x's and w's;
+ * bias float32). Returns 0, or -1 for shapes out of range. */
+int pd_route_grouped(const float *logits, const void *x, const void *w, const float *bias, int H, int dtype, int T,
+                     int E, int k, int groups, int topk_group, int renorm, float scaling, int64_t *ids,
+                     float *weights) {
+    if (E <= 0 || E > MAX_EXPERTS || groups <= 0 || E % groups || k <= 0 || k > E || topk_group <= 0 ||
+        topk_group > groups || E / groups < 2 || (logits == NULL && (x == NULL || w == NULL)))
+        return -1;
+    const int per = E / groups;
+    float score[MAX_EXPERTS], choice[MAX_EXPERTS], group_score[MAX_EXPERTS];
+    uint8_t keep[MAX_EXPERTS];
+    int idx[MAX_EXPERTS];
+    for (int t = 0; t < T; t++) {
+        for (int e = 0; e < E; e++) {
+            float l;
+            if (logits != NULL) {
+                l = logits[(int64_t)t * E + e];
+            } else { /* float32 logits of the activations and weights taken to float32: no rounding */
+                float acc[LANES] = {0}, s = 0.0f;
+                int h = 0;
+                for (; h + LANES <= H; h += LANES)
+                    for (int j = 0; j < LANES; j++)
+                        acc[j] += value(x, (int64_t)t * H + h + j, dtype) * value(w, (int64_t)e * H + h + j, dtype);
+                for (; h < H; h++) acc[0] += value(x, (int64_t)t * H + h, dtype) * value(w, (int64_t)e * H + h, dtype);
+                for (int j = 0; j < LANES; j++) s += acc[j];
+                l = s;
+            }
+            score[e] = 1.0f / (1.0f + expf(-l));
+            choice[e] = score[e] + bias[e];
+        }
+        for (int g = 0; g < groups; g++) {
+            int two[2];
+            top_k(choice + g * per, NULL, per, 2, two);
+            group_score[g] = choice[g * per + two[0]] + choice[g * per + two[1]];
+        }
+        const int kept = top_k(group_score, NULL, groups, topk_group, idx);
+        for (int e = 0; e < E; e++) keep[e] = 0;
+        for (int i = 0; i < kept; i++) for (int e = idx[i] * per; e < (idx[i] + 1) * per; e++) keep[e] = 1;
+        const int n = top_k(choice, keep, E, k, idx);
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) {
+            ids[(int64_t)t * k + j] = j < n ? idx[j] : idx[0];
+            weights[(int64_t)t * k + j] = j < n ? score[idx[j]] : 0.0f;
+            sum += weights[(int64_t)t * k + j];
+        }
+        for (int j = 0; j < k; j++) {
+            float v = weights[(int64_t)t * k + j];
+            if (renorm) v = v / (sum + 1e-20f);
+            weights[(int64_t)t * k + j] = v * scaling;
+        }
+    }
+    return 0;
+}

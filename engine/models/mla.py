@@ -24,7 +24,7 @@ of the projections that make q_pe and k_pe (`finish_load`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.models.moe import Reduce
 from engine.models.norm import RMSNorm
-from engine.rope import apply_rope, attention_scale
+from engine.rope import attention_scale, rotate
 
 if TYPE_CHECKING:
     from engine.tp_layout import TPLayout
@@ -77,6 +77,7 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
         self.scale = attention_scale(cfg.hf_config, qk)
         self.q_lora = bool(cfg.q_lora_rank)
+        self.token_ops: Any = None  # the native kernels (engine/native.py), set by the loader
 
     def finish_load(self) -> None:
         """Split kv_b_proj into contiguous per-head stacks W_uk (H, nope, latent) and W_uv (H, v_dim,
@@ -110,7 +111,7 @@ class LatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(T, H, self.nope + self.rope)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)
-        row = torch.cat([self.kv_a_layernorm(c), apply_rope(k_pe.view(T, 1, self.rope), cos, sin)[:, 0]], dim=-1)
+        row = torch.cat([self.kv_a_layernorm(c), rotate(self.token_ops, k_pe.view(T, 1, self.rope), cos, sin)[:, 0]], dim=-1)
         row = row.view(T, 1, self.latent + self.rope)
         cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope)
         cache.view(-1, 1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row)
@@ -118,7 +119,7 @@ class LatentAttention(nn.Module):
             out = self._expanded(q, row[:, 0], cache.view(-1, row.shape[-1]), meta, cos, sin)
             return self._finish(out, T)
         q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)  # (T, H, latent)
-        q_full = torch.cat([q_latent, apply_rope(q[..., self.nope:], cos, sin)], dim=-1)
+        q_full = torch.cat([q_latent, rotate(self.token_ops, q[..., self.nope:], cos, sin)], dim=-1)
         values = (cache, cache[..., :self.latent])  # the key row, and its latent part as the value
         out = paged_attention(q_full, row, row[..., :self.latent], values, meta, self.scale)  # (T, H, latent)
         return self._finish(torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1), T)
@@ -133,7 +134,7 @@ class LatentAttention(nn.Module):
         """Prefill spans as multi-head attention over keys and values expanded from their latents
         (the span's new rows, or its cached ones); (T, H, v_dim)."""
         H, nope, qk = self.num_heads, self.nope, self.nope + self.rope
-        q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], cos, sin)], dim=-1)
+        q = torch.cat([q[..., :nope], rotate(self.token_ops, q[..., nope:], cos, sin)], dim=-1)
         w_uk, w_uv = self.w_uk.view(-1, self.latent), self.w_uv.view(-1, self.latent)
         outs = []
         for span in meta.spans:

@@ -147,11 +147,12 @@ class Router(nn.Module):
         if cfg.router == "deepseek_v3":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
         self.token_ops: Any = None  # the native kernels (engine/native.py), set by the loader
+        self._bias32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, top_k) expert ids and (T, top_k) weights."""
-        if self.kind == "softmax" and self.token_ops is not None and x.dtype in token_ops.DTYPES:
-            return self._native_softmax(x)
+        if self.token_ops is not None and x.dtype in token_ops.DTYPES and self.kind in ("softmax", "deepseek_v3"):
+            return self._native(x)
         if self.kind == "softmax":
             probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -175,23 +176,32 @@ class Router(nn.Module):
         weights, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)
         return ids, weights * self.scaling
 
-    def _native_softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The softmax router's choice in one native pass (engine/csrc/router.c); its logits too for a
-        decode-sized batch, torch's GEMM above that. The weights are float32 either way; where
-        transformers hands them on in bfloat16 they hold bfloat16 values, so every product with
-        them rounds as the bfloat16 ones would."""
+    def _native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The softmax or DeepSeek-V3 router's choice in one native pass (engine/csrc/router.c); its
+        logits too for a decode-sized batch, torch's GEMM above that. The weights are float32 either
+        way; where transformers hands them on in bfloat16 they hold bfloat16 values, so every product
+        with them rounds as the bfloat16 ones would."""
         T, E = x.shape[0], self.weight.shape[0]
         x = x.contiguous()
-        logits = F.linear(x, self.weight) if T > NATIVE_LOGITS_MAX_TOKENS else None
         ids = torch.empty(T, self.top_k, dtype=torch.int64)
         weights = torch.empty(T, self.top_k, dtype=torch.float32)
-        rounded = not self.weights_in_float32 and x.dtype == torch.bfloat16
-        rc = self.token_ops.pd_route_softmax(None if logits is None else logits.data_ptr(), x.data_ptr(),
-                                             self.weight.data_ptr(), x.shape[1], token_ops.DTYPES[x.dtype], T, E,
-                                             self.top_k, int(self.norm_topk_prob), int(rounded), ids.data_ptr(),
-                                             weights.data_ptr())
+        if self.kind == "softmax":
+            logits = F.linear(x, self.weight) if T > NATIVE_LOGITS_MAX_TOKENS else None
+            rounded = not self.weights_in_float32 and x.dtype == torch.bfloat16
+            rc = self.token_ops.pd_route_softmax(
+                None if logits is None else logits.data_ptr(), x.data_ptr(), self.weight.data_ptr(), x.shape[1],
+                token_ops.DTYPES[x.dtype], T, E, self.top_k, int(self.norm_topk_prob), int(rounded), ids.data_ptr(),
+                weights.data_ptr())
+        else:
+            if self._bias32 is None:  # the loaded bias, as the float32 the choice adds
+                self._bias32 = self.e_score_correction_bias.detach().float().contiguous()
+            logits = F.linear(x.float(), self.weight.float()) if T > NATIVE_LOGITS_MAX_TOKENS else None
+            rc = self.token_ops.pd_route_grouped(
+                None if logits is None else logits.data_ptr(), x.data_ptr(), self.weight.data_ptr(),
+                self._bias32.data_ptr(), x.shape[1], token_ops.DTYPES[x.dtype], T, E, self.top_k, self.groups,
+                self.topk_group, int(self.norm_topk_prob), self.scaling, ids.data_ptr(), weights.data_ptr())
         if rc != 0:
-            raise ValueError(f"the native router refused {E} experts, top {self.top_k}")
+            raise ValueError(f"the native router refused {E} experts, top {self.top_k} (groups {self.groups})")
         return ids, weights
 
     def _in_best_groups(self, scores: torch.Tensor, group_scores: torch.Tensor) -> torch.Tensor:
