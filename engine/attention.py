@@ -174,11 +174,12 @@ def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor,
     vd = values.shape[-1]
     if values.stride() != keys.stride():
         raise RuntimeError("native decode attention needs keys and values laid out alike")
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != hd:  # the kernels read each sequence's heads as one run
+        q = q.contiguous()
     out = torch.empty((T, H, vd), dtype=torch.float32)
     if q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and AMX_ATTENTION:
         rc = nd.lib.decode_attention_amx(  # where the CPU has AMX tiles and the widths fit them
-            q.data_ptr(), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(), nd.context_lens.data_ptr(),
+            q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(), nd.context_lens.data_ptr(),
             nd.starts.data_ptr() if nd.starts is not None else None, out.data_ptr(),
             T, kvh, H // kvh, hd, vd, bs, nd.block_tables.shape[1], scale, nd.threads)
         if rc == -2:
@@ -186,7 +187,7 @@ def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor,
         if rc == 0:
             return out.to(q.dtype)
     rc = nd.lib.paged_decode_attention(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(),
+        q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(),
         nd.context_lens.data_ptr(), nd.starts.data_ptr() if nd.starts is not None else None, out.data_ptr(),
         T, kvh, H // kvh, hd, vd, bs, nd.block_tables.shape[1],
         scale, int(keys.dtype == torch.bfloat16), nd.threads,

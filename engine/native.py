@@ -92,11 +92,11 @@ def _build_with(cc: str, flags: list[str]) -> Path:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode_attention
-    p, i = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [p, i64, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int
     fn = lib.decode_attention_amx
-    fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
+    fn.argtypes = [p, i64, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
     fn.restype = ctypes.c_int
     fn = lib.moe_experts
     fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i]

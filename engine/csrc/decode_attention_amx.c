@@ -26,6 +26,7 @@ typedef struct {
     const uint16_t *q, *k, *v;
     const int64_t *tables, *ctx, *starts;
     float *out;
+    int64_t q_stride; /* values from one sequence's query heads to the next's */
     int b, kvh, group, hd, vd, bs, max_blocks, row_groups;
     float scale;
     int *failed; /* set when a unit could not allocate its buffers */
@@ -54,7 +55,7 @@ static int one_unit(const att_t *a, int i, int h, int g0, int rows) {
     for (int64_t t = 0; t < L; t++) memcpy(keys + t * hd, cache_row(a, a->k, i, first + t, h), (size_t)hd * 2);
     /* queries: qt[kb][kk][r][j] = q[r][32 kb + 2 kk + j] */
     for (int r = 0; r < rows; r++) {
-        const uint16_t *qr = a->q + ((int64_t)i * H + (int64_t)h * a->group + g0 + r) * hd;
+        const uint16_t *qr = a->q + (int64_t)i * a->q_stride + ((int64_t)h * a->group + g0 + r) * hd;
         for (int d = 0; d < hd; d++) qt[((d / DEPTH) * (DEPTH / 2) + (d % DEPTH) / 2) * 2 * TILE + r * 2 + d % 2] = qr[d];
     }
     /* 1. scores, 16 tokens at a time */
@@ -98,10 +99,11 @@ static void run(const void *ctx, int phase, int t, int threads) {
 }
 #endif
 
-/* Arguments as paged_decode_attention's, bfloat16 q and cache. Returns 0, -1 when the tiles or
+/* Arguments as paged_decode_attention's (q_stride included), bfloat16 q and cache. Returns 0, -1 when the tiles or
  * the shapes do not serve this call (no AMX, hd % 32, vd % 16), -2 when out of memory. */
-int decode_attention_amx(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
-                         const int64_t *ctx, const int64_t *starts, float *out, int b, int kvh, int group, int hd,
+int decode_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *tables, const int64_t *ctx, const int64_t *starts, float *out, int b, int kvh,
+                         int group, int hd,
                          int vd, int bs, int max_blocks, float scale, int threads) {
 #ifdef PD_AMX
     if (!pd_amx_ready() || hd % DEPTH || vd % TILE || vd > hd || vd < 1 || hd < 1 || threads < 1) return -1;
@@ -109,7 +111,7 @@ int decode_attention_amx(const uint16_t *q, const uint16_t *k_cache, const uint1
     /* fewer units than threads (one sequence of a latent cache: one KV head): its query rows split
      * further, each unit reading the same keys */
     while (b * kvh * row_groups < threads && row_groups < group) row_groups++;
-    att_t a = {q, k_cache, v_cache, tables, ctx, starts, out, b, kvh, group, hd, vd, bs, max_blocks,
+    att_t a = {q, k_cache, v_cache, tables, ctx, starts, out, q_stride, b, kvh, group, hd, vd, bs, max_blocks,
                row_groups, scale, &failed};
     const int units = b * kvh * a.row_groups;
     pd_parallel_phase(run, &a, 0, threads < units ? threads : units);

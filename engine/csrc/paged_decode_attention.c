@@ -5,9 +5,9 @@
  * token t of sequence i lives at block tables[i * max_blocks + t / block_size], offset
  * t % block_size; row i attends to its tokens [starts[i], ctx[i]) (starts NULL: from 0; with a
  * sliding window they start later, and the blocks before the start are never read). q is
- * [b][H][hd] and out [b][H][vd], H = kvh * group; a value row is the first vd of the hd values at
- * its place in v (vd = hd for K/V heads; for a latent cache (engine/models/mla.py) k and v are the
- * same rows, [latent, rope], and the value is the latent). Work is split over units of
+ * [b][H][hd] with sequence i's heads from q + i * q_stride (H * hd when contiguous), out
+ * [b][H][vd], H = kvh * group; a value row is the first vd of the hd values at its place in v
+ * (vd = hd for K/V heads; for a latent cache (engine/models/mla.py) k and v are the same rows, [latent, rope], and the value is the latent). Work is split over units of
  * (sequence, slice of kv heads, slice of each head's query rows) across `threads` threads; a unit
  * reads each token row of its slice once, in order, and keeps its query rows, running max, running
  * sum and accumulators on its stack. Built with OpenMP, the threads are torch's own (see the end); else POSIX threads.
@@ -31,6 +31,7 @@ typedef struct {
     const void *q, *k, *v;
     const int64_t *tables, *ctx, *starts;
     float *out;
+    int64_t q_stride;
     int b, kvh, group, hd, vd, bs, max_blocks, is_bf16, thread, threads, splits, row_splits;
     float scale;
 } job_t;
@@ -119,7 +120,8 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
     float buf[MAX_HD];
     for (int r = 0; r < rows; r++) {
         for (int d = 0; d < hd; d++) {
-            qv[r][d] = load(j->q, ((int64_t)i * H + (h0 + r / g) * G + g0 + r % g) * hd + d, j->is_bf16) * j->scale;
+            qv[r][d] = load(j->q, (int64_t)i * j->q_stride + ((h0 + r / g) * G + g0 + r % g) * hd + d, j->is_bf16) *
+                       j->scale;
             acc[r][d] = 0.f;
         }
         m[r] = -INFINITY;
@@ -189,8 +191,9 @@ static void *run(void *arg) {
 }
 
 /* Returns 0 on success, -1 when a size is beyond the fixed limits (the caller falls back). */
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,
-                           const int64_t *ctx, const int64_t *starts, float *out, int b, int kvh, int group,
+int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                           const int64_t *tables, const int64_t *ctx, const int64_t *starts, float *out, int b, int kvh,
+                           int group,
                            int hd, int vd, int bs, int max_blocks, float scale, int is_bf16, int threads) {
     if (hd > MAX_HD || vd > hd || vd < 1 || bs > MAX_BS || threads < 1) return -1;
     if (threads > b * kvh * group) threads = b * kvh * group;
@@ -200,8 +203,8 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     while (b * splits * row_splits < threads && row_splits < group) row_splits++;
     job_t jobs[PD_MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, starts, out, b, kvh, group, hd, vd, bs, max_blocks,
-                          is_bf16, t, threads, splits, row_splits, scale};
+        jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, starts, out, q_stride, b, kvh, group, hd, vd, bs,
+                          max_blocks, is_bf16, t, threads, splits, row_splits, scale};
     }
     pd_parallel(run, jobs, sizeof(job_t), threads);
     return 0;

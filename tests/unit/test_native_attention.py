@@ -147,3 +147,16 @@ def test_a_failed_build_names_the_compiler(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-fno-such-flag"])
     with pytest.raises(RuntimeError, match="exited with"):
         native._build(native._compiler())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_read_in_place_from_a_wider_tensor(dtype):
+    """The query heads as Attention hands them over: the first heads of each token's q/k rows
+    (a strided view), read in place, give what their contiguous copy gives."""
+    cache, q, lens, padded = _case(3, 8, 2, 64, 16, dtype, seed=11)
+    wide = torch.cat([q, torch.randn(3, 2, 64).to(dtype)], dim=1)  # (b, heads + kv heads, hd)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             native_decode=NativeDecode(LIB, padded, lens, 2))
+    strided = wide[:, :8]
+    assert not strided.is_contiguous()
+    assert torch.equal(paged_attention(strided, q, q, cache, meta, 0.125), paged_attention(q, q, q, cache, meta, 0.125))
