@@ -134,7 +134,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         if hasattr(module, "finish_load"):
             module.finish_load()
     if pack:
-        pack_linears(model)
+        lib = native_lib() if device.type == "cpu" and dtype == torch.bfloat16 else None
+        pack_linears(model, lib if lib is not None and lib.pd_amx_ready() else None)
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             _native_experts(model, native_lib(), dtype)
             _native_token_ops(model, native_lib())

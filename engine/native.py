@@ -104,6 +104,9 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.moe_experts_bf16
     fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i]
     fn.restype = ctypes.c_int
+    fn = lib.pd_linear_bf16
+    fn.argtypes = [p, i64, p, p, p, i, i, i, i]
+    fn.restype = ctypes.c_int
     fn = lib.pd_rms_norm
     fn.argtypes = [p, ctypes.c_long, p, p, p, p, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int

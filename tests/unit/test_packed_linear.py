@@ -87,3 +87,33 @@ def test_auto_dtype_is_the_checkpoints_unless_the_cpu_lacks_it(checkpoint):
     assert EngineConfig(device="cpu", dtype="bfloat16").torch_dtype(f32) == torch.bfloat16  # asked for: kept
     with pytest.raises(ValueError, match="'auto'"):
         EngineConfig(dtype="fp8")
+
+
+LIB = native_lib()
+AMX = LIB is not None and bool(LIB.pd_amx_ready()) and can_pack(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.skipif(not AMX, reason="decode copies need AMX tiles")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16, 23, 32, 33, 100])
+def test_decode_tiles_equal_onednn_bit_for_bit(rows, bias):
+    """Up to TILE_MAX_ROWS rows a bfloat16 layer runs on its tile copy: the same sums in the same
+    order as oneDNN's, so the same bits; past it, oneDNN runs."""
+    torch.manual_seed(rows)
+    ref = nn.Linear(320, 208, bias=bias).to(torch.bfloat16)
+    onednn, tiles = PackedLinear(ref), PackedLinear(ref, LIB)
+    assert onednn.tiles is None and tiles.tiles is not None
+    x = torch.randn(rows, 320).to(torch.bfloat16)
+    assert torch.equal(tiles(x), onednn(x))
+    wide = torch.randn(rows, 640).to(torch.bfloat16)[:, 160:480]  # rows of a wider tensor, read in place
+    assert torch.equal(tiles(wide), onednn(wide))
+
+
+@pytest.mark.skipif(not AMX, reason="decode copies need AMX tiles")
+def test_bf16_model_keeps_decode_copies_but_not_of_the_lm_head(checkpoint):
+    cfg = ModelConfig.from_pretrained(checkpoint("llama-gqa"))
+    model = load_model(cfg, torch.bfloat16, torch.device("cpu"), 64)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert model.lm_head.tiles is None and any(m.tiles is not None for m in linears)
+    assert all(m.tiles is not None for m in linears if m is not model.lm_head and m.in_features % 32 == 0
+               and m.out_features % 16 == 0)
