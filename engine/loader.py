@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from engine.checkpoint_names import Piece, beyond, expected_pieces, fused_shards, is_stacked, piece_of
 from engine.config import ModelConfig
+from engine.models.decode_block import AttentionBlock
 from engine.models.llama import LlamaModel
 from engine.models.moe import Experts
 from engine.models.moe_packed import packable
@@ -139,6 +140,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             _native_experts(model, native_lib(), dtype)
             _native_token_ops(model, native_lib())
+            if lib is not None and lib.pd_amx_ready():
+                _native_decode_blocks(model, lib)
     return model.eval()
 
 
@@ -149,6 +152,13 @@ def _native_token_ops(model: nn.Module, lib: Any) -> None:
     for module in model.modules():
         if hasattr(module, "token_ops"):
             module.token_ops = lib
+
+
+def _native_decode_blocks(model: nn.Module, lib: Any) -> None:
+    """Each layer whose attention half the native decode block runs gets one (engine/models/decode_block.py)."""
+    for layer in model.layers:
+        if AttentionBlock.serves(layer):
+            layer.decode_block = AttentionBlock(layer, lib)
 
 
 def _native_experts(model: nn.Module, lib: Any, dtype: torch.dtype) -> None:

@@ -107,6 +107,12 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.pd_linear_bf16
     fn.argtypes = [p, i64, p, p, p, i, i, i, i]
     fn.restype = ctypes.c_int
+    fn = lib.pd_attention_block_bf16
+    fn.argtypes = [p] * 20 + [i] * 7 + [ctypes.c_float] * 2 + [i, i]
+    fn.restype = ctypes.c_int
+    fn = lib.pd_moe_block_bf16
+    fn.argtypes = [p] * 5 + [i] * 8
+    fn.restype = ctypes.c_int
     fn = lib.pd_rms_norm
     fn.argtypes = [p, ctypes.c_long, p, p, p, p, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "bf16_tiles.h"
+#include "kernels.h"
 #include "parallel.h"
 
 typedef struct {

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16_tiles.h"
+#include "kernels.h"
 #include "moe_pairs.h"
 #include "parallel.h"
 

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "parallel.h"
+#include "kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "bf16_tiles.h"
+#include "kernels.h"
 
 #define MAX_EXPERTS 1024
 

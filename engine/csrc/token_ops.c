@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "bf16_tiles.h"
+#include "kernels.h"
 #include "parallel.h"
 
 /* Rows smaller than this many values in all run on the calling thread: waking the pool costs more. */

@@ -118,12 +118,17 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg, layout, reduce)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.decode_block: Any = None  # engine/models/decode_block.py's AttentionBlock, set by the loader
 
     def forward(self, x, cos, sin, kv_cache, meta, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the residual stream, this layer's MLP output), which the caller adds: the next layer's
         norm (or the final one) does it in passing. `delta`: the previous layer's MLP output."""
-        h, x = self.input_layernorm.after_add(x, delta) if delta is not None else (self.input_layernorm(x), x)
-        h, x = self.post_attention_layernorm.after_add(x, self.self_attn(h, cos, sin, kv_cache, meta))
+        done = self.decode_block(x, delta, cos, sin, kv_cache, meta) if self.decode_block is not None else None
+        if done is not None:  # a decode step's attention half in one native call (engine/models/decode_block.py)
+            x, h = done
+        else:
+            h, x = self.input_layernorm.after_add(x, delta) if delta is not None else (self.input_layernorm(x), x)
+            h, x = self.post_attention_layernorm.after_add(x, self.self_attn(h, cos, sin, kv_cache, meta))
         return x, self.mlp(h)
 
 

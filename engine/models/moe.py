@@ -47,6 +47,7 @@ from torch import nn
 
 from engine import token_ops
 from engine.config import ModelConfig
+from engine.models.decode_block import moe_block
 from engine.models.moe_packed import PackedExperts
 
 if TYPE_CHECKING:
@@ -226,6 +227,8 @@ class SparseMoE(nn.Module):
         self.shared_experts = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (out := moe_block(self, x)) is not None:  # router and experts in one native call
+            return out
         ids, weights = self.gate(x)
         out = self.experts(x, ids, weights, self.num_experts, self.held)
         if self.shared_experts is not None:

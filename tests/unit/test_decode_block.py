@@ -1,0 +1,50 @@
+"""A layer's decode step in native calls (engine/models/decode_block.py) gives the module path's
+bits: the same tokens and the same logprobs, on every shape it serves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.models.moe as moe_module
+from engine.models.decode_block import AttentionBlock
+from engine.native import native_lib
+from engine.packed_linear import can_pack
+from pdcluster import LLM, SamplingParams
+
+LIB = native_lib()
+pytestmark = pytest.mark.skipif(
+    LIB is None or not LIB.pd_amx_ready() or not can_pack(torch.device("cpu"), torch.bfloat16),
+    reason="the native decode blocks need AMX tiles")
+
+PROMPTS = [[5, 9, 13, 2, 7, 11, 4], [8, 3, 6], [12, 14, 5, 9, 10, 3, 8, 7, 6, 4, 2, 11, 13, 9, 5, 3, 17, 21, 8, 6]]
+
+
+def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, params)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("shape", ["qwen3-moe", "qwen3-qknorm", "qwen2-bias", "qwen3-window-alternating",
+                                   "mixtral"])
+def test_native_decode_blocks_give_the_module_paths_bits(checkpoint, monkeypatch, shape):
+    llm = LLM(str(checkpoint(shape)), dtype="bfloat16", max_model_len=128, block_size=16)
+    layers = llm.engine.runner.model.layers
+    blocks = [layer.decode_block for layer in layers]
+    assert all(b is not None for b in blocks)
+    served = []
+    call = AttentionBlock.__call__
+
+    def counted(self, *args):
+        out = call(self, *args)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(AttentionBlock, "__call__", counted)
+    fused = _generate(llm)
+    assert any(served) and not all(served)  # decode steps native, prefill steps not
+    for layer in layers:
+        layer.decode_block = None
+    monkeypatch.setattr(moe_module, "moe_block", lambda moe, x: None)
+    assert _generate(llm) == fused
