@@ -94,7 +94,7 @@ void pd_pack_values(uint16_t *vals, const uint16_t *const *rows, int64_t L, int6
 
 /* One query row's probabilities from its scores s[0, upto) (scaled): exact softmax in float32,
  * each rounded to bfloat16 into p[0, upto), zeros in p[upto, Lp); returns their sum. */
-float pd_softmax_row(float *s, uint16_t *p, int64_t upto, int64_t Lp);
+float pd_softmax_row(const float *s, uint16_t *p, int64_t upto, int64_t Lp);
 
 #ifdef PD_AMX
 /* out[r * out_stride + d] = (p[r] . vals[:, d]) / sum[r] for the first `rows` of 16 probability

@@ -16,12 +16,32 @@ void pd_pack_values(uint16_t *vals, const uint16_t *const *rows, int64_t L, int6
     }
 }
 
-float pd_softmax_row(float *s, uint16_t *p, int64_t upto, int64_t Lp) {
-    float mx = -INFINITY, total = 0.f;
-    for (int64_t t = 0; t < upto; t++) mx = s[t] > mx ? s[t] : mx;
-    for (int64_t t = 0; t < upto; t++) s[t] = round_bf(exp_f(s[t] - mx));
-    for (int64_t t = 0; t < upto; t++) total += s[t];
-    for (int64_t t = 0; t < upto; t++) p[t] = f2bf(s[t]);
+/* Sixteen running maxima and sums (one per lane), so the loops vectorize: a single running sum
+ * waits on the previous add at every element. */
+#define LANES 16
+
+float pd_softmax_row(const float *s, uint16_t *p, int64_t upto, int64_t Lp) {
+    float mxl[LANES], acc[LANES] = {0};
+    for (int j = 0; j < LANES; j++) mxl[j] = -INFINITY;
+    int64_t t = 0;
+    for (; t + LANES <= upto; t += LANES)
+        for (int j = 0; j < LANES; j++) mxl[j] = s[t + j] > mxl[j] ? s[t + j] : mxl[j];
+    float mx = -INFINITY;
+    for (; t < upto; t++) mx = s[t] > mx ? s[t] : mx;
+    for (int j = 0; j < LANES; j++) mx = mxl[j] > mx ? mxl[j] : mx;
+    for (t = 0; t + LANES <= upto; t += LANES)
+        for (int j = 0; j < LANES; j++) {
+            const float e = round_bf(exp_f(s[t + j] - mx));
+            acc[j] += e;
+            p[t + j] = f2bf(e);
+        }
+    float total = 0.f;
+    for (; t < upto; t++) {
+        const float e = round_bf(exp_f(s[t] - mx));
+        total += e;
+        p[t] = f2bf(e);
+    }
+    for (int j = 0; j < LANES; j++) total += acc[j];
     memset(p + upto, 0, sizeof(uint16_t) * (size_t)(Lp - upto));
     return total;
 }
