@@ -159,6 +159,8 @@ def _native_decode_blocks(model: nn.Module, lib: Any) -> None:
     for layer in model.layers:
         if AttentionBlock.serves(layer):
             layer.decode_block = AttentionBlock(layer, lib)
+        elif hasattr(layer.self_attn, "pack_heads"):  # latent attention: its per-head projections on tiles
+            layer.self_attn.pack_heads(lib)
 
 
 def _native_experts(model: nn.Module, lib: Any, dtype: torch.dtype) -> None:

@@ -113,6 +113,9 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.pd_moe_block_bf16
     fn.argtypes = [p] * 5 + [i] * 8
     fn.restype = ctypes.c_int
+    fn = lib.pd_linear_heads_bf16
+    fn.argtypes = [p, i64, i64, p, p, i64, i64, i, i, i, i, i]
+    fn.restype = ctypes.c_int
     fn = lib.pd_rms_norm
     fn.argtypes = [p, ctypes.c_long, p, p, p, p, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int

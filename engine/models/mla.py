@@ -33,7 +33,9 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.models.moe import Reduce
+from engine.models.moe_packed import DEPTH, TILE, pack
 from engine.models.norm import RMSNorm
+from engine.packed_linear import TILE_MAX_ROWS
 from engine.rope import attention_scale, rotate
 
 if TYPE_CHECKING:
@@ -78,6 +80,8 @@ class LatentAttention(nn.Module):
         self.scale = attention_scale(cfg.hf_config, qk)
         self.q_lora = bool(cfg.q_lora_rank)
         self.token_ops: Any = None  # the native kernels (engine/native.py), set by the loader
+        self.lib: Any = None
+        self.tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # W_uk, W_uv packed (pack_heads)
 
     def finish_load(self) -> None:
         """Split kv_b_proj into contiguous per-head stacks W_uk (H, nope, latent) and W_uv (H, v_dim,
@@ -118,11 +122,38 @@ class LatentAttention(nn.Module):
         if meta.spans is not None and meta.decode_groups is None and meta.native_decode is None:
             out = self._expanded(q, row[:, 0], cache.view(-1, row.shape[-1]), meta, cos, sin)
             return self._finish(out, T)
-        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)  # (T, H, latent)
-        q_full = torch.cat([q_latent, rotate(self.token_ops, q[..., self.nope:], cos, sin)], dim=-1)
+        tiles = self.tiles is not None and T <= TILE_MAX_ROWS and q.dtype == torch.bfloat16
+        if tiles:  # absorbed on AMX tiles, straight into the query rows
+            q_full = q.new_empty((T, H, self.latent + self.rope))
+            self._heads(q, self.nope, self.tiles[0], q_full, self.latent)
+            q_full[..., self.latent:] = rotate(self.token_ops, q[..., self.nope:], cos, sin)
+        else:
+            q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)  # (T, H, latent)
+            q_full = torch.cat([q_latent, rotate(self.token_ops, q[..., self.nope:], cos, sin)], dim=-1)
         values = (cache, cache[..., :self.latent])  # the key row, and its latent part as the value
         out = paged_attention(q_full, row, row[..., :self.latent], values, meta, self.scale)  # (T, H, latent)
+        if tiles and out.is_contiguous():
+            heads_out = out.new_empty((T, H, self.v_dim))
+            self._heads(out, self.latent, self.tiles[1], heads_out, self.v_dim)
+            return self._finish(heads_out, T)
         return self._finish(torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1), T)
+
+    def pack_heads(self, lib: Any) -> None:
+        """Keep W_uk and W_uv also in the tile layout (engine/csrc/linear_bf16.c), for the absorb and
+        unfold of decode batches (bfloat16 on AMX), where a batched matmul on weights the previous
+        layers pushed out of the caches reads them at a fraction of the bandwidth."""
+        if self.w_uk.dtype != torch.bfloat16 or self.nope % DEPTH or self.latent % DEPTH or self.v_dim % TILE:
+            return
+        self.lib = lib
+        self.tiles = (pack(self.w_uk.transpose(1, 2)), pack(self.w_uv))  # (H, latent, nope), (H, v_dim, latent)
+
+    def _heads(self, x: torch.Tensor, K: int, w: torch.Tensor, out: torch.Tensor, N: int) -> None:
+        """out[t, h, :N] = x[t, h, :K] . W_h^T for each head, W_h packed in `w`; x and out (T, H, *)."""
+        rc = self.lib.pd_linear_heads_bf16(x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), out.data_ptr(),
+                                           out.stride(0), out.stride(1), x.shape[0], K, N, self.num_heads,
+                                           torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"the per-head tile projection refused its shapes ({rc})")
 
     def _finish(self, out: torch.Tensor, T: int) -> torch.Tensor:
         """(T, H, v_dim) heads' outputs -> the layer's output."""

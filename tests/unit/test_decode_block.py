@@ -48,3 +48,18 @@ def test_native_decode_blocks_give_the_module_paths_bits(checkpoint, monkeypatch
         layer.decode_block = None
     monkeypatch.setattr(moe_module, "moe_block", lambda moe, x: None)
     assert _generate(llm) == fused
+
+
+def test_latent_attentions_tile_projections_give_the_batched_matmuls_result(checkpoint):
+    """DeepSeek's absorb and unfold (per-head W_uk, W_uv) on the tiles for decode batches: the same
+    tokens as torch's batched matmul, logprobs within bfloat16's rounding."""
+    path = checkpoint("deepseek-v3", qk_nope_head_dim=32, kv_lora_rank=64, v_head_dim=32)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=128, block_size=16)
+    attns = [layer.self_attn for layer in llm.engine.runner.model.layers]
+    assert all(a.tiles is not None for a in attns)
+    tiled = _generate(llm)
+    for a in attns:
+        a.tiles = None
+    plain = _generate(llm)
+    assert [t for t, _ in tiled] == [t for t, _ in plain]
+    assert max(abs(x - y) for (_, a), (_, b) in zip(tiled, plain) for x, y in zip(a, b)) < 0.05
