@@ -179,7 +179,8 @@ def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor,
     out = torch.empty((T, H, vd), dtype=torch.float32)
     if q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and AMX_ATTENTION:
         rc = nd.lib.decode_attention_amx(  # where the CPU has AMX tiles and the widths fit them
-            q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(), nd.context_lens.data_ptr(),
+            q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(),
+            nd.context_lens.data_ptr(),
             nd.starts.data_ptr() if nd.starts is not None else None, out.data_ptr(),
             T, kvh, H // kvh, hd, vd, bs, nd.block_tables.shape[1], scale, nd.threads)
         if rc == -2:

@@ -55,6 +55,7 @@ def rope(lib: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weig
     T, heads, hd = x.shape
     out = torch.empty(x.shape, dtype=x.dtype)
     rc = lib.pd_rope(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
-                     None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
+                     None if q_weight is None else q_weight.data_ptr(),
+                     None if k_weight is None else k_weight.data_ptr(),
                      out.data_ptr(), T, heads, q_heads, hd, eps, DTYPES[x.dtype], torch.get_num_threads())
     return out if rc == 0 else None

@@ -103,7 +103,8 @@ int pd_linear_heads_bf16(const uint16_t *x, int64_t x_stride, int64_t x_head, co
     if (packed_x == NULL) return -2;
     for (int h = 0; h < heads; h++)
         for (int r = 0; r < T; r++)
-            memcpy(packed_x + ((int64_t)h * Tp + r) * K, x + (int64_t)r * x_stride + (int64_t)h * x_head, (size_t)K * 2);
+            memcpy(packed_x + ((int64_t)h * Tp + r) * K, x + (int64_t)r * x_stride + (int64_t)h * x_head,
+                   (size_t)K * 2);
     const lin_t l = {packed_x, w, NULL, out, T, Tp, K, N, out_stride, heads, (int64_t)Tp * K, (int64_t)N * K,
                      out_head};
     const int units = (N / TILE + 3) / 4 * heads;

@@ -7,10 +7,11 @@
  * sliding window they start later, and the blocks before the start are never read). q is
  * [b][H][hd] with sequence i's heads from q + i * q_stride (H * hd when contiguous), out
  * [b][H][vd], H = kvh * group; a value row is the first vd of the hd values at its place in v
- * (vd = hd for K/V heads; for a latent cache (engine/models/mla.py) k and v are the same rows, [latent, rope], and the value is the latent). Work is split over units of
- * (sequence, slice of kv heads, slice of each head's query rows) across `threads` threads; a unit
- * reads each token row of its slice once, in order, and keeps its query rows, running max, running
- * sum and accumulators on its stack. Built with OpenMP, the threads are torch's own (see the end); else POSIX threads.
+ * (vd = hd for K/V heads; for a latent cache (engine/models/mla.py) k and v are the same rows,
+ * [latent, rope], and the value is the latent). Work is split over units of (sequence, slice of kv
+ * heads, slice of each head's query rows) across `threads` threads; a unit reads each token row of
+ * its slice once, in order, and keeps its query rows, running max, running sum and accumulators on
+ * its stack. Built with OpenMP, the threads are torch's own (see the end); else POSIX threads.
  * Built by engine/native.py with the host compiler; float32 and bfloat16 caches.
  */
 #include <math.h>

@@ -1,9 +1,10 @@
-/* A softmax router's choice (Mixtral, Qwen3-MoE) in one pass (its logits too, for a few tokens), as engine/models/moe.py's
- * Router computes it with torch: softmax over the experts in float32, the top k, renormalised to sum
- * to one if the config says, and (Qwen3-MoE) rounded to bfloat16 as its weights are handed on in the
- * activations' dtype. Softmax is monotonic, so the top k of the probabilities are the top k of the
- * logits (ties: the lower expert); the k chosen are written in descending order, as torch.topk
- * writes them. Separate products and sums, as torch's separate ops round them. */
+/* A softmax router's choice (Mixtral, Qwen3-MoE) in one pass (its logits too, for a few tokens), as
+ * engine/models/moe.py's Router computes it with torch: softmax over the experts in float32, the top
+ * k, renormalised to sum to one if the config says, and (Qwen3-MoE) rounded to bfloat16 as its
+ * weights are handed on in the activations' dtype. Softmax is monotonic, so the top k of the
+ * probabilities are the top k of the logits (ties: the lower expert); the k chosen are written in
+ * descending order, as torch.topk writes them. Separate products and sums, as torch's separate ops
+ * round them. DeepSeek-V3's grouped sigmoid router: pd_route_grouped, below. */
 #pragma GCC optimize("fp-contract=off")
 #pragma STDC FP_CONTRACT OFF
 

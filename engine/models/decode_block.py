@@ -100,8 +100,8 @@ def moe_block(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(x)
     rc = gate.token_ops.pd_moe_block_bf16(
         x.data_ptr(), gate.weight.data_ptr(), packed.gate_up.data_ptr(), packed.down.data_ptr(), out.data_ptr(),
-        x.shape[0], x.shape[1], packed.E, gate.top_k, packed.I, int(gate.norm_topk_prob), int(not gate.weights_in_float32),
-        torch.get_num_threads())
+        x.shape[0], x.shape[1], packed.E, gate.top_k, packed.I, int(gate.norm_topk_prob),
+        int(not gate.weights_in_float32), torch.get_num_threads())
     if rc == -2:
         raise MemoryError("the native MoE block could not allocate its buffers")
     if rc != 0:

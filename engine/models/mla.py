@@ -115,7 +115,8 @@ class LatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(T, H, self.nope + self.rope)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)
-        row = torch.cat([self.kv_a_layernorm(c), rotate(self.token_ops, k_pe.view(T, 1, self.rope), cos, sin)[:, 0]], dim=-1)
+        k_pe = rotate(self.token_ops, k_pe.view(T, 1, self.rope), cos, sin)[:, 0]
+        row = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
         row = row.view(T, 1, self.latent + self.rope)
         cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope)
         cache.view(-1, 1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row)
