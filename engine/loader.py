@@ -135,20 +135,19 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         if hasattr(module, "finish_load"):
             module.finish_load()
     if pack:
-        lib = native_lib() if device.type == "cpu" and dtype == torch.bfloat16 else None
-        pack_linears(model, lib if lib is not None and lib.pd_amx_ready() else None)
-        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            _native_experts(model, native_lib(), dtype)
-            _native_token_ops(model, native_lib())
-            if lib is not None and lib.pd_amx_ready():
-                _native_decode_blocks(model, lib)
+        lib = native_lib() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+        tiles = lib if lib is not None and dtype == torch.bfloat16 and lib.pd_amx_ready() else None  # AMX
+        pack_linears(model, tiles)
+        if lib is not None:
+            _native_experts(model, lib, dtype)
+            _native_token_ops(model, lib)
+        if tiles is not None:
+            _native_decode_blocks(model, tiles)
     return model.eval()
 
 
 def _native_token_ops(model: nn.Module, lib: Any) -> None:
-    """Norms and RoPE in one native pass each (engine/token_ops.py): every module that takes them."""
-    if lib is None:
-        return
+    """Norms, RoPE and routers in one native pass each (engine/token_ops.py): every module that takes them."""
     for module in model.modules():
         if hasattr(module, "token_ops"):
             module.token_ops = lib
@@ -166,8 +165,6 @@ def _native_decode_blocks(model: nn.Module, lib: Any) -> None:
 def _native_experts(model: nn.Module, lib: Any, dtype: torch.dtype) -> None:
     """Routed experts in one native call per layer: float32 (small batches), or bfloat16 on AMX
     tiles (every batch; the weights repacked for them)."""
-    if lib is None:
-        return
     amx = dtype == torch.bfloat16 and bool(lib.pd_amx_ready())
     for module in model.modules():
         if not isinstance(module, Experts):

@@ -120,7 +120,8 @@ def _load(path: Path) -> ctypes.CDLL:
     fn.argtypes = [p, ctypes.c_long, p, p, p, p, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int
     fn = lib.pd_rope
-    fn.argtypes = [p, ctypes.c_long, ctypes.c_long, p, p, p, p, p, i, i, i, i, ctypes.c_float, i, i]
+    fn.argtypes = [p, ctypes.c_long, ctypes.c_long, p, p, p, p, p, ctypes.c_long, ctypes.c_long, i, i, i, i,
+                   ctypes.c_float, i, i]
     fn.restype = ctypes.c_int
     fn = lib.pd_route_softmax
     fn.argtypes = [p, p, p, i, i, i, i, i, i, i, p, p]

@@ -46,12 +46,16 @@ def attention_scale(hf_config: Any, qk_head_dim: int) -> float:
     return scale
 
 
-def rotate(lib: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rope in one native pass where `lib` (the native kernels, or None) serves x."""
+def rotate(lib: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """apply_rope in one native pass where `lib` (the native kernels, or None) serves x; into `out`
+    (a view of x's shape) when given, which is returned."""
     from engine import token_ops
 
-    out = token_ops.rope(lib, x, cos, sin) if lib is not None else None
-    return out if out is not None else apply_rope(x, cos, sin)
+    done = token_ops.rope(lib, x, cos, sin, out=out) if lib is not None else None
+    if done is not None:
+        return done
+    return apply_rope(x, cos, sin) if out is None else out.copy_(apply_rope(x, cos, sin))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

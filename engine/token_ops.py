@@ -46,16 +46,18 @@ def rms_norm(lib: Any, x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rope(lib: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None = None,
-         k_weight: torch.Tensor | None = None, q_heads: int = 0, eps: float = 0.0) -> torch.Tensor | None:
+         k_weight: torch.Tensor | None = None, q_heads: int = 0, eps: float = 0.0,
+         out: torch.Tensor | None = None) -> torch.Tensor | None:
     """engine/rope.py's apply_rope of x (T, heads, hd), its heads possibly strided views of a wider
     tensor; with q_weight / k_weight the first `q_heads` heads are RMSNorm'd with q_weight and the
-    others with k_weight first (Qwen3's q_norm / k_norm). Returns (T, heads, hd), contiguous."""
-    if not _served(x, cos, sin, q_weight, k_weight) or not (cos.is_contiguous() and sin.is_contiguous()):
+    others with k_weight first (Qwen3's q_norm / k_norm). Written to `out` (a (T, heads, hd) view,
+    its heads possibly inside a wider tensor), else to a new contiguous tensor, which is returned."""
+    if not _served(x, cos, sin, q_weight, k_weight, out) or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
     T, heads, hd = x.shape
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype) if out is None else out
     rc = lib.pd_rope(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                      None if q_weight is None else q_weight.data_ptr(),
-                     None if k_weight is None else k_weight.data_ptr(),
-                     out.data_ptr(), T, heads, q_heads, hd, eps, DTYPES[x.dtype], torch.get_num_threads())
+                     None if k_weight is None else k_weight.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+                     T, heads, q_heads, hd, eps, DTYPES[x.dtype], torch.get_num_threads())
     return out if rc == 0 else None

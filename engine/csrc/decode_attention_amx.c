@@ -100,12 +100,12 @@ static void run(const void *ctx, int phase, int t, int threads) {
 }
 #endif
 
-/* Arguments as paged_decode_attention's (q_stride included), bfloat16 q and cache. Returns 0, -1 when the tiles or
- * the shapes do not serve this call (no AMX, hd % 32, vd % 16), -2 when out of memory. */
+/* Arguments as paged_decode_attention's (q_stride included), bfloat16 q and cache. Returns 0, -1
+ * when the tiles or the shapes do not serve this call (no AMX, hd % 32, vd % 16), -2 when out of
+ * memory. */
 int decode_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int64_t *tables, const int64_t *ctx, const int64_t *starts, float *out, int b, int kvh,
-                         int group, int hd,
-                         int vd, int bs, int max_blocks, float scale, int threads) {
+                         int group, int hd, int vd, int bs, int max_blocks, float scale, int threads) {
 #ifdef PD_AMX
     if (!pd_amx_ready() || hd % DEPTH || vd % TILE || vd > hd || vd < 1 || hd < 1 || threads < 1) return -1;
     int failed = 0, row_groups = (group + TILE - 1) / TILE;

@@ -41,8 +41,8 @@ int pd_attention_block_bf16(const uint16_t *x, const uint16_t *delta, const uint
     pd_rms_norm(x, D, delta, delta != NULL ? x_out : NULL, in_w, h, T, D, eps, BF16, threads);
     if (delta == NULL) memcpy(x_out, x, sizeof(uint16_t) * (size_t)T * D);
     if ((rc = pd_linear_bf16(h, D, qkv_w, qkv_b, qkv, T, D, nqkv, threads)) != 0) goto done;
-    if ((rc = pd_rope(qkv, nqkv, hd, cos, sin, q_w, k_w, rot, T, heads + kv_heads, heads, hd, eps, BF16, threads)) != 0)
-        goto done;
+    rc = pd_rope(qkv, nqkv, hd, cos, sin, q_w, k_w, rot, qk, hd, T, heads + kv_heads, heads, hd, eps, BF16, threads);
+    if (rc != 0) goto done;
     for (int t = 0; t < T; t++) { /* the new keys (rotated) and values at their slots */
         const int64_t row = slots[t] * kv_heads * hd;
         memcpy(k_cache + row, rot + (int64_t)t * qk + qd, sizeof(uint16_t) * (size_t)kv_heads * hd);

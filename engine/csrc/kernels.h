@@ -7,7 +7,8 @@
 int pd_rms_norm(const void *x, long x_stride, const void *delta, void *sum, const void *w, void *out, int rows,
                 int dim, float eps, int dtype, int threads);
 int pd_rope(const void *src, long token_stride, long head_stride, const void *cos, const void *sin, const void *qw,
-            const void *kw, void *out, int tokens, int heads, int q_heads, int hd, float eps, int dtype, int threads);
+            const void *kw, void *out, long out_token_stride, long out_head_stride, int tokens, int heads,
+            int q_heads, int hd, float eps, int dtype, int threads);
 int pd_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *out, int T,
                    int K, int N, int threads);
 int pd_linear_heads_bf16(const uint16_t *x, int64_t x_stride, int64_t x_head, const uint16_t *w, uint16_t *out,

@@ -22,9 +22,8 @@ static inline float value(const void *p, int64_t i, int dtype) {
     return dtype == 1 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* x[H] . w[H] in float32 over LANES partial sums (so it vectorizes), rounded to the dtype as a
- * linear layer's output is. */
-static float logit(const void *x, const void *w, int64_t xi, int64_t wi, int H, int dtype) {
+/* x[H] . w[H] in float32 over LANES partial sums (so it vectorizes). */
+static float dot(const void *x, const void *w, int64_t xi, int64_t wi, int H, int dtype) {
     float acc[LANES] = {0};
     int h = 0;
     for (; h + LANES <= H; h += LANES)
@@ -32,47 +31,7 @@ static float logit(const void *x, const void *w, int64_t xi, int64_t wi, int H, 
     for (; h < H; h++) acc[0] += value(x, xi + h, dtype) * value(w, wi + h, dtype);
     float s = 0.0f;
     for (int j = 0; j < LANES; j++) s += acc[j];
-    return dtype == 1 ? round_bf(s) : s;
-}
-
-/* The logits are logits[T][E], or with logits NULL x[T][H] times the router's weight w[E][H] (dtype 0
- * float32, 1 bfloat16) -> ids[T][k], weights[T][k] (float32). Returns 0, or -1 when k or E is out of
- * range. */
-int pd_route_softmax(const void *logits, const void *x, const void *w, int H, int dtype, int T, int E, int k,
-                     int renorm, int round_weights, int64_t *ids, float *weights) {
-    if (E <= 0 || E > MAX_EXPERTS || k <= 0 || k > E || (logits == NULL && (x == NULL || w == NULL))) return -1;
-    float p[MAX_EXPERTS];
-    for (int t = 0; t < T; t++) {
-        float mx = -INFINITY;
-        for (int e = 0; e < E; e++) {
-            p[e] = logits != NULL ? value(logits, (int64_t)t * E + e, dtype)
-                                  : logit(x, w, (int64_t)t * H, (int64_t)e * H, H, dtype);
-            mx = p[e] > mx ? p[e] : mx;
-        }
-        float sum = 0.0f;
-        for (int e = 0; e < E; e++) {
-            p[e] = expf(p[e] - mx);
-            sum += p[e];
-        }
-        int64_t *id = ids + (int64_t)t * k;
-        float *w = weights + (int64_t)t * k, best[MAX_EXPERTS], chosen = 0.0f;
-        int n = 0; /* best[0, n) descending, with their experts in id; ties keep the lower expert first */
-        for (int e = 0; e < E; e++) {
-            if (n == k && !(p[e] > best[k - 1])) continue;
-            int j = n < k ? n++ : k - 1;
-            for (; j > 0 && p[e] > best[j - 1]; j--) best[j] = best[j - 1], id[j] = id[j - 1];
-            best[j] = p[e], id[j] = e;
-        }
-        for (int j = 0; j < k; j++) {
-            w[j] = best[j] / sum;
-            chosen += w[j];
-        }
-        for (int j = 0; j < k; j++) {
-            if (renorm) w[j] = w[j] / chosen;
-            if (round_weights) w[j] = round_bf(w[j]);
-        }
-    }
-    return 0;
+    return s;
 }
 
 /* The k best of v[0, n) among those with keep[i] (NULL: all), descending, ties to the lower index;
@@ -89,11 +48,50 @@ static int top_k(const float *v, const uint8_t *keep, int n, int k, int *idx) {
     return m;
 }
 
+/* The logits are logits[T][E], or with logits NULL x[T][H] times the router's weight w[E][H] (dtype 0
+ * float32, 1 bfloat16; rounded to the dtype, as a linear layer's output is) -> ids[T][k],
+ * weights[T][k] (float32). Returns 0, or -1 when k or E is out of range. */
+int pd_route_softmax(const void *logits, const void *x, const void *w, int H, int dtype, int T, int E, int k,
+                     int renorm, int round_weights, int64_t *ids, float *weights) {
+    if (E <= 0 || E > MAX_EXPERTS || k <= 0 || k > E || (logits == NULL && (x == NULL || w == NULL))) return -1;
+    float p[MAX_EXPERTS];
+    int idx[MAX_EXPERTS];
+    for (int t = 0; t < T; t++) {
+        float mx = -INFINITY;
+        for (int e = 0; e < E; e++) {
+            if (logits != NULL) {
+                p[e] = value(logits, (int64_t)t * E + e, dtype);
+            } else {
+                const float l = dot(x, w, (int64_t)t * H, (int64_t)e * H, H, dtype);
+                p[e] = dtype == 1 ? round_bf(l) : l;
+            }
+            mx = p[e] > mx ? p[e] : mx;
+        }
+        float sum = 0.0f;
+        for (int e = 0; e < E; e++) {
+            p[e] = expf(p[e] - mx);
+            sum += p[e];
+        }
+        top_k(p, NULL, E, k, idx);
+        float *wt = weights + (int64_t)t * k, chosen = 0.0f;
+        for (int j = 0; j < k; j++) {
+            ids[(int64_t)t * k + j] = idx[j];
+            wt[j] = p[idx[j]] / sum;
+            chosen += wt[j];
+        }
+        for (int j = 0; j < k; j++) {
+            if (renorm) wt[j] = wt[j] / chosen;
+            if (round_weights) wt[j] = round_bf(wt[j]);
+        }
+    }
+    return 0;
+}
+
 /* DeepSeek-V3's router (engine/models/moe.py, "deepseek_v3"): sigmoid scores of float32 logits; the
  * choice adds the correction bias and keeps the `topk_group` of `groups` groups whose two best
  * biased scores sum highest; the weights are the unbiased scores of the k chosen, renormalised if
- * `renorm`, times `scaling`. Logits as pd_route_softmax's, but always float32 (dtype: x's and w's;
- * bias float32). Returns 0, or -1 for shapes out of range. */
+ * `renorm`, times `scaling`. Logits as pd_route_softmax's, but always float32, never rounded (dtype:
+ * x's and w's; bias float32). Returns 0, or -1 for shapes out of range. */
 int pd_route_grouped(const float *logits, const void *x, const void *w, const float *bias, int H, int dtype, int T,
                      int E, int k, int groups, int topk_group, int renorm, float scaling, int64_t *ids,
                      float *weights) {
@@ -106,19 +104,8 @@ int pd_route_grouped(const float *logits, const void *x, const void *w, const fl
     int idx[MAX_EXPERTS];
     for (int t = 0; t < T; t++) {
         for (int e = 0; e < E; e++) {
-            float l;
-            if (logits != NULL) {
-                l = logits[(int64_t)t * E + e];
-            } else { /* float32 logits of the activations and weights taken to float32: no rounding */
-                float acc[LANES] = {0}, s = 0.0f;
-                int h = 0;
-                for (; h + LANES <= H; h += LANES)
-                    for (int j = 0; j < LANES; j++)
-                        acc[j] += value(x, (int64_t)t * H + h + j, dtype) * value(w, (int64_t)e * H + h + j, dtype);
-                for (; h < H; h++) acc[0] += value(x, (int64_t)t * H + h, dtype) * value(w, (int64_t)e * H + h, dtype);
-                for (int j = 0; j < LANES; j++) s += acc[j];
-                l = s;
-            }
+            const float l =
+                logits != NULL ? logits[(int64_t)t * E + e] : dot(x, w, (int64_t)t * H, (int64_t)e * H, H, dtype);
             score[e] = 1.0f / (1.0f + expf(-l));
             choice[e] = score[e] + bias[e];
         }
@@ -131,17 +118,13 @@ int pd_route_grouped(const float *logits, const void *x, const void *w, const fl
         for (int e = 0; e < E; e++) keep[e] = 0;
         for (int i = 0; i < kept; i++) for (int e = idx[i] * per; e < (idx[i] + 1) * per; e++) keep[e] = 1;
         const int n = top_k(choice, keep, E, k, idx);
-        float sum = 0.0f;
+        float *wt = weights + (int64_t)t * k, sum = 0.0f;
         for (int j = 0; j < k; j++) {
             ids[(int64_t)t * k + j] = j < n ? idx[j] : idx[0];
-            weights[(int64_t)t * k + j] = j < n ? score[idx[j]] : 0.0f;
-            sum += weights[(int64_t)t * k + j];
+            wt[j] = j < n ? score[idx[j]] : 0.0f;
+            sum += wt[j];
         }
-        for (int j = 0; j < k; j++) {
-            float v = weights[(int64_t)t * k + j];
-            if (renorm) v = v / (sum + 1e-20f);
-            weights[(int64_t)t * k + j] = v * scaling;
-        }
+        for (int j = 0; j < k; j++) wt[j] = (renorm ? wt[j] / (sum + 1e-20f) : wt[j]) * scaling;
     }
     return 0;
 }

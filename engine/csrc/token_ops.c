@@ -92,7 +92,7 @@ int pd_rms_norm(const void *x, long x_stride, const void *delta, void *sum, cons
 typedef struct {
     const void *src, *cos, *sin, *qw, *kw;
     void *out;
-    long token_stride, head_stride;
+    long token_stride, head_stride, out_token_stride, out_head_stride;
     int tokens, heads, q_heads, hd, bf;
     float eps;
 } rope_args_t;
@@ -106,7 +106,7 @@ static void rope_tokens(const rope_args_t *a, int first, int last) {
             for (int i = 0; i < hd; i++) v[i] = load(a->src, si + i, bf);
             const void *w = h < a->q_heads ? a->qw : a->kw;
             if (w != NULL) norm_row(v, hd, w, a->eps, bf);
-            const long oi = ((long)t * a->heads + h) * hd, ci = (long)t * hd;
+            const long oi = (long)t * a->out_token_stride + (long)h * a->out_head_stride, ci = (long)t * hd;
             for (int i = 0; i < half; i++) {
                 const float c = load(a->cos, ci + i, bf), s = load(a->sin, ci + i, bf);
                 const float x1 = v[i], x2 = v[i + half];
@@ -126,13 +126,14 @@ static void rope_phase(const void *ctx, int phase, int t, int threads) {
 /* RoPE as engine/rope.py's apply_rope computes it, on `heads` heads of `hd` values per token: head h
  * of token t starts at src + t * token_stride + h * head_stride (in values); cos / sin are (tokens,
  * hd) tables with equal halves. With `qw` / `kw` (each hd weights, or NULL for no norm) the first
- * `q_heads` heads are RMSNorm'd with qw and the rest with kw first. out: (tokens, heads, hd),
- * contiguous. Returns 0, or -1 for an odd head width. */
+ * `q_heads` heads are RMSNorm'd with qw and the rest with kw first. The result's head h of token t
+ * goes to out + t * out_token_stride + h * out_head_stride. Returns 0, or -1 for an odd head width. */
 int pd_rope(const void *src, long token_stride, long head_stride, const void *cos, const void *sin, const void *qw,
-            const void *kw, void *out, int tokens, int heads, int q_heads, int hd, float eps, int dtype, int threads) {
+            const void *kw, void *out, long out_token_stride, long out_head_stride, int tokens, int heads,
+            int q_heads, int hd, float eps, int dtype, int threads) {
     if (hd % 2 != 0) return -1;
-    const rope_args_t a = {src, cos, sin, qw, kw, out, token_stride, head_stride, tokens, heads, q_heads, hd,
-                           dtype == 1, eps};
+    const rope_args_t a = {src, cos, sin, qw, kw, out, token_stride, head_stride, out_token_stride, out_head_stride,
+                           tokens, heads, q_heads, hd, dtype == 1, eps};
     if ((long)tokens * heads * hd < PARALLEL_MIN_VALUES || threads <= 1 || tokens < 2)
         rope_tokens(&a, 0, tokens);
     else

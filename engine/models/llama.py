@@ -26,7 +26,7 @@ from engine.models.gpt_oss import GptOssMoE
 from engine.models.mla import LatentAttention
 from engine.models.moe import Reduce, SparseMoE
 from engine.models.norm import RMSNorm
-from engine.rope import apply_rope, rope_cos_sin
+from engine.rope import apply_rope, rope_cos_sin, rotate
 
 if TYPE_CHECKING:
     from engine.tp_layout import TPLayout
@@ -62,26 +62,22 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         qk_heads = qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim)
-        qk = self._native_rope(qk_heads, cos, sin) if self.token_ops is not None else None
-        if qk is None and self.q_norm is not None:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
-            qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)
-        elif qk is None:  # q and k rotated in one pass, straight from the projection's output
-            qk = apply_rope(qk_heads, cos, sin)
+        if self.q_norm is None:  # q and k rotated in one pass, straight from the projection's output
+            qk = rotate(self.token_ops, qk_heads, cos, sin)
+        else:  # Qwen3: each head normed first (in the same native pass where the kernels serve)
+            qk = None if self.token_ops is None else token_ops.rope(
+                self.token_ops, qk_heads, cos, sin, self.q_norm.weight, self.k_norm.weight, self.num_heads,
+                self.q_norm.eps)
+            if qk is None:
+                q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
+                k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
+                qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sinks)
         out = self.o_proj(out.reshape(T, self.q_size))
         return out if self.reduce is None else self.reduce(out)
-
-    def _native_rope(self, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-        """The query and key heads normed (Qwen3) and rotated in one native pass; None where it does not serve."""
-        if self.q_norm is None:
-            return token_ops.rope(self.token_ops, heads, cos, sin)
-        return token_ops.rope(self.token_ops, heads, cos, sin, self.q_norm.weight, self.k_norm.weight, self.num_heads,
-                              self.q_norm.eps)
 
 
 class MLP(nn.Module):

@@ -127,13 +127,13 @@ class LatentAttention(nn.Module):
         if tiles:  # absorbed on AMX tiles, straight into the query rows
             q_full = q.new_empty((T, H, self.latent + self.rope))
             self._heads(q, self.nope, self.tiles[0], q_full, self.latent)
-            q_full[..., self.latent:] = rotate(self.token_ops, q[..., self.nope:], cos, sin)
+            rotate(self.token_ops, q[..., self.nope:], cos, sin, out=q_full[..., self.latent:])
         else:
             q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)  # (T, H, latent)
             q_full = torch.cat([q_latent, rotate(self.token_ops, q[..., self.nope:], cos, sin)], dim=-1)
         values = (cache, cache[..., :self.latent])  # the key row, and its latent part as the value
         out = paged_attention(q_full, row, row[..., :self.latent], values, meta, self.scale)  # (T, H, latent)
-        if tiles and out.is_contiguous():
+        if tiles:  # the kernel reads the heads in place
             heads_out = out.new_empty((T, H, self.v_dim))
             self._heads(out, self.latent, self.tiles[1], heads_out, self.v_dim)
             return self._finish(heads_out, T)

@@ -10,7 +10,7 @@ from torch import nn
 from engine.config import EngineConfig, ModelConfig, checkpoint_dtype, cpu_has_native
 from engine.loader import load_model
 from engine.native import native_lib
-from engine.packed_linear import PackedLinear, can_pack, pack_linears
+from engine.packed_linear import TILE_MAX_ROWS, PackedLinear, can_pack, pack_linears
 from pdcluster import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
@@ -93,20 +93,34 @@ LIB = native_lib()
 AMX = LIB is not None and bool(LIB.pd_amx_ready()) and can_pack(torch.device("cpu"), torch.bfloat16)
 
 
+class _CountingTiles:
+    """The native library, counting the tile linear's calls."""
+
+    def __init__(self, lib) -> None:
+        self.lib, self.calls = lib, 0
+
+    def pd_linear_bf16(self, *args):
+        self.calls += 1
+        return self.lib.pd_linear_bf16(*args)
+
+
 @pytest.mark.skipif(not AMX, reason="decode copies need AMX tiles")
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 16, 23, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 5, 16, 23, TILE_MAX_ROWS, TILE_MAX_ROWS + 1])
 def test_decode_tiles_equal_onednn_bit_for_bit(rows, bias):
     """Up to TILE_MAX_ROWS rows a bfloat16 layer runs on its tile copy: the same sums in the same
-    order as oneDNN's, so the same bits; past it, oneDNN runs."""
+    order as oneDNN's, so the same bits (208 outputs: a last column group of one tile); past it,
+    oneDNN runs."""
     torch.manual_seed(rows)
     ref = nn.Linear(320, 208, bias=bias).to(torch.bfloat16)
-    onednn, tiles = PackedLinear(ref), PackedLinear(ref, LIB)
+    counting = _CountingTiles(LIB)
+    onednn, tiles = PackedLinear(ref), PackedLinear(ref, counting)
     assert onednn.tiles is None and tiles.tiles is not None
     x = torch.randn(rows, 320).to(torch.bfloat16)
-    assert torch.equal(tiles(x), onednn(x))
     wide = torch.randn(rows, 640).to(torch.bfloat16)[:, 160:480]  # rows of a wider tensor, read in place
-    assert torch.equal(tiles(wide), onednn(wide))
+    with torch.no_grad():
+        assert torch.equal(tiles(x), onednn(x)) and torch.equal(tiles(wide), onednn(wide))
+    assert counting.calls == (2 if rows <= TILE_MAX_ROWS else 0)
 
 
 @pytest.mark.skipif(not AMX, reason="decode copies need AMX tiles")

@@ -73,6 +73,11 @@ def test_rope_matches_torch(dtype: torch.dtype, qk_norm: bool) -> None:
         assert _ulps(got, want) <= 4
     else:
         assert torch.equal(got, want)  # the same products, rounded alike: bit for bit
+    wide = torch.zeros(T, q_heads + kv_heads, hd + 16, dtype=dtype)  # into the tail of wider heads, as MLA's q rows
+    with torch.no_grad():
+        into = token_ops.rope(lib, heads, cos, sin, qn.weight if qk_norm else None, kn.weight if qk_norm else None,
+                              q_heads, 1e-6, out=wide[..., 16:])
+    assert into is not None and torch.equal(wide[..., 16:], got) and not wide[..., :16].any()
 
 
 def test_kernels_decline_what_they_do_not_read() -> None:
