@@ -337,6 +337,12 @@ class ControlSender(KVSender):
     def num_in_flight(self) -> int:
         return len(self._transfers)
 
+    def in_flight(self, transfer_id: str) -> bool:
+        """Whether the transfer is still open (neither committed nor failed). A data plane may ask
+        under its own lock: this sender never takes a plane's lock while holding its own."""
+        with self._lock:
+            return transfer_id in self._transfers
+
     def close(self) -> None:
         """Cancel streams in flight, close every channel, then the plane's own resources."""
         with self._lock:

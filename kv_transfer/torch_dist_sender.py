@@ -157,7 +157,7 @@ class TorchDistSendPlane(SendPlane):
         gone = {"checksum": digest, "dist_pair": "gone", "dist_tag": 0}
         pair = self._pairs.get(ticket.kv_endpoint)
         with self.channels.lock:
-            if ticket.transfer_id not in self.control._transfers:  # committed or failed meanwhile
+            if not self.control.in_flight(ticket.transfer_id):  # committed or failed meanwhile
                 return gone
             sent = self._sent.setdefault(ticket.transfer_id, _Unacknowledged(pair))
             sent.stopped = sent.stopped or pair is None or sent.pair is not pair or pair.broken is not None

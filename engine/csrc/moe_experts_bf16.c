@@ -12,8 +12,10 @@
  * gathered into rows padded to a multiple of 16 (the padding is zero), and an expert no token chose
  * is never read. Three phases, each split over `threads` threads:
  *   0. gather: x rows into each expert's padded row block;
- *   1. units (expert, 32 intermediate columns): gate and up for 16 rows at a time, then
- *      silu(gate) * up, rounded to bfloat16 at each step as torch's bfloat16 ops round;
+ *   1. units (expert, 16 or 32 intermediate columns): gate and up for its rows, then
+ *      silu(gate) * up, rounded to bfloat16 at each step as torch's bfloat16 ops round; the
+ *      threads' shares are split by rows, not units (a prefill's experts get from 0 to 6x the
+ *      mean of its tokens);
  *   2. units (64 output columns): for each expert in ascending order, act . down^T, times each
  *      pair's router weight, summed into a float32 row per token, rounded to bfloat16 at the end.
  */
@@ -31,9 +33,11 @@ typedef struct {
     const pd_pairs_t *p;
     const int32_t *row0;  /* expert -> its first padded row; row0[E] = all padded rows */
     int T, H, I, amx;
+    int cols;             /* phase 1: intermediate columns a unit computes (16, or 32 for decode) */
     uint16_t *xs, *act;   /* padded rows: gathered x (rows x H), activations (rows x I) */
     float *acc;           /* T x H */
     uint16_t *out;
+    int64_t split[PD_MAX_THREADS + 1]; /* phase 1: thread t runs units [split[t], split[t + 1]) */
 } moe_t;
 
 /* Portable: c[r][n] += a[r] . W[n] over one 32-deep block, for the first `rows` rows, reading the
@@ -78,26 +82,59 @@ static void tile_products(const moe_t *m, float c[4][TILE][TILE], const uint16_t
         for (int t = 0; t < nt; t++) tile_dot(c[t], a + kb * DEPTH, K, tile_at(w, nbs[t], kb, K), rows);
 }
 
-/* Phase 1, unit (slot, jb): intermediate columns [32 jb, 32 jb + 32) of one expert, all its rows. */
+/* Phase 1, unit (slot, jb): `m->cols` intermediate columns from cols * jb of one expert, all its
+ * rows. Two shapes of four sums: with many rows (a prefill), 16 columns and 32 rows at a time (two
+ * row tiles by the gate and the up tile), so the unit's weight tiles (2 x H/32 KiB: 40 KiB at
+ * H = 640) stay in the first-level cache while the rows stream past them; when no expert has more
+ * than 16 rows (a decode step), 32 columns and 16 rows (one row tile by two gate and two up tiles),
+ * each row tile loaded once for four products. */
 static void gate_up_unit(const moe_t *m, int slot, int jb) {
-    const int H = m->H, I = m->I, e = m->p->active[slot];
+    const int H = m->H, I = m->I, e = m->p->active[slot], kbs = H / DEPTH, wide = m->cols == 2 * TILE;
     const uint16_t *w = m->gate_up + (int64_t)e * 2 * I * H;
-    const int nbs[4] = {2 * jb, 2 * jb + 1, I / TILE + 2 * jb, I / TILE + 2 * jb + 1}; /* gate, gate, up, up */
-    const int real = m->p->start[e + 1] - m->p->start[e];
+    const int g0 = jb * m->cols / TILE, u0 = I / TILE + g0; /* first gate and up column tiles */
+    /* the four sums: wide, gate tiles g0, g0 + 1 then up tiles u0, u0 + 1 on the rows' one tile;
+     * else gate g0 and up u0 on row tile 0, then the same on row tile 1 */
+    const int nbs[4] = {g0, wide ? g0 + 1 : u0, wide ? u0 : g0, u0 + wide};
+    const int real = m->p->start[e + 1] - m->p->start[e], step = wide ? TILE : 2 * TILE;
     float c[4][TILE][TILE];
-    for (int r0 = 0; r0 < real; r0 += TILE) {
-        const int rows = real - r0 < TILE ? real - r0 : TILE;
-        tile_products(m, c, m->xs + (int64_t)(m->row0[e] + r0) * H, w, nbs, 4, H, rows);
-        for (int r = 0; r < rows; r++) {
-            uint16_t *o = m->act + (int64_t)(m->row0[e] + r0 + r) * I + jb * 2 * TILE;
-            float g[2 * TILE], u[2 * TILE], y[2 * TILE];
-            for (int n = 0; n < TILE; n++) {
-                g[n] = round_bf(c[0][r][n]), g[TILE + n] = round_bf(c[1][r][n]);
-                u[n] = round_bf(c[2][r][n]), u[TILE + n] = round_bf(c[3][r][n]);
+    for (int r0 = 0; r0 < real; r0 += step) {
+        const int rows = real - r0 < step ? real - r0 : step;
+        const uint16_t *a = m->xs + (int64_t)(m->row0[e] + r0) * H;
+#ifdef PD_AMX
+        if (m->amx) {
+            pd_tiles_zero4();
+            for (int kb = 0; kb < kbs; kb++) {
+                if (wide) {
+                    const uint16_t *b[4] = {tile_at(w, nbs[0], kb, H), tile_at(w, nbs[1], kb, H),
+                                            tile_at(w, nbs[2], kb, H), tile_at(w, nbs[3], kb, H)};
+                    pd_tiles_dp4(a + kb * DEPTH, H * 2, b, 4);
+                } else {
+                    pd_tiles_dp22(a + kb * DEPTH, rows > TILE ? a + (int64_t)TILE * H + kb * DEPTH : NULL, H * 2,
+                                  tile_at(w, nbs[0], kb, H), tile_at(w, nbs[1], kb, H));
+                }
             }
-            for (int n = 0; n < 2 * TILE; n++) y[n] = round_bf(round_bf(g[n] / (1.f + exp_f(-g[n]))) * u[n]);
-            for (int n = 0; n < 2 * TILE; n++) o[n] = f2bf(y[n]);
+            pd_tiles_store4(c);
+        } else
+#endif
+        {
+            memset(c, 0, sizeof(c));
+            for (int kb = 0; kb < kbs; kb++)
+                for (int i = 0; i < 4; i++) {
+                    const int h = wide ? 0 : i / 2, n = rows - h * TILE < TILE ? rows - h * TILE : TILE;
+                    if (n > 0)
+                        tile_dot(c[i], a + (int64_t)h * TILE * H + kb * DEPTH, H, tile_at(w, nbs[i], kb, H), n);
+                }
         }
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < m->cols / TILE; q++) {
+                const float *gc = wide ? c[q][r] : c[2 * (r / TILE)][r % TILE];
+                const float *uc = wide ? c[2 + q][r] : c[2 * (r / TILE) + 1][r % TILE];
+                uint16_t *o = m->act + (int64_t)(m->row0[e] + r0 + r) * I + jb * m->cols + q * TILE;
+                for (int n = 0; n < TILE; n++) {
+                    const float g = round_bf(gc[n]), u = round_bf(uc[n]);
+                    o[n] = f2bf(round_bf(round_bf(g / (1.f + exp_f(-g))) * u));
+                }
+            }
     }
 }
 
@@ -107,6 +144,7 @@ static void down_unit(const moe_t *m, int u) {
     const int nt = H / TILE - nb0 < 4 ? H / TILE - nb0 : 4;
     const int nbs[4] = {nb0, nb0 + 1, nb0 + 2, nb0 + 3};
     float c[4][TILE][TILE];
+    for (int tok = 0; tok < m->T; tok++) memset(m->acc + (int64_t)tok * H + nb0 * TILE, 0, sizeof(float) * nt * TILE);
     for (int s = 0; s < m->p->n_active; s++) {
         const int e = m->p->active[s], first = m->p->start[e], real = m->p->start[e + 1] - first;
         for (int r0 = 0; r0 < real; r0 += TILE) {
@@ -126,6 +164,28 @@ static void down_unit(const moe_t *m, int u) {
             m->out[(int64_t)tok * H + col] = f2bf(m->acc[(int64_t)tok * H + col]);
 }
 
+/* m->split for phase 1: contiguous runs of units of about equal cost, a unit costing its 32-row
+ * blocks plus one (its weight tiles' first reads). */
+static void split_units(moe_t *m, int threads) {
+    const int per = m->I / m->cols;
+    int64_t total = 0, done = 0;
+    for (int s = 0; s < m->p->n_active; s++) {
+        const int e = m->p->active[s];
+        total += (int64_t)per * ((m->row0[e + 1] - m->row0[e]) / (2 * TILE) + 1);
+    }
+    int t = 1;
+    m->split[0] = 0;
+    for (int s = 0; s < m->p->n_active && t < threads; s++) {
+        const int e = m->p->active[s];
+        const int64_t cost = (m->row0[e + 1] - m->row0[e]) / (2 * TILE) + 1;
+        for (int j = 0; j < per && t < threads; j++) {
+            done += cost;
+            while (t < threads && done * threads >= total * t) m->split[t++] = (int64_t)s * per + j + 1;
+        }
+    }
+    for (; t <= threads; t++) m->split[t] = (int64_t)m->p->n_active * per;
+}
+
 static void gather_unit(const moe_t *m, int slot) {
     const int e = m->p->active[slot], H = m->H, first = m->p->start[e], real = m->p->start[e + 1] - first;
     const int padded = (real + TILE - 1) / TILE * TILE;
@@ -142,9 +202,10 @@ static void gather_unit(const moe_t *m, int slot) {
 static void run(const void *ctx, int phase, int t, int threads) {
     const moe_t *m = (const moe_t *)ctx;
     const int64_t n = phase == 0 ? m->p->n_active
-                      : phase == 1 ? (int64_t)m->p->n_active * (m->I / DEPTH)
+                      : phase == 1 ? (int64_t)m->p->n_active * (m->I / m->cols)
                                    : (m->H / TILE + 3) / 4;
-    const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+    const int64_t lo = phase == 1 ? m->split[t] : n * t / threads;
+    const int64_t hi = phase == 1 ? m->split[t + 1] : n * (t + 1) / threads;
 #ifdef PD_AMX
     if (m->amx && phase > 0) pd_tiles_on();
 #endif
@@ -152,13 +213,29 @@ static void run(const void *ctx, int phase, int t, int threads) {
         if (phase == 0)
             gather_unit(m, (int)u);
         else if (phase == 1)
-            gate_up_unit(m, (int)(u / (m->I / DEPTH)), (int)(u % (m->I / DEPTH)));
+            gate_up_unit(m, (int)(u / (m->I / m->cols)), (int)(u % (m->I / m->cols)));
         else
             down_unit(m, (int)u);
     }
 #ifdef PD_AMX
     if (m->amx && phase > 0) _tile_release();
 #endif
+}
+
+/* The calling thread's scratch memory of at least `bytes`, kept from call to call (NULL when out of
+ * memory). A prefill's gathered rows are tens of megabytes: allocated afresh, their pages were
+ * faulted in again on every call (up to half the layer's time). Kept, they cost that much memory
+ * for as long as the thread lives. */
+static void *scratch(size_t bytes) {
+    static __thread void *mem;
+    static __thread size_t held;
+    if (bytes > held) {
+        free(mem);
+        held = (bytes + ((size_t)1 << 20) - 1) & ~(((size_t)1 << 20) - 1);
+        mem = aligned_alloc(64, held);
+        if (!mem) held = 0;
+    }
+    return mem;
 }
 
 /* x[T][H], out[T][H] bfloat16; ids/weights as moe_experts (float32 weights; experts outside
@@ -178,17 +255,24 @@ int moe_experts_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t 
     row0[0] = 0;
     for (int e = 0; e < E; e++) row0[e + 1] = row0[e] + (p.start[e + 1] - p.start[e] + TILE - 1) / TILE * TILE;
     const size_t rows = row0[E] ? (size_t)row0[E] : 1;
-    uint16_t *xs = malloc(sizeof(uint16_t) * rows * (size_t)H), *act = malloc(sizeof(uint16_t) * rows * (size_t)I);
-    float *acc = calloc((size_t)T * (size_t)H + 1, sizeof(float));
-    int rc = 0;
-    if (!xs || !act || !acc) {
-        rc = -2;
-        goto done;
+    const size_t xs_bytes = (sizeof(uint16_t) * rows * (size_t)H + 63) / 64 * 64;
+    const size_t act_bytes = (sizeof(uint16_t) * rows * (size_t)I + 63) / 64 * 64;
+    char *ws = scratch(xs_bytes + act_bytes + sizeof(float) * ((size_t)T * (size_t)H + 1));
+    if (!ws) {
+        free(row0);
+        pd_pairs_free(&p);
+        return -2;
     }
-    moe_t m = {x, gate_up, down, &p, row0, T, H, I, amx, xs, act, acc, out};
+    uint16_t *xs = (uint16_t *)ws, *act = (uint16_t *)(ws + xs_bytes);
+    float *acc = (float *)(ws + xs_bytes + act_bytes);
+    if (threads < 1) threads = 1;
+    if (threads > PD_MAX_THREADS) threads = PD_MAX_THREADS;
+    int most = 0; /* the most rows an expert has */
+    for (int e = 0; e < E; e++) most = row0[e + 1] - row0[e] > most ? row0[e + 1] - row0[e] : most;
+    moe_t m = {x, gate_up, down, &p, row0, T, H, I, amx, most > TILE ? TILE : 2 * TILE, xs, act, acc, out, {0}};
+    split_units(&m, threads);
     for (int phase = 0; phase < 3; phase++) pd_parallel_phase(run, &m, phase, threads);
-done:
-    free(xs), free(act), free(acc), free(row0);
+    free(row0);
     pd_pairs_free(&p);
-    return rc;
+    return 0;
 }

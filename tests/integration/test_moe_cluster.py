@@ -22,7 +22,8 @@ from pdcluster.cluster_config import load_cluster_config
 from pdcluster.launcher import up
 from pdcluster.local_cluster import LocalCluster
 from tests.integration.kill_streams import streams_through_a_kill
-from tests.integration.test_faults import _retries, wait_blocks_free
+from proto import worker_pb2 as wk
+from tests.integration.test_faults import _retries, _stub, wait_blocks_free
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -84,6 +85,18 @@ def test_colocated_and_a_decode_worker_stopped_mid_stream(model, reference):
     assert got == reference(PROMPTS[1], 60)  # resumed on the other worker: nothing lost, nothing repeated
 
 
+def _streaming_decode_worker(handle) -> dict:
+    """A decode worker with requests in its running batch (the router may have put every stream on
+    one of the two)."""
+    for w in handle.workers:
+        if w["role"] == "decode":
+            ch, stub = _stub(w, handle.secret)
+            with ch:
+                if stub.Stats(wk.StatsRequest(), timeout=5).running:
+                    return w
+    raise AssertionError("no decode worker is running a stream")
+
+
 def test_pdcluster_up_serves_the_model_and_survives_a_killed_decode_worker(model, reference):
     """A real Ray cluster (1 prefill + 2 decode workers): the prompts token for token, then a decode
     worker SIGKILLed while it streams: every stream goes on elsewhere from the tokens it had, equal to
@@ -103,9 +116,9 @@ def test_pdcluster_up_serves_the_model_and_survives_a_killed_decode_worker(model
         with Client(handle.router_address, timeout_s=120) as client:
             got = [client.complete(p, max_tokens=N, temperature=0.0, ignore_eos=True).token_ids for p in PROMPTS]
         before = _retries(handle)
-        victim = next(w for w in handle.workers if w["role"] == "decode")
         streamed = streams_through_a_kill(handle.router_address, PROMPTS, long,
-                                          lambda: os.kill(victim["pid"], signal.SIGKILL), begun=5)
+                                          lambda: os.kill(_streaming_decode_worker(handle)["pid"], signal.SIGKILL),
+                                          begun=5)
         retried = _retries(handle) - before
         used = wait_blocks_free(handle)
     finally:

@@ -83,6 +83,34 @@ def test_the_kernel_is_as_close_to_float32_as_torch_bfloat16_is(amx, E, H, inter
 
 @needs_lib
 @pytest.mark.parametrize("amx", PATHS)
+def test_skewed_routing_gives_the_same_bits_on_any_number_of_threads(amx):
+    """A prefill's router sends some experts many tokens and others none: the threads' shares are
+    split by rows, so 1, 2 and 3 threads divide the work differently; the sums must not change."""
+    E, H, inter, k, tokens = 8, 64, 64, 2, 150
+    experts = _experts(E, H, inter, seed=5)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, H, generator=g).bfloat16()
+    bias = torch.tensor([3.0, 2.0, 0.0, 0.0, -1.0, -1.0, -9.0, -9.0])  # experts 6 and 7: (nearly) never
+    ids = (torch.randn(tokens, E, generator=g) + bias).topk(k, dim=-1).indices
+    weights = torch.rand(tokens, k, generator=g)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert counts.max() > 64 and counts.min() < 16  # several 32-row blocks, and a partial one or none
+    want = _float_reference(experts, x, ids, weights, E)
+    experts.pack(LIB, amx=amx)
+    before = torch.get_num_threads()
+    try:
+        got = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got.append(experts(x, ids, weights, E))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    assert (got[0].float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@needs_lib
+@pytest.mark.parametrize("amx", PATHS)
 def test_the_kernel_runs_only_the_experts_a_rank_holds(amx):
     """Expert parallelism: a rank holding experts [E/2, E) sums only their pairs."""
     E, H, inter = 8, 64, 32
