@@ -73,17 +73,17 @@ static inline void pd_tiles_dp4(const void *a, int stride, const uint16_t *const
     if (nt > 3) _tile_dpbf16ps(3, 4, 5);
 }
 
-/* Tiles 0, 1 += A0 (tile 4) times b0, b1 (tiles 6, 7); tiles 2, 3 += A1 (tile 5) times the same,
- * where a1 is not NULL: two 16-row blocks of A, 32 values deep, `stride` bytes between rows. */
+/* Tiles 0, 1 += A0 (tile 4) times b0, b1 (tiles 6, 7); tiles 2, 3 += A1 (tile 5) times the same:
+ * two 16-row blocks of A, 32 values deep, `stride` bytes between rows; b1 NULL: b0 alone. */
 static inline void pd_tiles_dp22(const void *a0, const void *a1, int stride, const uint16_t *b0, const uint16_t *b1) {
     _tile_loadd(4, a0, stride);
     _tile_loadd(6, b0, 64);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, b1, 64);
-    _tile_dpbf16ps(1, 4, 7);
-    if (a1) {
-        _tile_loadd(5, a1, stride);
-        _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(5, a1, stride);
+    _tile_dpbf16ps(2, 5, 6);
+    if (b1) {
+        _tile_loadd(7, b1, 64);
+        _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(3, 5, 7);
     }
 }
