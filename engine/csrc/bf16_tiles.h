@@ -32,6 +32,13 @@ static inline float round_bf(float f) {
     return o;
 }
 
+/* The bfloat16 bits of r, a value already rounded to bfloat16 (round_bf's result). */
+static inline uint16_t bf_bits(float r) {
+    uint32_t u;
+    memcpy(&u, &r, 4);
+    return (uint16_t)(u >> 16);
+}
+
 static inline uint16_t f2bf(float f) {
     const float r = round_bf(f);
     uint32_t u;

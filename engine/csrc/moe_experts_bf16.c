@@ -58,17 +58,38 @@ static inline const uint16_t *tile_at(const uint16_t *w, int nb, int kb, int K) 
     return w + ((int64_t)nb * (K / DEPTH) + kb) * (DEPTH * TILE);
 }
 
+/* One block of sums and where it goes: c[2 h + t] holds row tile h by column tile t of `rows` rows
+ * from row r0 of expert e's block; col: the first column tile (phase 1: the gate tile). A thread
+ * keeps two: the tiles compute one while the vector units finish the other (pipeline_t). */
+typedef struct {
+    float c[4][TILE][TILE];
+    int e, r0, rows, col;
+} block_t;
+
+typedef struct {
+    block_t b[2];
+    int n; /* blocks issued; block n - 1 (b[(n - 1) & 1]) is the one still to finish */
+} pipeline_t;
+
+typedef void (*finish_fn)(const moe_t *, const block_t *, int, int);
+
 /* c[2 h + t] = rows [16 h, 16 h + 16) of a times W[nbs[t]]^T over K, for the packed weight w's
  * column tiles nbs[0, nt), `rows` real rows of a (the rest of their 16 or 32 is zero padding) K
- * apart; the tiles' products, or the same in portable C. Two shapes of four sums: up to 16 rows by
- * up to four column tiles (each row tile loaded once for four products), or up to 32 rows by up to
- * two (each weight tile loaded once for two: with many rows the weight tiles are what the loads
- * wait for). */
-static void tile_products(const moe_t *m, float c[4][TILE][TILE], const uint16_t *a, const uint16_t *w,
-                          const int nbs[4], int nt, int K, int rows) {
+ * apart; and, between the tiles' products, `finish` of the block `prev` (when not NULL) a few rows
+ * at a time: the vector units work while the tiles compute (all of it after the products would
+ * only overlap as far as the reorder buffer reaches). On the tiles the sums stay in the tile
+ * registers (tile_finish stores them); in portable C they are computed here. Two shapes of four
+ * sums: up to 16 rows by up to four column tiles (each row tile loaded once for four products), or
+ * up to 32 rows by up to two (each weight tile loaded once for two: with many rows the weight tiles
+ * are what the loads wait for). */
+static inline __attribute__((always_inline)) void tile_issue(const moe_t *m, float c[4][TILE][TILE],
+                                                             const uint16_t *a, const uint16_t *w, const int nbs[4],
+                                                             int nt, int K, int rows, finish_fn finish,
+                                                             const block_t *prev) {
     const int kbs = K / DEPTH;
 #ifdef PD_AMX
     if (m->amx) {
+        const int slice = prev ? (prev->rows + kbs - 1) / kbs : 0;
         pd_tiles_zero4();
         for (int kb = 0; kb < kbs; kb++) {
             if (rows > TILE) {
@@ -79,12 +100,11 @@ static void tile_products(const moe_t *m, float c[4][TILE][TILE], const uint16_t
                                         tile_at(w, nbs[2 % nt], kb, K), tile_at(w, nbs[3 % nt], kb, K)};
                 pd_tiles_dp4(a + kb * DEPTH, K * 2, b, nt);
             }
+            if (prev && kb * slice < prev->rows)
+                finish(m, prev, kb * slice, (kb + 1) * slice < prev->rows ? (kb + 1) * slice : prev->rows);
         }
-        pd_tiles_store4(c);
         return;
     }
-#else
-    (void)m;
 #endif
     memset(c, 0, sizeof(float) * 4 * TILE * TILE);
     for (int kb = 0; kb < kbs; kb++)
@@ -92,59 +112,95 @@ static void tile_products(const moe_t *m, float c[4][TILE][TILE], const uint16_t
             for (int t = 0; t < nt; t++)
                 tile_dot(c[2 * h + t], a + (int64_t)h * TILE * K + kb * DEPTH, K, tile_at(w, nbs[t], kb, K),
                          rows - h * TILE < TILE ? rows - h * TILE : TILE);
+    if (prev) finish(m, prev, 0, prev->rows);
+}
+
+static void tile_finish(const moe_t *m, float c[4][TILE][TILE]) {
+#ifdef PD_AMX
+    if (m->amx) pd_tiles_store4(c);
+#else
+    (void)m, (void)c;
+#endif
+}
+
+/* Phase 1's vector half of a block's rows [lo, hi): silu(gate) * up, rounded to bfloat16 at each step as torch's
+ * bfloat16 ops round, into the activations. */
+static inline void activate(const moe_t *m, const block_t *b, int lo, int hi) {
+    const int I = m->I, half = m->tiles / 2;
+    for (int r = lo; r < hi; r++)
+        for (int q = 0; q < half; q++) {
+            const float *gc = b->c[2 * (r / TILE + q)][r % TILE], *uc = b->c[2 * (r / TILE + q) + 1][r % TILE];
+            uint16_t *o = m->act + (int64_t)(m->row0[b->e] + b->r0 + r) * I + (b->col + q) * TILE;
+            for (int n = 0; n < TILE; n++) {
+                const float g = round_bf(gc[n]), u = round_bf(uc[n]);
+                o[n] = bf_bits(round_bf(round_bf(g / (1.f + exp_f(-g))) * u));
+            }
+        }
+}
+
+/* Phase 2's vector half of a block's rows [lo, hi): each row's products, rounded to bfloat16, times its pair's
+ * router weight, added to its token's float32 sums. */
+static inline void accumulate(const moe_t *m, const block_t *b, int lo, int hi) {
+    const int H = m->H, nt = H / TILE - b->col < 4 ? H / TILE - b->col : 4, first = m->p->start[b->e];
+    for (int r = lo; r < hi; r++) {
+        const int pair = first + b->r0 + r;
+        const float wt = m->p->wt[pair];
+        float *acc = m->acc + (int64_t)m->p->tok[pair] * H + b->col * TILE;
+        for (int t = 0; t < nt; t++)
+            for (int n = 0; n < TILE; n++) acc[t * TILE + n] += round_bf(b->c[2 * (r / TILE) + t][r % TILE][n]) * wt;
+    }
+}
+
+/* The next block through the pipeline: its products issued, the block before it (maybe another
+ * unit's) finished meanwhile, its sums stored. */
+static inline __attribute__((always_inline)) void pipeline_push(const moe_t *m, pipeline_t *pl, finish_fn finish,
+                                                                const uint16_t *a, const uint16_t *w,
+                                                                const int nbs[4], int nt, int K, int e, int r0,
+                                                                int rows, int col) {
+    block_t *cur = &pl->b[pl->n & 1];
+    tile_issue(m, cur->c, a, w, nbs, nt, K, rows, finish, pl->n > 0 ? &pl->b[(pl->n - 1) & 1] : NULL);
+    tile_finish(m, cur->c);
+    cur->e = e, cur->r0 = r0, cur->rows = rows, cur->col = col;
+    pl->n++;
+}
+
+/* The last block's vector half; the pipeline is then empty. */
+static void pipeline_drain(const moe_t *m, pipeline_t *pl, finish_fn finish) {
+    if (pl->n > 0) finish(m, &pl->b[(pl->n - 1) & 1], 0, pl->b[(pl->n - 1) & 1].rows);
+    pl->n = 0;
 }
 
 /* Phase 1, unit (slot, jb): `m->tiles` / 2 tiles of intermediate columns from that many times jb,
  * of one expert, all its rows: with many rows (a prefill) one tile of gate and up columns, 32 rows
  * at a time, so the unit's weight tiles (2 x H/32 KiB: 40 KiB at H = 640) stay in the first-level
  * cache while the rows stream past them; when no expert has more than 16 rows (a decode step), two
- * tiles of each, 16 rows. Then silu(gate) * up. */
-static void gate_up_unit(const moe_t *m, int slot, int jb) {
-    const int H = m->H, I = m->I, e = m->p->active[slot], half = m->tiles / 2, step = 64 / m->tiles;
-    const int g0 = jb * half, u0 = I / TILE + g0; /* first gate and up column tiles */
+ * tiles of each, 16 rows. */
+static void gate_up_unit(const moe_t *m, pipeline_t *pl, int slot, int jb) {
+    const int H = m->H, I = m->I, e = m->p->active[slot], step = 64 / m->tiles;
+    const int g0 = jb * (m->tiles / 2), u0 = I / TILE + g0; /* first gate and up column tiles */
     const int nbs[4] = {g0, u0, g0 + 1, u0 + 1};  /* gate and up tile pairs: c[2 (h + q)], c[2 (h + q) + 1] */
     const int real = m->p->start[e + 1] - m->p->start[e];
-    float c[4][TILE][TILE];
-    for (int r0 = 0; r0 < real; r0 += step) {
-        const int rows = real - r0 < step ? real - r0 : step;
-        tile_products(m, c, m->xs + (int64_t)(m->row0[e] + r0) * H, m->gate_up + (int64_t)e * 2 * I * H, nbs,
-                      m->tiles, H, rows);
-        for (int r = 0; r < rows; r++)
-            for (int q = 0; q < half; q++) {
-                const float *gc = c[2 * (r / TILE + q)][r % TILE], *uc = c[2 * (r / TILE + q) + 1][r % TILE];
-                uint16_t *o = m->act + (int64_t)(m->row0[e] + r0 + r) * I + (g0 + q) * TILE;
-                for (int n = 0; n < TILE; n++) {
-                    const float g = round_bf(gc[n]), u = round_bf(uc[n]);
-                    o[n] = f2bf(round_bf(round_bf(g / (1.f + exp_f(-g))) * u));
-                }
-            }
-    }
+    for (int r0 = 0; r0 < real; r0 += step)
+        pipeline_push(m, pl, activate, m->xs + (int64_t)(m->row0[e] + r0) * H, m->gate_up + (int64_t)e * 2 * I * H,
+                      nbs, m->tiles, H, e, r0, real - r0 < step ? real - r0 : step, g0);
 }
 
 /* Phase 2, unit u: output columns [64 u, 64 u + 64) (fewer at the end), every expert in order, 16
  * rows at a time. Here the activations are what streams (every unit reads all of them) and an
  * expert's weight tiles for the unit (32 KiB at I = 256) stay put: four column tiles a row tile
  * beat two by two row tiles (a prefill layer of moe-400m: 4.3 against 5.2 ms). */
-static void down_unit(const moe_t *m, int u) {
-    const int H = m->H, I = m->I, nb0 = 4 * u, step = TILE;
+static void down_unit(const moe_t *m, pipeline_t *pl, int u) {
+    const int H = m->H, I = m->I, nb0 = 4 * u;
     const int nt = H / TILE - nb0 < 4 ? H / TILE - nb0 : 4;
     const int nbs[4] = {nb0, nb0 + 1, nb0 + 2, nb0 + 3};
-    float c[4][TILE][TILE];
     for (int tok = 0; tok < m->T; tok++) memset(m->acc + (int64_t)tok * H + nb0 * TILE, 0, sizeof(float) * nt * TILE);
     for (int s = 0; s < m->p->n_active; s++) {
-        const int e = m->p->active[s], first = m->p->start[e], real = m->p->start[e + 1] - first;
-        for (int r0 = 0; r0 < real; r0 += step) {
-            const int rows = real - r0 < step ? real - r0 : step;
-            tile_products(m, c, m->act + (int64_t)(m->row0[e] + r0) * I, m->down + (int64_t)e * H * I, nbs, nt, I, rows);
-            for (int r = 0; r < rows; r++) {
-                const int pair = first + r0 + r;
-                const float wt = m->p->wt[pair];
-                float *acc = m->acc + (int64_t)m->p->tok[pair] * H + nb0 * TILE;
-                for (int t = 0; t < nt; t++)
-                    for (int n = 0; n < TILE; n++) acc[t * TILE + n] += round_bf(c[2 * (r / TILE) + t][r % TILE][n]) * wt;
-            }
-        }
+        const int e = m->p->active[s], real = m->p->start[e + 1] - m->p->start[e];
+        for (int r0 = 0; r0 < real; r0 += TILE)
+            pipeline_push(m, pl, accumulate, m->act + (int64_t)(m->row0[e] + r0) * I, m->down + (int64_t)e * H * I,
+                          nbs, nt, I, e, r0, real - r0 < TILE ? real - r0 : TILE, nb0);
     }
+    pipeline_drain(m, pl, accumulate); /* every sum of the unit's columns in before they are rounded */
     for (int tok = 0; tok < m->T; tok++)
         for (int col = nb0 * TILE; col < (nb0 + nt) * TILE; col++)
             m->out[(int64_t)tok * H + col] = f2bf(m->acc[(int64_t)tok * H + col]);
@@ -187,11 +243,12 @@ static void gather_unit(const moe_t *m, int slot) {
 /* Phase `phase`'s share of thread t of `threads`. */
 static void run(const void *ctx, int phase, int t, int threads) {
     const moe_t *m = (const moe_t *)ctx;
-    const int64_t n = phase == 0 ? m->p->n_active
-                      : phase == 1 ? (int64_t)m->p->n_active * (m->I / TILE / (m->tiles / 2))
-                                   : (m->H / TILE + 3) / 4;
+    const int per = m->I / TILE / (m->tiles / 2); /* phase 1's units per expert */
+    const int64_t n = phase == 0 ? m->p->n_active : phase == 1 ? (int64_t)m->p->n_active * per : (m->H / TILE + 3) / 4;
     const int64_t lo = phase == 1 ? m->split[t] : n * t / threads;
     const int64_t hi = phase == 1 ? m->split[t + 1] : n * (t + 1) / threads;
+    pipeline_t pl;
+    pl.n = 0;
 #ifdef PD_AMX
     if (m->amx && phase > 0) pd_tiles_on();
 #endif
@@ -199,13 +256,11 @@ static void run(const void *ctx, int phase, int t, int threads) {
         if (phase == 0)
             gather_unit(m, (int)u);
         else if (phase == 1)
-            {
-            const int per = m->I / TILE / (m->tiles / 2);
-            gate_up_unit(m, (int)(u / per), (int)(u % per));
-        }
+            gate_up_unit(m, &pl, (int)(u / per), (int)(u % per));
         else
-            down_unit(m, (int)u);
+            down_unit(m, &pl, (int)u);
     }
+    if (phase == 1) pipeline_drain(m, &pl, activate);
 #ifdef PD_AMX
     if (m->amx && phase > 0) _tile_release();
 #endif
