@@ -30,7 +30,7 @@ class RankSink:
         self.num_layers = len(runner.kv_caches)
         layout = runner.tp.layout
         self.kv_heads = (layout.first_kv_head, layout.kv_heads)
-        self.kv_dtype = runner.dtype  # the receiver's wire-dtype check
+        self.kv_dtype = runner.cache_dtype  # the receiver's wire-dtype check
         self.cache = runner.kv_caches[0]  # where the cache lives (the receiver's planes: NCCL on CUDA)
 
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:

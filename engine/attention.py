@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kv_quant import KVQuant
+
 
 # bfloat16 decode attention on AMX tiles (engine/csrc/decode_attention_amx.c) where the CPU has them;
 # PDCLUSTER_AMX_ATTENTION=0 keeps the vector kernel
@@ -66,13 +68,23 @@ class AttentionMetadata:
     native_decode: NativeDecode | None = None
     # prefill / mixed: one span per sequence (the rows after the native decode rows, if any)
     spans: list[SeqSpan] | None = None
+    # quantized pages (engine/kv_quant.py): rows are written quantized and dequantized as gathered
+    kv_quant: KVQuant | None = None
+
+    def stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """New rows (T, heads, d) as the cache keeps them."""
+        return rows if self.kv_quant is None else self.kv_quant.quantize(rows)
+
+    def values(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered cache rows as values in `dtype` (the same rows when the cache is not quantized)."""
+        return rows if self.kv_quant is None else self.kv_quant.dequantize(rows, dtype)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V (T, kvh, hd) at their slots."""
-    kvh, hd = k.shape[-2:]
-    kv_cache[0].view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store the new tokens' K/V (T, kvh, hd) at their slots (quantized, for quantized pages)."""
+    kvh, width = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, kvh, width).index_copy_(0, meta.slot_mapping, meta.stored(k))
+    kv_cache[1].view(-1, kvh, width).index_copy_(0, meta.slot_mapping, meta.stored(v))
 
 
 def paged_attention(
@@ -91,7 +103,8 @@ def paged_attention(
     vd = v.shape[-1]  # the values' width (a latent cache's is narrower than its keys')
     outs = []
     if meta.native_decode is not None:
-        outs.append(_native_decode(q[: len(meta.native_decode.context_lens)], kv_cache, meta.native_decode, scale))
+        outs.append(_native_decode(q[: len(meta.native_decode.context_lens)], kv_cache, meta.native_decode, scale,
+                                   meta.kv_quant))
         if meta.spans is None:
             return outs[0]
     if meta.decode_groups is not None:
@@ -100,11 +113,13 @@ def paged_attention(
             # Whole blocks are gathered (contiguous block_size*kvh*hd runs, much faster than token
             # rows); positions past each sequence's end are masked.
             b, L = group.block_tables.shape[0], group.mask.shape[-1]
-            kb = kv_cache[0][group.block_tables].view(b, L, kvh, hd).transpose(1, 2)  # (b, kvh, L, hd)
+            width = kv_cache[0].shape[-1]
+            kb = meta.values(kv_cache[0][group.block_tables].view(b, L, kvh, width), q.dtype).transpose(1, 2)
             if kv_cache[1].data_ptr() == kv_cache[0].data_ptr() and kv_cache[1].stride() == kv_cache[0].stride():
                 vb = kb[..., :vd]  # the values are the keys' first vd (a latent cache): gathered once
             else:
-                vb = kv_cache[1][group.block_tables].view(b, L, kvh, vd).transpose(1, 2)
+                v_width = kv_cache[1].shape[-1]
+                vb = meta.values(kv_cache[1][group.block_tables].view(b, L, kvh, v_width), q.dtype).transpose(1, 2)
             if sinks is None:
                 # each KV head's query heads as the query rows of one head: (b, kvh, H/kvh, hd); no
                 # copy of a key per query head (what enable_gqa costs; 16x for MLA's one latent)
@@ -117,8 +132,8 @@ def paged_attention(
             out[group.rows] = o.squeeze(2)
         return out
     assert meta.spans is not None
-    k_flat = kv_cache[0].view(-1, kvh, hd)
-    v_flat = kv_cache[1].view(-1, kvh, vd)
+    k_flat = kv_cache[0].view(-1, kvh, kv_cache[0].shape[-1])
+    v_flat = kv_cache[1].view(-1, kvh, kv_cache[1].shape[-1])
     for span in meta.spans:
         qs = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)
         if span.kv_index is None:  # whole sequence is new: keys are exactly this slice
@@ -128,8 +143,8 @@ def paged_attention(
             o = sdpa(qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None and qs.shape[2] > 1,
                      scale=scale, enable_gqa=True)
         else:
-            ks = k_flat[span.kv_index].transpose(0, 1).unsqueeze(0)  # (1, kvh, ctx, hd)
-            vs = v_flat[span.kv_index].transpose(0, 1).unsqueeze(0)
+            ks = meta.values(k_flat[span.kv_index], q.dtype).transpose(0, 1).unsqueeze(0)  # (1, kvh, ctx, hd)
+            vs = meta.values(v_flat[span.kv_index], q.dtype)[..., :vd].transpose(0, 1).unsqueeze(0)
             o = sdpa(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
@@ -160,24 +175,31 @@ def _sink_attention(sinks: torch.Tensor):
     return attend
 
 
+# engine/csrc/paged_decode_attention.c's cache formats: the queries' dtype, or quantized pages
+KV_FORMATS = {None: 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
+
+
 def native_decode_supported(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
+    """float32 / bfloat16 caches, and quantized pages (bytes), on the CPU, contiguous."""
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.uint8)
+            and kv_cache.is_contiguous())
 
 
 def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], nd: NativeDecode,
-                   scale: float) -> torch.Tensor:
+                   scale: float, quant: KVQuant | None = None) -> torch.Tensor:
     """kv_cache: a layer's [2, blocks, bs, kvh, hd], or (keys, values) as views of one latent cache
-    whose values are each key row's first vd (the kernel reads both in place)."""
+    whose values are each key row's first vd (the kernel reads both in place); `quant`: the rows
+    are quantized pages (hd bytes and a scale), dequantized by the kernel as it reads them."""
     T, H, hd = q.shape
     keys, values = kv_cache[0], kv_cache[1]
     _, bs, kvh, _ = keys.shape
-    vd = values.shape[-1]
+    vd = min(values.shape[-1], hd)  # a quantized row's scale bytes are not values
     if values.stride() != keys.stride():
         raise RuntimeError("native decode attention needs keys and values laid out alike")
     if q.stride(2) != 1 or q.stride(1) != hd:  # the kernels read each sequence's heads as one run
         q = q.contiguous()
     out = torch.empty((T, H, vd), dtype=torch.float32)
-    if q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and AMX_ATTENTION:
+    if q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and AMX_ATTENTION and quant is None:
         rc = nd.lib.decode_attention_amx(  # where the CPU has AMX tiles and the widths fit them
             q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(),
             nd.context_lens.data_ptr(),
@@ -191,7 +213,7 @@ def _native_decode(q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor,
         q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), nd.block_tables.data_ptr(),
         nd.context_lens.data_ptr(), nd.starts.data_ptr() if nd.starts is not None else None, out.data_ptr(),
         T, kvh, H // kvh, hd, vd, bs, nd.block_tables.shape[1],
-        scale, int(keys.dtype == torch.bfloat16), nd.threads,
+        scale, int(q.dtype == torch.bfloat16), KV_FORMATS[None if quant is None else quant.name], nd.threads,
     )
     if rc != 0:
         raise RuntimeError(f"native decode attention refused the shape (head_dim {hd}, group {H // kvh}, block {bs})")

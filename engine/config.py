@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.kv_spec import KV_LAYOUT_VERSION, KVSpec  # noqa: F401  (the layout version: re-exported)
+from engine.kv_spec import KV_CACHE_DTYPES, KV_LAYOUT_VERSION, KVSpec  # noqa: F401  (the layout version: re-exported)
 
 if TYPE_CHECKING:  # torch is imported where a dtype or device is made, not when this module is
     import torch
@@ -191,9 +191,11 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.kv_spec.bytes_per_token(dtype)
 
-    def compat_hash(self, dtype: torch.dtype, block_size: int) -> str:
-        """Two workers can exchange KV blocks only if this matches (model, dtype, block size, layout)."""
-        return self.kv_spec.compat_key(dtype, block_size, [self.architecture, self.vocab_size, self.hidden_size])
+    def compat_hash(self, dtype: torch.dtype, block_size: int, spec: KVSpec | None = None) -> str:
+        """Two workers can exchange KV blocks only if this matches (model, dtype, block size, layout;
+        `spec`: the cache's own, quantized pages included, default the model's)."""
+        spec = self.kv_spec if spec is None else spec
+        return spec.compat_key(dtype, block_size, [self.architecture, self.vocab_size, self.hidden_size])
 
 
 def read_experts(arch: str, hf: Any) -> dict[str, Any]:
@@ -289,6 +291,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: from the memory budget below
     kv_cache_memory_bytes: int | None = None  # None: 512 MiB on CPU, 90% of free GPU memory on CUDA
+    # "auto" (the model's dtype) or quantized pages: "int8", "fp8_e4m3", "fp8_e5m2" (engine/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 2048  # token budget of one forward pass (long prompts are chunked)
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
@@ -305,6 +309,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != AUTO_DTYPE:
             parse_dtype(self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < 1:

@@ -210,7 +210,7 @@ class Engine:
         """What this engine's cache keeps per token, as `pdcluster status` shows it:
         "heads:2x64x4 float32, 2048 B/token" (the whole model's, all ranks together)."""
         dtype = self.cfg.torch_dtype(self.model_cfg)
-        spec = self.model_cfg.kv_spec
+        spec = self.runner.spec
         return f"{spec.describe()} {str(dtype).removeprefix('torch.')}, {spec.bytes_per_token(dtype)} B/token"
 
     def rank_pids(self) -> list[int]:

@@ -23,7 +23,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-KV_LAYOUT_VERSION = 3  # bump when the paged-KV tensor layout or the KV wire format changes (3: latent KV)
+# the KV cache's formats (engine/kv_quant.py): the model's dtype, or quantized pages whose rows end
+# in a float32 scale
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+SCALE_BYTES = 4
+KV_LAYOUT_VERSION = 4  # bump when the paged-KV tensor layout or the KV wire format changes (3: latent KV; 4: quantized pages)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,24 @@ class KVSpec:
     # each layer's sliding window (None: full), () when no layer has one: the block manager frees
     # what falls out of every layer's window
     windows: tuple[int | None, ...] = ()
+    # "auto": rows in the model's dtype; "int8" / "fp8_e4m3" / "fp8_e5m2": quantized pages, a row's
+    # head_dim bytes then its float32 scale (engine/kv_quant.py)
+    cache_dtype: str = "auto"
+
+    @property
+    def quantized(self) -> bool:
+        return self.cache_dtype != "auto"
+
+    @property
+    def row_width(self) -> int:
+        """The last dimension of a layer's cache: head_dim values, plus a quantized row's scale bytes."""
+        return self.head_dim + (SCALE_BYTES if self.quantized else 0)
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The cache tensors' dtype for a model in `dtype`: that, or bytes for quantized pages."""
+        import torch
+
+        return torch.uint8 if self.quantized else dtype
 
     @property
     def kind(self) -> str:
@@ -52,12 +74,12 @@ class KVSpec:
     def layer_shape(self, num_blocks: int, block_size: int, kv_heads: int | None = None) -> tuple[int, ...]:
         """One layer's cache (or `num_blocks` of its blocks), with `kv_heads` of the heads (default all)."""
         heads = self.num_kv_heads if kv_heads is None else kv_heads
-        return (self.planes, num_blocks, block_size, heads, self.head_dim)
+        return (self.planes, num_blocks, block_size, heads, self.row_width)
 
     def bytes_per_token(self, dtype: torch.dtype, kv_heads: int | None = None) -> int:
         """Every layer's bytes for one token, with `kv_heads` of the heads (default all: a rank's share)."""
         heads = self.num_kv_heads if kv_heads is None else kv_heads
-        return self.planes * self.num_layers * heads * self.head_dim * dtype.itemsize
+        return self.planes * self.num_layers * heads * self.row_width * self.storage_dtype(dtype).itemsize
 
     @property
     def kv_window(self) -> int | None:
@@ -76,6 +98,8 @@ class KVSpec:
         if self.windows:  # one window for every layer, or each layer's
             names = [str(w or "full") for w in self.windows]
             what += f",window:{names[0]}" if len(set(names)) == 1 else ",windows:" + "/".join(names)
+        if self.quantized:
+            what += f",{self.cache_dtype}"
         return what
 
     def compat_key(self, dtype: torch.dtype, block_size: int, model: list) -> str:

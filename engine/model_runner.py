@@ -7,6 +7,7 @@ step to the other ranks, whose `forward` runs the same batch on their shards and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,6 +16,8 @@ import torch
 from engine.attention import AttentionMetadata, DecodeGroup, NativeDecode, SeqSpan, native_decode_supported
 from engine.block_runs import block_runs, copy_runs
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_quant import parse_kv_cache_dtype
+from engine.kv_spec import SCALE_BYTES
 from engine.loader import load_model
 from engine.models.llama import LlamaModel
 from engine.native import native_lib
@@ -67,7 +70,12 @@ class ModelRunner:
         if layout is not None and model is not None:
             raise ValueError("a tensor-parallel rank loads its own shard of the weights (model= cannot be shared)")
         self.num_heads = layout.heads if layout is not None else model_cfg.num_heads
-        self.spec = model_cfg.kv_spec  # what each layer keeps per token (engine/kv_spec.py)
+        # what each layer keeps per token (engine/kv_spec.py), in the cache's format (engine/kv_quant.py)
+        self.spec = dataclasses.replace(model_cfg.kv_spec, cache_dtype=cfg.kv_cache_dtype)
+        self.kv_quant = parse_kv_cache_dtype(cfg.kv_cache_dtype)
+        if self.kv_quant is not None and self.spec.head_dim % SCALE_BYTES:
+            raise ValueError(f"kv_cache_dtype {cfg.kv_cache_dtype} needs rows of a multiple of {SCALE_BYTES} values; "
+                             f"this model's are {self.spec.head_dim} wide")
         self.num_kv_heads = layout.kv_heads if layout is not None else self.spec.num_kv_heads
         self.dtype = cfg.torch_dtype(model_cfg)
         if cfg.num_threads and self.device.type == "cpu":
@@ -85,12 +93,18 @@ class ModelRunner:
             )
         shape = self.spec.layer_shape(self.num_blocks, self.block_size, self.num_kv_heads)
         # Zeroed, not empty: masked-out slots still enter the attention matmul with weight 0, and 0*NaN = NaN.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_cfg.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+                          for _ in range(model_cfg.num_layers)]
         self._native = self._native_lib()
         if self.tp is not None and self.tp.is_leader:
             from engine.tp_ranks import handshake
 
             handshake(self.tp, self.num_blocks)  # the other ranks size their caches alike
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What the KV cache tensors hold: the model's dtype, or bytes (quantized pages)."""
+        return self.spec.storage_dtype(self.dtype)
 
     @property
     def native_decode(self) -> bool:
@@ -124,7 +138,7 @@ class ModelRunner:
     @property
     def compat_hash(self) -> str:
         """The same whatever the tensor parallelism: KV travels with every head (engine/tp_steps.py)."""
-        return self.model_cfg.compat_hash(self.dtype, self.block_size)
+        return self.model_cfg.compat_hash(self.dtype, self.block_size, self.spec)
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, batch: list[ScheduledSeq],
@@ -157,7 +171,7 @@ class ModelRunner:
     def _attention(self, batch: list[ScheduledSeq], ctx: list[int], slot_mapping: torch.Tensor,
                    window: int | None) -> AttentionMetadata:
         """The metadata of the layers with `window`: each sequence's keys are those its queries see."""
-        meta = AttentionMetadata(slot_mapping=slot_mapping)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, kv_quant=self.kv_quant)
         # decode rows (one new token) lead the batch; the native kernel takes them in mixed steps too
         n_dec = next((i for i, item in enumerate(batch) if item.num_tokens != 1), len(batch))
         first_span = 0

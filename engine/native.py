@@ -93,7 +93,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode_attention
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, i64, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
+    fn.argtypes = [p, i64, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i, i]
     fn.restype = ctypes.c_int
     fn = lib.decode_attention_amx
     fn.argtypes = [p, i64, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]

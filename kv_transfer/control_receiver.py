@@ -36,11 +36,12 @@ from proto.convert import logprob_from_proto
 
 
 def sink_dtype(sink: KVSink) -> torch.dtype | None:
-    """The dtype a sink's KV cache holds (its `kv_dtype`, or a DecodeEngine's `engine.runner.dtype`),
-    or None: then any wire dtype of the right size is accepted (the compatibility hash pins it)."""
+    """The dtype a sink's KV cache holds (its `kv_dtype`, or a DecodeEngine's `engine.runner.cache_dtype`:
+    the model's, or bytes for quantized pages), or None: then any wire dtype of the right size is
+    accepted (the compatibility hash pins it)."""
     dtype = getattr(sink, "kv_dtype", None)
     if dtype is None:
-        dtype = getattr(getattr(getattr(sink, "engine", None), "runner", None), "dtype", None)
+        dtype = getattr(getattr(getattr(sink, "engine", None), "runner", None), "cache_dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else None
 
 

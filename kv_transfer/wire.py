@@ -29,6 +29,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,  # quantized pages: each row's values and its scale as bytes (engine/kv_quant.py)
 }
 
 

@@ -69,8 +69,9 @@ Role = Literal["prefill", "decode", "colocated"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVTransferBackend = Literal["auto", "grpc", "inproc", "torch_distributed", "shm", "tcp"]
 KVCompression = Literal["none", "int8"]
-MODES, ROLES, DTYPES, KV_TRANSFER_BACKENDS, KV_COMPRESSIONS = (
-    get_args(t) for t in (Mode, Role, Dtype, KVTransferBackend, KVCompression))
+KVCacheDtype = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"]  # engine/kv_spec.py KV_CACHE_DTYPES
+MODES, ROLES, DTYPES, KV_TRANSFER_BACKENDS, KV_COMPRESSIONS, KV_CACHE_DTYPES = (
+    get_args(t) for t in (Mode, Role, Dtype, KVTransferBackend, KVCompression, KVCacheDtype))
 
 _MIB = 1024 * 1024
 
@@ -193,6 +194,9 @@ class KVCacheConfig:
     num_blocks: NumBlocks = "auto"  # "auto": from memory_mb
     # KV cache budget per worker in MiB; None: engine default (90% free GPU)
     memory_mb: Annotated[StrictInt | None, Field(ge=1)] = 512
+    # "auto": the model's dtype; int8 / fp8_e4m3 / fp8_e5m2: quantized pages, a scale per token and
+    # head (engine/kv_quant.py); they travel between workers as they are stored
+    dtype: KVCacheDtype = "auto"
 
 
 @with_config(FORBID_EXTRA)
@@ -291,6 +295,7 @@ class ClusterConfig:
             "block_size": kv.block_size,
             "num_blocks": None if kv.num_blocks == "auto" else kv.num_blocks,
             "kv_cache_memory_bytes": None if kv.memory_mb is None else kv.memory_mb * _MIB,
+            "kv_cache_dtype": kv.dtype,
             "max_num_batched_tokens": self.engine.max_num_batched_tokens,
             "max_num_seqs": self.engine.max_num_seqs,
             "enable_prefix_caching": self.engine.enable_prefix_caching,
@@ -317,6 +322,10 @@ class ClusterConfig:
                               f"{role} ({names}) have 0 replicas in total; allowed: pools with roles "
                               f"{', '.join(roles)}, each role with replicas >= 1 in total", "pools")
         kv, max_len = self.kv_cache, self.model.max_model_len
+        if kv.dtype != "auto" and self.kv_transfer.compression != "none":
+            raise invalid(f"{self.kv_transfer.compression!r} compresses KV of the model's dtype, but kv_cache.dtype "
+                          f"{kv.dtype} pages are already quantized and travel as they are stored; allowed: 'none' "
+                          "with quantized pages", "kv_transfer.compression")
         if isinstance(kv.num_blocks, int) and max_len is not None and kv.num_blocks * kv.block_size < max_len:
             raise invalid(f"{kv.num_blocks} blocks x {kv.block_size} tokens cannot hold one sequence of "
                           f"model.max_model_len {max_len}; "

@@ -98,6 +98,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         kv_compression: str = "none",
+        kv_cache_dtype: str = "auto",
         enforce_eager: bool = False,
         mode: str = "colocated",
         tensor_parallel_size: int = 1,
@@ -115,6 +116,9 @@ class LLM:
         decode_tp = tensor_parallel_size if decode_tensor_parallel_size is None else decode_tensor_parallel_size
         if decode_tp != tensor_parallel_size and mode != "disaggregated":
             raise ValueError("decode_tensor_parallel_size applies to mode='disaggregated'")
+        if kv_compression != "none" and kv_cache_dtype != "auto":
+            raise ValueError(f"kv_compression {kv_compression!r} compresses KV of the model's dtype; kv_cache_dtype "
+                             f"{kv_cache_dtype!r} pages are already quantized and travel as they are stored")
         if kv_compression != "none" and mode != "disaggregated":
             raise ValueError("kv_compression applies to KV moved between engines: it needs mode='disaggregated'")
         path = resolve_model_path(model)
@@ -127,6 +131,7 @@ class LLM:
             block_size=block_size,
             num_blocks=num_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            kv_cache_dtype=kv_cache_dtype,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,

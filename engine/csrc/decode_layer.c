@@ -53,7 +53,7 @@ int pd_attention_block_bf16(const uint16_t *x, const uint16_t *delta, const uint
                        : -1;
     if (rc == -1)
         rc = paged_decode_attention(rot, qk, k_cache, v_cache, tables, ctx, starts, att32, T, kv_heads,
-                                    heads / kv_heads, hd, hd, bs, max_blocks, scale, BF16, threads);
+                                    heads / kv_heads, hd, hd, bs, max_blocks, scale, BF16, 0, threads);
     if (rc != 0) goto done;
     for (int64_t i = 0; i < (int64_t)T * qd; i++) att[i] = f2bf(att32[i]);
     if ((rc = pd_linear_bf16(att, qd, o_w, o_b, o, T, qd, D, threads)) != 0) goto done;

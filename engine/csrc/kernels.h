@@ -18,7 +18,8 @@ int decode_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k_
                          int group, int hd, int vd, int bs, int max_blocks, float scale, int threads);
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *tables, const int64_t *ctx, const int64_t *starts, float *out, int b, int kvh,
-                           int group, int hd, int vd, int bs, int max_blocks, float scale, int is_bf16, int threads);
+                           int group, int hd, int vd, int bs, int max_blocks, float scale, int is_bf16, int kv_format,
+                           int threads);
 int pd_route_softmax(const void *logits, const void *x, const void *w, int H, int dtype, int T, int E, int k,
                      int renorm, int round_weights, int64_t *ids, float *weights);
 int moe_experts_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *down, const int64_t *ids,

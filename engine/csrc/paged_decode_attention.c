@@ -12,7 +12,10 @@
  * heads, slice of each head's query rows) across `threads` threads; a unit reads each token row of
  * its slice once, in order, and keeps its query rows, running max, running sum and accumulators on
  * its stack. Built with OpenMP, the threads are torch's own (see the end); else POSIX threads.
- * Built by engine/native.py with the host compiler; float32 and bfloat16 caches.
+ * Built by engine/native.py with the host compiler; float32 and bfloat16 caches, and quantized
+ * pages (engine/kv_quant.py): each cache row `width` bytes, hd one-byte values (int8, fp8 e4m3 or
+ * e5m2) then the row's float32 scale, dequantized as the row is read (the cache's bytes are what
+ * is read: a quarter of float32's, half of bfloat16's).
  */
 #include <math.h>
 #include <pthread.h>
@@ -29,14 +32,39 @@
 #define MAX_BS 64
 #define MAX_ROWS 32 /* query rows one unit holds at once (a unit with more heads loops) */
 
+/* The cache's formats: the queries' own (float32 / bfloat16), or quantized pages. */
+enum { KV_PLAIN = 0, KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
+
 typedef struct {
     const void *q, *k, *v;
     const int64_t *tables, *ctx, *starts;
     float *out;
     int64_t q_stride;
-    int b, kvh, group, hd, vd, bs, max_blocks, is_bf16, thread, threads, splits, row_splits;
+    int b, kvh, group, hd, vd, bs, max_blocks, is_bf16, kv_format, width, thread, threads, splits, row_splits;
     float scale;
 } job_t;
+
+/* Each format's 256 byte values as floats (int8: the integer; fp8: e4m3fn / e5m2 decoded). */
+static float byte_values[4][256];
+static pthread_once_t byte_values_once = PTHREAD_ONCE_INIT;
+
+static float fp8_value(unsigned b, int mant_bits, int bias, int e4m3) {
+    const int exp_bits = 7 - mant_bits, e = (int)(b >> mant_bits) & ((1 << exp_bits) - 1);
+    const int m = (int)b & ((1 << mant_bits) - 1);
+    const float sign = (b & 0x80) ? -1.f : 1.f;
+    if (e4m3 && e == 15 && m == 7) return NAN;
+    if (!e4m3 && e == 31) return m ? NAN : sign * INFINITY;
+    if (e == 0) return sign * ldexpf((float)m, 1 - bias - mant_bits);
+    return sign * ldexpf((float)((1 << mant_bits) + m), e - bias - mant_bits);
+}
+
+static void fill_byte_values(void) {
+    for (unsigned b = 0; b < 256; b++) {
+        byte_values[KV_INT8][b] = (float)(int8_t)b;
+        byte_values[KV_E4M3][b] = fp8_value(b, 3, 7, 1);
+        byte_values[KV_E5M2][b] = fp8_value(b, 2, 15, 0);
+    }
+}
 
 static inline float load(const void *base, int64_t i, int is_bf16) {
     if (is_bf16) {
@@ -106,9 +134,18 @@ static inline float exp_shifted(float *s, int n, float mx) {
     return sum;
 }
 
-static inline const float *row_f32(const void *base, int64_t off, int is_bf16, float *buf, int hd) {
-    if (!is_bf16) return (const float *)base + off;
-    for (int d = 0; d < hd; d++) buf[d] = load(base, off + d, 1);
+/* The cache row at element `off` (bytes for quantized pages) as n floats. */
+static inline const float *row_f32(const job_t *j, const void *base, int64_t off, float *buf, int n) {
+    if (j->kv_format != KV_PLAIN) {
+        const uint8_t *r = (const uint8_t *)base + off;
+        const float *values = byte_values[j->kv_format];
+        float scale;
+        memcpy(&scale, r + j->hd, 4);
+        for (int d = 0; d < n; d++) buf[d] = values[r[d]] * scale;
+        return buf;
+    }
+    if (!j->is_bf16) return (const float *)base + off;
+    for (int d = 0; d < n; d++) buf[d] = load(base, off + d, 1);
     return buf;
 }
 
@@ -130,7 +167,7 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
         l[r] = 0.f;
     }
     const int64_t n = j->ctx[i], first = j->starts ? j->starts[i] : 0;
-    const int64_t row = (int64_t)kvh * hd;  /* elements between consecutive tokens of a block */
+    const int64_t row = (int64_t)kvh * j->width;  /* elements between consecutive tokens of a block */
     for (int64_t start = first - first % bs; start < n; start += bs) {
         const int64_t block = j->tables[(int64_t)i * j->max_blocks + start / bs];
         const int cnt = (int)((n - start) < bs ? (n - start) : bs);
@@ -140,7 +177,7 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
         for (int r = 0; r < rows; r++) bmax[r] = -INFINITY;
         for (int t = t0; t < cnt; t++) {
             for (int h = h0; h < h1; h++) {
-                const float *kr = row_f32(j->k, base + t * row + (int64_t)h * hd, j->is_bf16, buf, hd);
+                const float *kr = row_f32(j, j->k, base + t * row + (int64_t)h * j->width, buf, hd);
                 for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
                     const float x = dot(qv[r], kr, hd);
                     s[r][t] = x;
@@ -158,7 +195,7 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
         }
         for (int t = t0; t < cnt; t++) {
             for (int h = h0; h < h1; h++) {
-                const float *vr = row_f32(j->v, base + t * row + (int64_t)h * hd, j->is_bf16, buf, vd);
+                const float *vr = row_f32(j, j->v, base + t * row + (int64_t)h * j->width, buf, vd);
                 for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
                     const float p = s[r][t];
                     for (int d = 0; d < vd; d++) acc[r][d] += p * vr[d];
@@ -192,12 +229,17 @@ static void *run(void *arg) {
     return NULL;
 }
 
-/* Returns 0 on success, -1 when a size is beyond the fixed limits (the caller falls back). */
+/* `kv_format`: KV_PLAIN (the cache in the queries' dtype, rows `hd` apart) or a quantized page
+ * format (rows hd + 4 bytes apart). Returns 0 on success, -1 when a size is beyond the fixed
+ * limits or the format is unknown (the caller falls back). */
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *tables, const int64_t *ctx, const int64_t *starts, float *out, int b, int kvh,
                            int group,
-                           int hd, int vd, int bs, int max_blocks, float scale, int is_bf16, int threads) {
+                           int hd, int vd, int bs, int max_blocks, float scale, int is_bf16, int kv_format, int threads) {
     if (hd > MAX_HD || vd > hd || vd < 1 || bs > MAX_BS || threads < 1) return -1;
+    if (kv_format < KV_PLAIN || kv_format > KV_E5M2) return -1;
+    if (kv_format != KV_PLAIN) pthread_once(&byte_values_once, fill_byte_values);
+    const int width = kv_format == KV_PLAIN ? hd : hd + 4;
     if (threads > b * kvh * group) threads = b * kvh * group;
     if (threads > PD_MAX_THREADS) threads = PD_MAX_THREADS;
     int splits = 1, row_splits = (group + MAX_ROWS - 1) / MAX_ROWS; /* a unit holds <= MAX_ROWS query rows */
@@ -206,7 +248,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     job_t jobs[PD_MAX_THREADS];
     for (int t = 0; t < threads; t++) {
         jobs[t] = (job_t){q, k_cache, v_cache, tables, ctx, starts, out, q_stride, b, kvh, group, hd, vd, bs,
-                          max_blocks, is_bf16, t, threads, splits, row_splits, scale};
+                          max_blocks, is_bf16, kv_format, width, t, threads, splits, row_splits, scale};
     }
     pd_parallel(run, jobs, sizeof(job_t), threads);
     return 0;

@@ -118,10 +118,10 @@ class LatentAttention(nn.Module):
         k_pe = rotate(self.token_ops, k_pe.view(T, 1, self.rope), cos, sin)[:, 0]
         row = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
         row = row.view(T, 1, self.latent + self.rope)
-        cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope)
-        cache.view(-1, 1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row)
+        cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope [+ a quantized row's scale])
+        cache.view(-1, 1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, meta.stored(row))
         if meta.spans is not None and meta.decode_groups is None and meta.native_decode is None:
-            out = self._expanded(q, row[:, 0], cache.view(-1, row.shape[-1]), meta, cos, sin)
+            out = self._expanded(q, row[:, 0], cache.view(-1, cache.shape[-1]), meta, cos, sin)
             return self._finish(out, T)
         tiles = self.tiles is not None and T <= TILE_MAX_ROWS and q.dtype == torch.bfloat16
         if tiles:  # absorbed on AMX tiles, straight into the query rows
@@ -170,7 +170,8 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = self.w_uk.view(-1, self.latent), self.w_uv.view(-1, self.latent)
         outs = []
         for span in meta.spans:
-            rows = new_rows[span.q_start:span.q_end] if span.kv_index is None else flat[span.kv_index]
+            rows = new_rows[span.q_start:span.q_end] if span.kv_index is None else meta.values(flat[span.kv_index],
+                                                                                                 q.dtype)
             n, c = rows.shape[0], rows[:, :self.latent]
             k = torch.cat([F.linear(c, w_uk).view(n, H, nope), rows[:, None, self.latent:].expand(n, H, self.rope)],
                           dim=-1)
