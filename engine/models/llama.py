@@ -74,7 +74,7 @@ class Attention(nn.Module):
                 k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
                 qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        write_kv(kv_cache, k, v, meta)
+        k, v = write_kv(kv_cache, k, v, meta)  # as the cache holds them: every query sees the same keys
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sinks)
         out = self.o_proj(out.reshape(T, self.q_size))
         return out if self.reduce is None else self.reduce(out)

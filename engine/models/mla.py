@@ -119,7 +119,9 @@ class LatentAttention(nn.Module):
         row = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
         row = row.view(T, 1, self.latent + self.rope)
         cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope [+ a quantized row's scale])
-        cache.view(-1, 1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, meta.stored(row))
+        stored = meta.stored(row)
+        cache.view(-1, 1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, stored)
+        row = meta.values(stored, row.dtype)  # as the cache holds it: a prefill attends to what decode reads
         if meta.spans is not None and meta.decode_groups is None and meta.native_decode is None:
             out = self._expanded(q, row[:, 0], cache.view(-1, cache.shape[-1]), meta, cos, sin)
             return self._finish(out, T)

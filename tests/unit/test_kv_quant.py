@@ -102,3 +102,19 @@ def test_attention_on_quantized_pages_equals_attention_on_their_values(name: str
     native_plain = _native_decode(q, plain, nd, 0.125)
     assert torch.allclose(native, native_plain, atol=1e-6, rtol=1e-5)
     assert torch.allclose(native, want, atol=1e-5, rtol=1e-4)
+
+
+def test_every_read_of_a_key_sees_the_same_quantized_row() -> None:
+    """A prompt prefilled whole, in chunks of 16 (later chunks read the earlier ones from the pages),
+    and generated from: the same logprobs wherever its keys were read from."""
+    from pdcluster import LLM, SamplingParams
+
+    prompt = [1] + [(31 * j) % 8000 + 4 for j in range(70)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outs = [LLM("builtin:tiny-llama", dtype="float32", kv_cache_dtype="int8", num_blocks=32, max_model_len=128,
+                max_num_batched_tokens=tokens, max_num_seqs=8).generate([prompt], params)[0]
+            for tokens in (2048, 16)]
+    whole, chunked = ([lp.logprob for lp in o.prompt_logprobs if lp is not None] for o in outs)
+    assert len(whole) == len(prompt) - 1
+    assert outs[0].token_ids == outs[1].token_ids
+    assert max(abs(a - b) for a, b in zip(whole, chunked)) < 1e-4
