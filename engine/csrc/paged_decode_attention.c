@@ -138,10 +138,15 @@ static inline float exp_shifted(float *s, int n, float mx) {
 static inline const float *row_f32(const job_t *j, const void *base, int64_t off, float *buf, int n) {
     if (j->kv_format != KV_PLAIN) {
         const uint8_t *r = (const uint8_t *)base + off;
-        const float *values = byte_values[j->kv_format];
         float scale;
         memcpy(&scale, r + j->hd, 4);
-        for (int d = 0; d < n; d++) buf[d] = values[r[d]] * scale;
+        if (j->kv_format == KV_INT8) { /* converted in registers: vectorizes */
+            const int8_t *v = (const int8_t *)r;
+            for (int d = 0; d < n; d++) buf[d] = (float)v[d] * scale;
+        } else { /* fp8: through the format's table */
+            const float *values = byte_values[j->kv_format];
+            for (int d = 0; d < n; d++) buf[d] = values[r[d]] * scale;
+        }
         return buf;
     }
     if (!j->is_bf16) return (const float *)base + off;
