@@ -71,6 +71,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                         "Mixtral-8x7B, ...), builtin:NAME or a checkpoint dir")
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8"],
                    help="weights and KV cache on GPUs (cpu pools run the calibrated float32 engine)")
+    m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the workers' KV cache: the model's dtype, or quantized pages (a byte a value and a scale "
+                        "a row: more tokens per device, fewer bytes per transfer); written to kv_cache.dtype")
     m.add_argument("--catalog", action="append", default=[], metavar="FILE",
                    help="extra hardware entries (planner/hardware.yaml's layout); repeatable")
     m.add_argument("--price", action="append", default=[], metavar="NAME=USD", help="override a price per device-hour")
@@ -90,7 +93,7 @@ def _context(args: argparse.Namespace, hardware: list[str]):
     coeffs = None
     if any(catalog[h].is_cpu for h in hardware):
         coeffs = load_coefficients(args.coefficients or CPU_COEFFICIENTS)
-    return PlanContext(model_shape(args.model), catalog, args.dtype, coeffs)
+    return PlanContext(model_shape(args.model), catalog, args.dtype, coeffs, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _workload(args: argparse.Namespace):

@@ -43,6 +43,7 @@ fitted: the calibrated engine's own block count.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -89,10 +90,11 @@ class RooflineCostModel:
     params: RooflineParams = field(default_factory=RooflineParams)
     ep: bool = False  # expert parallelism over the tp devices (planner/parallel.py)
     kv_context: int | None = None  # typical tokens per sequence, for windowed layers' share of the cache
+    kv_quantized: bool = False  # the KV cache in quantized pages (kv_cache.dtype int8 / fp8: a byte a value)
 
     def __post_init__(self) -> None:
         m, b, p = self.model, self.dtype_bytes, self.params
-        self.kv_bytes_per_token = m.kv_bytes_per_token(b, self.kv_context)
+        self.kv_bytes_per_token = m.kv_bytes_per_token(b, self.kv_context, self.kv_quantized)
         self.weight_bytes = m.weight_bytes(b)
         self._layer_flops = 2.0 * m.matmul_params_per_token
         self._attention_flops()
@@ -101,7 +103,7 @@ class RooflineCostModel:
         self._compute_decode = self.tp * self.hw.flops * p.decode_compute_eff
         self._bandwidth = self.tp * self.hw.mem_bw * p.memory_eff
         copies = kv_copies(m, self.tp, self.ep)
-        full, windowed = m.kv_split(b)
+        full, windowed = m.kv_split(b, self.kv_quantized)
         self._kv_full, self._kv_win, self._window = full * copies, windowed * copies, m.sliding_window
         # weights are read once per step, by all tp devices together (EP: the non-expert part by each)
         routed = m.routed_expert_bytes(b)
@@ -246,9 +248,11 @@ def fitted_from(coeffs: dict[str, Any], role: str = "decode") -> FittedCostModel
 def cost_model_for(hw: Hardware, model: ModelShape, tp: int = 1, dtype_bytes: int = 2,
                    coefficients: dict[str, Any] | None = None,
                    params: RooflineParams | None = None, role: str = "decode", ep: bool = False,
-                   kv_context: int | None = None) -> CostModel:
+                   kv_context: int | None = None, kv_quantized: bool = False) -> CostModel:
     """Fitted coefficients for `cpu` (they must be for this model), else the roofline (`ep`: expert
-    parallelism over the tp devices; `kv_context`: typical tokens per sequence, for windowed layers)."""
+    parallelism over the tp devices; `kv_context`: typical tokens per sequence, for windowed layers;
+    `kv_quantized`: quantized KV pages, which change the bytes a token keeps and moves; on a fitted
+    cpu model the capacity scales with them, the step times stay as measured)."""
     if hw.is_cpu and coefficients is not None:
         fitted_model = coefficients.get("model_shape", {})
         if fitted_model and fitted_model.get("name") != model.name:
@@ -256,11 +260,16 @@ def cost_model_for(hw: Hardware, model: ModelShape, tp: int = 1, dtype_bytes: in
                              f"calibrate on it: `pdcluster plan calibrate --model CHECKPOINT_DIR` (a {model.name} checkpoint)")
         if tp != 1:
             raise ValueError("cpu workers have tp 1")
-        return fitted_from(coefficients, role)
+        fitted = fitted_from(coefficients, role)
+        if kv_quantized:
+            per_token = model.kv_bytes_per_token(dtype_bytes, kv_context, quantized=True)
+            capacity = fitted.kv_capacity_tokens * fitted.kv_bytes_per_token // per_token
+            fitted = dataclasses.replace(fitted, kv_capacity_tokens=capacity, kv_bytes_per_token=per_token)
+        return fitted
     if not ep and tp > hw.max_tp:
         raise ValueError(f"tp {tp} exceeds {hw.name}'s max_tp {hw.max_tp}")
     if (ep or not model.is_dense) and ("ep" if ep else "tp") not in allowed(model, hw, tp):
         raise ValueError(f"{model.name} on {tp} {hw.name}: {'ep' if ep else 'tp'} not allowed "
                          f"(allowed: {', '.join(allowed(model, hw, tp)) or 'none'}; planner/parallel.py)")
-    return RooflineCostModel(hw, model, tp, dtype_bytes, params or RooflineParams(), ep, kv_context)
+    return RooflineCostModel(hw, model, tp, dtype_bytes, params or RooflineParams(), ep, kv_context, kv_quantized)
 

@@ -230,23 +230,26 @@ class ModelShape:
     def windowed_layers(self) -> int:
         return len(self.sliding_layers) if self.sliding_window else 0
 
-    def kv_layer_bytes(self, dtype_bytes: int) -> int:
-        """One token in one layer: MLA's latent (the same for every head), else K and V per KV head."""
+    def kv_layer_bytes(self, dtype_bytes: int, quantized: bool = False) -> int:
+        """One token in one layer: MLA's latent (the same for every head), else K and V per KV head;
+        `quantized`: the engine's quantized pages (engine/kv_quant.py), one byte a value and a
+        4-byte scale a row, whatever `dtype_bytes`."""
+        value, scale = (1, 4) if quantized else (dtype_bytes, 0)
         if self.mla is not None:
-            return self.mla.latent_dim * dtype_bytes
-        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+            return self.mla.latent_dim * value + scale
+        return 2 * self.num_kv_heads * (self.head_dim * value + scale)
 
-    def kv_split(self, dtype_bytes: int) -> tuple[int, int]:
+    def kv_split(self, dtype_bytes: int, quantized: bool = False) -> tuple[int, int]:
         """Bytes per token of (the layers without a window, the windowed layers)."""
-        per_layer = self.kv_layer_bytes(dtype_bytes)
+        per_layer = self.kv_layer_bytes(dtype_bytes, quantized)
         w = self.windowed_layers
         return (self.num_layers - w) * per_layer, w * per_layer
 
-    def kv_bytes_per_token(self, dtype_bytes: int, context: int | None = None) -> int:
+    def kv_bytes_per_token(self, dtype_bytes: int, context: int | None = None, quantized: bool = False) -> int:
         """KV bytes per token of a sequence of `context` tokens: windowed layers hold at most the
         window, so their share per token shrinks as the sequence grows. Without a context, every
-        layer holds every token (the most a token can take)."""
-        full, windowed = self.kv_split(dtype_bytes)
+        layer holds every token (the most a token can take). `quantized`: quantized pages."""
+        full, windowed = self.kv_split(dtype_bytes, quantized)
         if not windowed or context is None or context <= self.sliding_window:
             return full + windowed
         return math.ceil(full + windowed * self.sliding_window / context)

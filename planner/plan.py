@@ -95,6 +95,7 @@ class PlanContext:
     block_size: int = 16
     gpu_overheads: Overheads = field(default_factory=Overheads)
     kv_context: int | None = None  # typical tokens per sequence (windowed layers' share of the KV cache)
+    kv_cache_dtype: str = "auto"  # the workers' kv_cache.dtype: auto, or quantized pages (int8, fp8_e4m3, fp8_e5m2)
 
     def hardware(self, name: str) -> Hardware:
         if name not in self.catalog:
@@ -105,7 +106,7 @@ class PlanContext:
         hw = self.hardware(pool.hardware)
         dtype_bytes = DTYPE_BYTES["float32"] if hw.is_cpu and self.coefficients else DTYPE_BYTES[self.dtype]
         return cost_model_for(hw, self.model, pool.tp, dtype_bytes, self.coefficients, self.roofline, role,
-                              pool.ep, self.kv_context)
+                              pool.ep, self.kv_context, self.kv_cache_dtype != "auto")
 
     def overheads(self, plan: Plan) -> Overheads:
         if all(self.hardware(p.hardware).is_cpu for p in plan.pools) and self.coefficients:

@@ -257,3 +257,24 @@ def test_plan_simulate_prints_each_pools_layout(capsys):
     assert "P 1x H100-SXM ep16 | D 1x H200 ep8" in out  # 16 H100s: only EP, chosen for the plain number
     assert "parallel   decode 1x H200 ep8: expert parallel: 32 of 256 experts" in out and "(tp8 also allowed)" in out
     assert "36.6B active parameters" in out
+
+
+def test_quantized_kv_pages_hold_more_tokens_and_move_fewer_bytes():
+    """kv_cache.dtype int8 / fp8: a byte a value and a 4-byte scale a row, in the plan's capacity
+    and transfer bytes; written into the plan's cluster.yaml."""
+    ds, llama = PRESETS["DeepSeek-V3"], PRESETS["Llama-3-70B"]
+    assert ds.kv_bytes_per_token(2) == 576 * 61 * 2  # bf16 latent rows
+    assert ds.kv_bytes_per_token(2, quantized=True) == (576 + 4) * 61
+    assert llama.kv_bytes_per_token(2, quantized=True) == 80 * 2 * 8 * (128 + 4)
+    plain = RooflineCostModel(CAT["H200"], llama, 8)
+    quant = RooflineCostModel(CAT["H200"], llama, 8, kv_quantized=True)
+    assert quant.kv_capacity_tokens / plain.kv_capacity_tokens == pytest.approx(256 / 132, rel=1e-3)
+    ctx = PlanContext(llama, CAT, kv_cache_dtype="int8")
+    assert ctx.cost(Pool("H200", 1, 8)).kv_bytes_per_token == quant.kv_bytes_per_token
+    from pdcluster.cluster_config import ClusterConfig
+    from planner.plan import Plan
+    from planner.report import cluster_dict
+    from planner.search import SLOTarget
+
+    d = cluster_dict(Plan("disaggregated", Pool("H200", 1, 8), Pool("H200", 1, 8)), ctx, SLOTarget(1000, 50), "/m", 3000)
+    assert ClusterConfig.from_dict(d).kv_cache.dtype == "int8"
