@@ -177,23 +177,25 @@ class BlockManager:
                 self._free[block_id] = None
 
     def free(self, seq: Sequence) -> None:
-        self.free_blocks(seq.block_table[seq.num_released_blocks:])
+        self.free_blocks([b for b in seq.block_table if b != RELEASED])
         seq.block_table = []
         seq.num_registered_blocks = 0
         seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
 
-    def release_outside_window(self, seq: Sequence, window: int) -> int:
+    def release_outside_window(self, seq: Sequence, window: int, keep_first: int = 0) -> int:
         """Give back `seq`'s leading blocks whose tokens are all older than any query to come can see,
         when every layer attends to at most `window` positions (itself included): the next query is
         at `num_computed_tokens`, so keys before num_computed_tokens - window + 1 are dead. With the
         prefix cache the block before the first unregistered one is kept, as registering a block
-        names the block it follows (`_parent_of`). Returns how many blocks were given back."""
+        names the block it follows (`_parent_of`). `keep_first`: blocks at the start every query
+        still sees (a KV bound's sinks); those between them and the window go. Returns how many
+        blocks were given back."""
         bs = self.block_size
         end = min((seq.num_computed_tokens - window + 1) // bs, len(seq.block_table) - 1)
         if self.enable_prefix_caching:
             end = min(end, seq.num_registered_blocks - 1)
-        start = seq.num_released_blocks
+        start = max(seq.num_released_blocks, keep_first)
         if end <= start:
             return 0
         self.free_blocks(seq.block_table[start:end])

@@ -293,6 +293,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None: 512 MiB on CPU, 90% of free GPU memory on CUDA
     # "auto" (the model's dtype) or quantized pages: "int8", "fp8_e4m3", "fp8_e5m2" (engine/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # an opt-in bound on each sequence's KV (approximate, as StreamingLLM): every layer attends to
+    # the first kv_sink_tokens positions (rounded up to whole blocks) and the last kv_recent_tokens
+    # (rounded out to whole blocks), and the blocks between are given back. None: off (exact)
+    kv_sink_tokens: int = 0
+    kv_recent_tokens: int | None = None
     max_num_batched_tokens: int = 2048  # token budget of one forward pass (long prompts are chunked)
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
@@ -311,6 +316,13 @@ class EngineConfig:
             parse_dtype(self.dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not isinstance(self.kv_sink_tokens, int) or self.kv_sink_tokens < 0:
+            raise ValueError(f"kv_sink_tokens must be an integer >= 0, got {self.kv_sink_tokens!r}")
+        if self.kv_recent_tokens is not None and (not isinstance(self.kv_recent_tokens, int)
+                                                  or self.kv_recent_tokens < 1):
+            raise ValueError(f"kv_recent_tokens must be an integer >= 1 or None (off), got {self.kv_recent_tokens!r}")
+        if self.kv_sink_tokens and self.kv_recent_tokens is None:
+            raise ValueError("kv_sink_tokens bounds a sequence's KV only with kv_recent_tokens set")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
@@ -329,6 +341,13 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if not isinstance(self.expert_parallel, bool):
             raise ValueError(f"expert_parallel must be true or false, got {self.expert_parallel!r}")
+
+    @property
+    def kv_bound(self) -> tuple[int, int] | None:
+        """(sink tokens rounded up to whole blocks, recent tokens), or None: every key kept."""
+        if self.kv_recent_tokens is None:
+            return None
+        return -(-self.kv_sink_tokens // self.block_size) * self.block_size, self.kv_recent_tokens
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         """The dtype weights and KV are held in. "auto": the checkpoint's, except float32 on a CPU

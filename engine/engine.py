@@ -79,7 +79,9 @@ class Engine:
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, handoff_after_prefill=role == "prefill",
-            copy_blocks=self.runner.copy_blocks, kv_window=self.model_cfg.kv_spec.kv_window,
+            copy_blocks=self.runner.copy_blocks,
+            kv_window=self.model_cfg.kv_spec.kv_window if cfg.kv_bound is None else cfg.kv_bound[1],
+            kv_sink_blocks=0 if cfg.kv_bound is None else cfg.kv_bound[0] // cfg.block_size,
         )
         self.sampler = Sampler(self.runner.device, seed,
                                GuidedDecoder(resolve_model_path(cfg.model), self.model_cfg.vocab_size))

@@ -73,6 +73,11 @@ class ModelRunner:
         # what each layer keeps per token (engine/kv_spec.py), in the cache's format (engine/kv_quant.py)
         self.spec = dataclasses.replace(model_cfg.kv_spec, cache_dtype=cfg.kv_cache_dtype)
         self.kv_quant = parse_kv_cache_dtype(cfg.kv_cache_dtype)
+        # (sink tokens, recent tokens): an opt-in bound on every sequence's keys (EngineConfig)
+        self.bound = cfg.kv_bound
+        if self.bound is not None and any(model_cfg.layer_windows):
+            raise ValueError("kv_recent_tokens bounds the KV of models without sliding windows; this model's layers "
+                             "already attend through windows")
         if self.kv_quant is not None and self.spec.head_dim % SCALE_BYTES:
             raise ValueError(f"kv_cache_dtype {cfg.kv_cache_dtype} needs rows of a multiple of {SCALE_BYTES} values; "
                              f"this model's are {self.spec.head_dim} wide")
@@ -191,29 +196,59 @@ class ModelRunner:
         keys lie in them: slots [lo, hi) of the blocks laid end to end. With a window the keys start
         at first_query - window + 1, and the blocks wholly before that (perhaps released) are left out."""
         bs = self.block_size
+        if window is None and self.bound is not None:
+            return self._bounded_blocks(table, first_query, end)
         first_key = 0 if window is None else max(0, first_query - window + 1)
         first_block = first_key // bs
         blocks = table[first_block: -(-end // bs)]
         assert blocks[0] >= 0, "a released KV block is inside an attention window"
         return blocks, first_key - first_block * bs, end - first_block * bs
 
+    def _recent_start(self, query: int) -> int:
+        """Under a KV bound, where the recent keys of the query at `query` begin: whole blocks."""
+        return max(0, query - self.bound[1] + 1) // self.block_size * self.block_size
+
+    def _bounded_blocks(self, table: list[int], first_query: int, end: int) -> tuple[list[int], int, int]:
+        """_key_blocks under a KV bound: the sink blocks, then the blocks from the first query's
+        recent start, laid end to end (every slot of them up to `end` is a key: the bound's edges
+        are block boundaries, so the kernels need no gap)."""
+        bs, (sinks, _) = self.block_size, self.bound
+        recent = self._recent_start(first_query)
+        if recent <= sinks:
+            return table[: -(-end // bs)], 0, end
+        blocks = table[: sinks // bs] + table[recent // bs: -(-end // bs)]
+        assert min(blocks) >= 0, "a released KV block is inside a KV bound"
+        return blocks, 0, sinks + end - recent
+
+    def _bounded_positions(self, first_query: int, end: int) -> torch.Tensor:
+        """The positions of _bounded_blocks' keys, in their order."""
+        sinks, recent = self.bound[0], self._recent_start(first_query)
+        if recent <= sinks:
+            return torch.arange(end, device=self.device)
+        return torch.cat([torch.arange(sinks, device=self.device), torch.arange(recent, end, device=self.device)])
+
     def _spans(self, batch: list[ScheduledSeq], ctx: list[int], q_start: int, window: int | None,
                ) -> list[SeqSpan]:
         bs, dev = self.block_size, self.device
         spans = []
+        bounded = window is None and self.bound is not None
         for item, c in zip(batch, ctx):
             n = item.num_tokens
             windowed = window is not None and c > window  # some query's window starts after position 0
             kv_index = mask = None
             keys = c
-            if c > n or windowed:  # a cached prefix (read through the block table) or a window: masked
-                blocks, lo, hi = self._key_blocks(item.seq.block_table, c - n, c, window)
+            if c > n or windowed or bounded:  # a cached prefix (read through the block table), a window
+                blocks, lo, hi = self._key_blocks(item.seq.block_table, c - n, c, window)  # or a bound: masked
                 keys = hi - lo
-                key_pos = torch.arange(c - keys, c, device=dev)[None, :]
+                key_pos = (self._bounded_positions(c - n, c) if bounded
+                           else torch.arange(c - keys, c, device=dev))[None, :]
                 query_pos = torch.arange(c - n, c, device=dev)[:, None]
                 mask = key_pos <= query_pos
                 if windowed:
                     mask &= key_pos > query_pos - window
+                if bounded:  # the sinks, and each query's recent blocks
+                    recent = (query_pos - self.bound[1] + 1).clamp_min(0) // bs * bs
+                    mask &= (key_pos < self.bound[0]) | (key_pos >= recent)
                 if c > n:
                     table = torch.tensor(blocks, dtype=torch.long, device=dev)
                     kv_index = (table[:, None] * bs + torch.arange(bs, device=dev)).flatten()[lo:hi]

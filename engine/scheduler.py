@@ -47,6 +47,7 @@ class Scheduler:
         mixed: bool = True,
         copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None,
         kv_window: int | None = None,
+        kv_sink_blocks: int = 0,
     ) -> None:
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,6 +58,7 @@ class Scheduler:
         self.copy_blocks = copy_blocks  # (source, destination) block pairs whose KV to copy (forks)
         # positions any layer looks back (KVSpec.kv_window); None: some layer sees every key
         self.kv_window = None if handoff_after_prefill else kv_window
+        self.kv_sink_blocks = kv_sink_blocks  # leading blocks every query sees (a KV bound's sinks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -132,7 +134,7 @@ class Scheduler:
         if self.kv_window is not None:
             for seq in self.running:
                 if not seq.forks:
-                    self.bm.release_outside_window(seq, self.kv_window)
+                    self.bm.release_outside_window(seq, self.kv_window, self.kv_sink_blocks)
         if self.mixed:
             batch = self._schedule_decode()
             return batch + self._schedule_prefill(self.max_num_batched_tokens - len(batch))

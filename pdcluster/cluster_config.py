@@ -197,6 +197,11 @@ class KVCacheConfig:
     # "auto": the model's dtype; int8 / fp8_e4m3 / fp8_e5m2: quantized pages, a scale per token and
     # head (engine/kv_quant.py); they travel between workers as they are stored
     dtype: KVCacheDtype = "auto"
+    # an opt-in, approximate bound on each sequence's KV (StreamingLLM): attend to the first
+    # sink_tokens and the last recent_tokens positions only, and give back the blocks between;
+    # recent_tokens null: off (exact attention over every key)
+    sink_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    recent_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
 
 
 @with_config(FORBID_EXTRA)
@@ -296,6 +301,8 @@ class ClusterConfig:
             "num_blocks": None if kv.num_blocks == "auto" else kv.num_blocks,
             "kv_cache_memory_bytes": None if kv.memory_mb is None else kv.memory_mb * _MIB,
             "kv_cache_dtype": kv.dtype,
+            "kv_sink_tokens": kv.sink_tokens,
+            "kv_recent_tokens": kv.recent_tokens,
             "max_num_batched_tokens": self.engine.max_num_batched_tokens,
             "max_num_seqs": self.engine.max_num_seqs,
             "enable_prefix_caching": self.engine.enable_prefix_caching,
@@ -326,6 +333,9 @@ class ClusterConfig:
             raise invalid(f"{self.kv_transfer.compression!r} compresses KV of the model's dtype, but kv_cache.dtype "
                           f"{kv.dtype} pages are already quantized and travel as they are stored; allowed: 'none' "
                           "with quantized pages", "kv_transfer.compression")
+        if kv.sink_tokens and kv.recent_tokens is None:
+            raise invalid(f"{kv.sink_tokens} sink tokens bound nothing without kv_cache.recent_tokens; allowed: "
+                          "0, or recent_tokens set", "kv_cache.sink_tokens")
         if isinstance(kv.num_blocks, int) and max_len is not None and kv.num_blocks * kv.block_size < max_len:
             raise invalid(f"{kv.num_blocks} blocks x {kv.block_size} tokens cannot hold one sequence of "
                           f"model.max_model_len {max_len}; "
