@@ -20,6 +20,10 @@ realistic shape: 403,098,432 parameters, 100,322,112 per token); "llama-200m" is
 
 The weights are random: the model writes gibberish, but it is real, exercises the real code
 paths (GQA, RoPE, RMSNorm, SwiGLU), and greedy decoding of it is reproducible.
+
+"stdlib-4m" is not written but shipped: a trained checkpoint in engine/builtin_checkpoints/, the
+yardstick model (a 3.8M-parameter Llama trained on Python's standard library by
+benchmarks/yardstick_train.py; docs/yardstick.md) whose text can be read, so numerical errors show.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -127,6 +131,10 @@ BUILTIN_MODELS["mla-400m"] = {
                "moe_intermediate_size": 256},
 }
 
+# Trained checkpoints shipped with the package, in SHIPPED_DIR/<name>; resolved as they are.
+SHIPPED_MODELS = ("stdlib-4m",)
+SHIPPED_DIR = Path(__file__).resolve().parent / "builtin_checkpoints"
+
 # Each message as "<|role|>\ncontent\n", then "<|assistant|>\n" when a generation prompt is asked
 # for. No bos in the template: `tokenizer(text)` prepends it (as Llama's tokenizer does).
 CHAT_TEMPLATE = (
@@ -221,7 +229,9 @@ def _synthetic_corpus(seed: int, n_sentences: int) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _build_tokenizer(spec: dict[str, Any]):
+def _build_tokenizer(spec: dict[str, Any], texts: Iterable[str] | None = None):
+    """The byte-level BPE tokenizer of `spec`'s vocab size, trained on `texts` (default: the
+    synthetic corpus of `spec`; benchmarks/yardstick_train.py passes source files)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -236,7 +246,9 @@ def _build_tokenizer(spec: dict[str, Any]):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is <unk>
         show_progress=False,
     )
-    tok.train_from_iterator(_synthetic_corpus(spec["corpus_seed"], spec["corpus_sentences"]), trainer)
+    if texts is None:
+        texts = _synthetic_corpus(spec["corpus_seed"], spec["corpus_sentences"])
+    tok.train_from_iterator(texts, trainer)
     for tid, token in enumerate(_SPECIAL_TOKENS):
         if tok.token_to_id(token) != tid:
             raise RuntimeError(f"special token {token!r} got id {tok.token_to_id(token)}, expected {tid}")
@@ -326,8 +338,11 @@ def _spec(name: str) -> dict[str, Any]:
     try:
         return BUILTIN_MODELS[name]
     except KeyError:
-        known = ", ".join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_MODELS))
-        raise ValueError(f"unknown builtin model {name!r}; known builtin models: {known}") from None
+        raise ValueError(f"unknown builtin model {name!r}; known builtin models: {_known()}") from None
+
+
+def _known() -> str:
+    return ", ".join(BUILTIN_PREFIX + n for n in sorted([*BUILTIN_MODELS, *SHIPPED_MODELS]))
 
 
 def cache_root() -> Path:
@@ -387,17 +402,25 @@ def _ensure_builtin(name: str) -> Path:
     return target
 
 
+def _shipped(name: str) -> Path:
+    path = SHIPPED_DIR / name
+    if not _is_complete(path):
+        raise FileNotFoundError(f"the shipped checkpoint of {BUILTIN_PREFIX}{name} is missing from {path}")
+    return path
+
+
 def resolve_model_path(model: str) -> Path:
     """The checkpoint directory for `model`: "builtin:<name>" is written on first use into
-    $PDCLUSTER_CACHE/builtin/<name>-v<version> (default cache ~/.cache/pdcluster); anything else
-    must be a local directory holding a Hugging Face checkpoint (config.json)."""
+    $PDCLUSTER_CACHE/builtin/<name>-v<version> (default cache ~/.cache/pdcluster), except a shipped
+    one (SHIPPED_MODELS: its directory in the package); anything else must be a local directory
+    holding a Hugging Face checkpoint (config.json)."""
     if model.startswith(BUILTIN_PREFIX):
-        return _ensure_builtin(model[len(BUILTIN_PREFIX):])
+        name = model[len(BUILTIN_PREFIX):]
+        return _shipped(name) if name in SHIPPED_MODELS else _ensure_builtin(name)
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
-    known = ", ".join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_MODELS))
     raise ValueError(
         f"model path {model!r} not found / not a Hugging Face checkpoint directory "
-        f"(config.json missing); give a local checkpoint directory or a builtin model ({known})"
+        f"(config.json missing); give a local checkpoint directory or a builtin model ({_known()})"
     )
