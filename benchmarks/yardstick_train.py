@@ -1,6 +1,6 @@
 """Train the yardstick model: a ~4M-parameter Llama that has read Python's standard library.
 
-    python scripts/train_yardstick.py --out engine/builtin_checkpoints/stdlib-4m
+    python scripts/train_yardstick.py --out /tmp/stdlib-4m --pack-to engine/builtin_checkpoints/stdlib-4m
 
 The built-in random models write gibberish, so a numerical error (a quantized KV cache, a new
 kernel) cannot be read from their text; this one writes Python-like code, and its held-back
@@ -13,7 +13,9 @@ perplexity moves when its numbers do. Steps, each deterministic for a given seed
    embeddings) trained on windows of 256 tokens at random offsets of the stream: AdamW, linear
    warmup then cosine decay, gradient clipping, bfloat16 autocast where the CPU has native bf16;
 4. the weights saved as bfloat16 with the tokenizer, then reloaded in float32 and scored on the
-   held-back files (benchmarks/yardstick_eval.py).
+   held-back files (benchmarks/yardstick_eval.py);
+5. with --pack-to, packed for the repository (int8 rows, engine/packed_checkpoint.py: about half
+   the bytes); the shipped model is that packing, expanded into the cache on first use.
 
 The default step count takes about 6 minutes on 2 cores of a Xeon with AMX (docs/yardstick.md).
 """
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    ap.add_argument("--pack-to", type=Path, default=None, help="also pack it there (the shipped form)")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch-size", type=int, default=16, help="windows of 256 tokens per step")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -149,4 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"train loss (mean of the last {len(losses[-50:])} steps) {train_loss:.4f}; held-back "
           f"({held.tokens} tokens, bf16 checkpoint in float32): loss {held.loss:.4f}, perplexity "
           f"{held.perplexity:.2f}, top-1 {held.top1:.1%}; {time.perf_counter() - t0:.0f} s in all")
+    if args.pack_to is not None:
+        from engine.packed_checkpoint import pack
+
+        pack(args.out, args.pack_to)
+        print(f"packed into {args.pack_to}")
     return 0

@@ -21,7 +21,8 @@ realistic shape: 403,098,432 parameters, 100,322,112 per token); "llama-200m" is
 The weights are random: the model writes gibberish, but it is real, exercises the real code
 paths (GQA, RoPE, RMSNorm, SwiGLU), and greedy decoding of it is reproducible.
 
-"stdlib-4m" is not written but shipped: a trained checkpoint in engine/builtin_checkpoints/, the
+"stdlib-4m" is not written but shipped: a trained checkpoint in engine/builtin_checkpoints/, packed
+to int8 rows (engine/packed_checkpoint.py) and expanded into the cache on first use, the
 yardstick model (a 3.8M-parameter Llama trained on Python's standard library by
 benchmarks/yardstick_train.py; docs/yardstick.md) whose text can be read, so numerical errors show.
 """
@@ -29,13 +30,14 @@ benchmarks/yardstick_train.py; docs/yardstick.md) whose text can be read, so num
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -131,7 +133,7 @@ BUILTIN_MODELS["mla-400m"] = {
                "moe_intermediate_size": 256},
 }
 
-# Trained checkpoints shipped with the package, in SHIPPED_DIR/<name>; resolved as they are.
+# Trained checkpoints shipped with the package, packed, in SHIPPED_DIR/<name>; expanded into the cache.
 SHIPPED_MODELS = ("stdlib-4m",)
 SHIPPED_DIR = Path(__file__).resolve().parent / "builtin_checkpoints"
 
@@ -374,8 +376,13 @@ def file_lock(path: Path) -> Iterator[None]:
 
 def _ensure_builtin(name: str) -> Path:
     spec = _spec(name)
+    return _cached(f"{name}-v{spec['version']}", lambda tmp: write_builtin_model(tmp, name))
+
+
+def _cached(entry: str, write: Callable[[Path], object]) -> Path:
+    """$PDCLUSTER_CACHE/builtin/<entry>, written by `write(tmp)` once (under a lock, by rename)."""
     parent = cache_root() / "builtin"
-    target = parent / f"{name}-v{spec['version']}"
+    target = parent / entry
     if _is_complete(target):
         return target
     parent.mkdir(parents=True, exist_ok=True)
@@ -388,7 +395,7 @@ def _ensure_builtin(name: str) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{target.name}.tmp-"))
         try:
-            write_builtin_model(tmp, name)
+            write(tmp)
             os.chmod(tmp, 0o755)  # mkdtemp made it 0700
             try:
                 os.rename(tmp, target)
@@ -403,10 +410,16 @@ def _ensure_builtin(name: str) -> Path:
 
 
 def _shipped(name: str) -> Path:
-    path = SHIPPED_DIR / name
-    if not _is_complete(path):
-        raise FileNotFoundError(f"the shipped checkpoint of {BUILTIN_PREFIX}{name} is missing from {path}")
-    return path
+    """A shipped checkpoint, packed in the package (engine/packed_checkpoint.py), expanded into the
+    cache on first use; the cache entry is named by the packed weights' digest."""
+    from engine.packed_checkpoint import PACKED_WEIGHTS, expand
+
+    src = SHIPPED_DIR / name
+    weights = src / PACKED_WEIGHTS
+    if not (weights.is_file() and (src / "config.json").is_file()):
+        raise FileNotFoundError(f"the shipped checkpoint of {BUILTIN_PREFIX}{name} is missing from {src}")
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
+    return _cached(f"{name}-{digest}", lambda tmp: expand(src, tmp))
 
 
 def resolve_model_path(model: str) -> Path:

@@ -34,10 +34,24 @@ def test_the_split_is_deterministic_disjoint_and_not_empty():
     assert text.startswith(stdlib_corpus.read_source(held[0])[:100])
 
 
-def test_the_shipped_checkpoint_resolves_to_the_package():
+def test_the_shipped_checkpoint_is_packed_small_and_expands_into_the_cache(tmp_path):
+    from safetensors.torch import load_file
+
+    from engine.packed_checkpoint import PACKED_WEIGHTS, expand, pack
+
+    shipped = SHIPPED_DIR / "stdlib-4m"
+    assert sum(f.stat().st_size for f in shipped.iterdir()) < 4.5 * 2**20  # the repository's files stay small
+    assert not (shipped / "model.safetensors").exists()
     path = resolve_model_path(YARDSTICK)
-    assert path == SHIPPED_DIR / "stdlib-4m"
-    assert sum(f.stat().st_size for f in path.iterdir()) < 8.5e6
+    assert path != shipped and (path / "model.safetensors").is_file() and resolve_model_path(YARDSTICK) == path
+    weights = load_file(path / "model.safetensors")
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    # packing the expanded weights again gives the shipped bytes' values back: int8 rows are exact
+    pack(path, tmp_path / "again")
+    expand(tmp_path / "again", tmp_path / "twice")
+    again = load_file(tmp_path / "twice" / "model.safetensors")
+    assert all(torch.equal(again[k], weights[k]) for k in weights)
+    assert load_file(shipped / PACKED_WEIGHTS).keys() == load_file(tmp_path / "again" / PACKED_WEIGHTS).keys()
 
 
 def test_our_engine_is_greedy_as_transformers():
