@@ -83,12 +83,15 @@ class AttentionMetadata:
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Store the new tokens' K/V (T, kvh, hd) at their slots; returns them as the cache holds them:
-    k and v, or for quantized pages their dequantized rows, so that a prefill's queries attend to
-    the keys every later read sees (decode steps, later chunks, prefix-cache hits, a decode worker)."""
+    k and v, or for quantized pages with prefill spans their dequantized rows, so that a prefill's
+    queries attend to the keys every later read sees (decode steps, later chunks, prefix-cache
+    hits, a decode worker). Decode rows read the cache itself: nothing to dequantize for them."""
     kvh, width = kv_cache.shape[-2:]
     rows = meta.stored(k), meta.stored(v)
     kv_cache[0].view(-1, kvh, width).index_copy_(0, meta.slot_mapping, rows[0])
     kv_cache[1].view(-1, kvh, width).index_copy_(0, meta.slot_mapping, rows[1])
+    if meta.spans is None:
+        return k, v
     return meta.values(rows[0], k.dtype), meta.values(rows[1], v.dtype)
 
 

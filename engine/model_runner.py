@@ -231,9 +231,9 @@ class ModelRunner:
                ) -> list[SeqSpan]:
         bs, dev = self.block_size, self.device
         spans = []
-        bounded = window is None and self.bound is not None
         for item, c in zip(batch, ctx):
             n = item.num_tokens
+            bounded = window is None and self.bound is not None and c > self.bound[1]  # else every key is seen
             windowed = window is not None and c > window  # some query's window starts after position 0
             kv_index = mask = None
             keys = c

@@ -112,7 +112,10 @@ class LLM:
         N - 1 children, gloo between them; engine/tp_layout.py says how); `expert_parallel`: a
         mixture-of-experts model's routed experts placed whole, E/N per rank. Disaggregated:
         `decode_tensor_parallel_size` is the decode engine's (default: the same). `num_threads`:
-        CPU threads of each process (default: the cores shared by the largest group's ranks)."""
+        CPU threads of each process (default: the cores shared by the largest group's ranks).
+        `kv_cache_dtype`: "auto" or quantized KV pages ("int8", "fp8_e4m3", "fp8_e5m2");
+        `kv_recent_tokens` (with `kv_sink_tokens`): an approximate bound on each sequence's KV
+        (docs/kv_cache.md)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         decode_tp = tensor_parallel_size if decode_tensor_parallel_size is None else decode_tensor_parallel_size

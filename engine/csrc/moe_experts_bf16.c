@@ -206,10 +206,13 @@ static void down_unit(const moe_t *m, pipeline_t *pl, int u) {
             m->out[(int64_t)tok * H + col] = f2bf(m->acc[(int64_t)tok * H + col]);
 }
 
+/* Phase 1's units per expert (column tiles of gate and up, m->tiles / 2 of each a unit). */
+static inline int units_per_expert(const moe_t *m) { return m->I / TILE / (m->tiles / 2); }
+
 /* m->split for phase 1: contiguous runs of units of about equal cost, a unit costing its 32-row
  * blocks plus one (its weight tiles' first reads). */
 static void split_units(moe_t *m, int threads) {
-    const int per = m->I / TILE / (m->tiles / 2);
+    const int per = units_per_expert(m);
     int64_t total = 0, done = 0;
     for (int s = 0; s < m->p->n_active; s++) {
         const int e = m->p->active[s];
@@ -243,7 +246,7 @@ static void gather_unit(const moe_t *m, int slot) {
 /* Phase `phase`'s share of thread t of `threads`. */
 static void run(const void *ctx, int phase, int t, int threads) {
     const moe_t *m = (const moe_t *)ctx;
-    const int per = m->I / TILE / (m->tiles / 2); /* phase 1's units per expert */
+    const int per = units_per_expert(m);
     const int64_t n = phase == 0 ? m->p->n_active : phase == 1 ? (int64_t)m->p->n_active * per : (m->H / TILE + 3) / 4;
     const int64_t lo = phase == 1 ? m->split[t] : n * t / threads;
     const int64_t hi = phase == 1 ? m->split[t + 1] : n * (t + 1) / threads;

@@ -121,7 +121,8 @@ class LatentAttention(nn.Module):
         cache = kv_cache[0]  # (blocks, block_size, 1, latent + rope [+ a quantized row's scale])
         stored = meta.stored(row)
         cache.view(-1, 1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, stored)
-        row = meta.values(stored, row.dtype)  # as the cache holds it: a prefill attends to what decode reads
+        if meta.spans is not None:  # as the cache holds it: a prefill attends to what decode reads
+            row = meta.values(stored, row.dtype)
         if meta.spans is not None and meta.decode_groups is None and meta.native_decode is None:
             out = self._expanded(q, row[:, 0], cache.view(-1, cache.shape[-1]), meta, cos, sin)
             return self._finish(out, T)
