@@ -143,7 +143,29 @@ def _status(args: argparse.Namespace) -> int:
     kinds = sorted({w["kv"] for w in info["workers"] if w.get("kv")})
     for kv in kinds:  # one line per kind of cache (one for a cluster of one model)
         print(f"KV per token: {kv}")
+    for line in tier_lines(info["workers"]):
+        print(line)
     return 0
+
+
+def tier_lines(workers: list[dict]) -> list[str]:
+    """One line per offload tier (a node's, shared by its workers): its fill, and the hit rate of
+    its users' lookups, in LRU order of eviction."""
+    tiers: dict[str, list[dict]] = {}
+    for w in workers:
+        if w.get("tier_id"):
+            tiers.setdefault(w["tier_id"], []).append(w)
+    lines = []
+    for tier_id, users in sorted(tiers.items()):
+        first = users[0]
+        hits, misses = sum(w["tier_hits"] for w in users), sum(w["tier_misses"] for w in users)
+        rate = f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"
+        lines.append(f"KV offload tier {tier_id}: {first['tier_used_bytes'] / 2**20:.1f} of "
+                     f"{first['tier_capacity_bytes'] / 2**20:.0f} MiB, {first['tier_blocks']} blocks; "
+                     f"saves {sum(w['tier_saves'] for w in users)}, hits {hits} ({rate} of lookups), "
+                     f"evictions {sum(w['tier_evictions'] for w in users)} (LRU); "
+                     f"workers {', '.join(sorted(w['worker_id'] for w in users))}")
+    return lines
 
 
 def hit_rate(w: dict) -> str:

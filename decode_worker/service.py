@@ -32,7 +32,13 @@ from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
 from proto.cluster_auth import server_interceptors
-from proto.convert import logprob_to_proto, choice_sampling_from_proto, prefix_cache_to_proto, step_stats_to_proto
+from proto.convert import (
+    choice_sampling_from_proto,
+    logprob_to_proto,
+    prefix_cache_to_proto,
+    step_stats_to_proto,
+    tier_stats_to_proto,
+)
 from proto.serving import add_health_and_reflection, bind_server, in_request_context
 
 log = logging.getLogger("pdcluster.decode")
@@ -270,7 +276,8 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
             prompt_tokens=self._prompt_tokens, kv_bytes_not_sent=not_sent,
             local_prefills=self._local_prefills, **step_stats_to_proto(self.step_totals),
             **prefix_cache_to_proto(request or wk.StatsRequest(), self.engine.prefix_cache_changes,
-                                    self.engine.block_size),
+                                    self.engine.block_size, self.engine.tier_changes, self.engine.tier_id),
+            **tier_stats_to_proto(self.engine.tier_id, self.engine.tier_stats()),
         )
 
     def stop(self, grace: float = 1.0) -> None:

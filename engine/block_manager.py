@@ -19,6 +19,10 @@ Sliding windows (`release_outside_window`): when every layer of the model attend
 (ref count - 1, so a block shared through the prefix cache stays with its other holders, and a
 freed one keeps its hash until handed out again); their table entries become RELEASED.
 
+Offload tier (`tier`, engine/kv_tier.py): a hashed block about to be handed out afresh is first
+written to the node's tier; a prompt's leading blocks missing from the cache are looked up there
+next and read into fresh blocks, which then enter the prefix cache like computed ones.
+
 Invariants (checked by `check_invariants`, pinned by property tests): every block is either free
 (ref 0, in the free list) or used (ref > 0, not in the free list); ref counts equal the number of
 block-table entries that name the block (RELEASED entries name none).
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.cache_events import CacheEvents
 from engine.prefix_hash import extend_hashes
@@ -44,10 +49,20 @@ class Block:
     token_ids: tuple[int, ...] = ()
     epoch: int = 0  # bumped each time the block is handed out afresh
     parent: tuple[int, int] | None = None  # (block id, epoch) of the block before it when cached
+    parent_hash: bytes | None = None  # the hash of the block before it (None: the first block)
+
+
+class BlockTier(Protocol):
+    """Where evicted blocks go and come back from (engine/kv_tier.py's TierLink)."""
+
+    def holds(self, h: bytes) -> bool: ...
+    def save(self, block_id: int, h: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> bool: ...
+    def load(self, block_id: int, h: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> bool: ...
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tier: BlockTier | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -57,7 +72,9 @@ class BlockManager:
         # Ordered by time of release: popitem(last=False) hands out the least recently freed block.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
-        self.prefix_hits = 0  # blocks served from the prefix cache, lifetime
+        self.prefix_hits = 0  # blocks served from the prefix cache, lifetime (the tier's included)
+        self.tier = tier if enable_prefix_caching else None
+        self.tier_hits = 0  # of those, blocks read back from the offload tier
         self.events = CacheEvents()  # hashes entered and evicted, for the router's prefix index
 
     # ------------------------------------------------------------------ queries
@@ -80,11 +97,13 @@ class BlockManager:
     def _take_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:  # evict its prefix-cache entry
+        if block.hash is not None:  # evict its prefix-cache entry (to the tier, if there is one)
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
                 self.events.removed(block.hash)
-            block.hash, block.token_ids, block.parent = None, (), None
+                if self.tier is not None:
+                    self.tier.save(block_id, block.hash, block.parent_hash, block.token_ids)
+            block.hash, block.token_ids, block.parent, block.parent_hash = None, (), None, None
         block.epoch += 1
         block.ref_count = 1
         return block_id
@@ -117,6 +136,8 @@ class BlockManager:
                     break
                 self._acquire(block_id)
                 table.append(block_id)
+            if self.tier is not None:
+                self._recall(seq, hashes, table)
         hits = len(table)
         self.prefix_hits += hits
         # fresh blocks in ascending order: a transfer into them copies each run of consecutive ids as one slice
@@ -125,6 +146,31 @@ class BlockManager:
         seq.num_registered_blocks = hits
         seq.num_cached_tokens = hits * bs
         seq.num_computed_tokens = hits * bs
+
+    def _recall(self, seq: Sequence, hashes: list[bytes], table: list[int]) -> None:
+        """Extend `table` (the prompt's blocks found in the cache) with the next blocks read back
+        from the tier, each into a fresh block entered in the prefix cache, until one is missing."""
+        bs = self.block_size
+        for i in range(len(table), len(hashes)):
+            if not self.tier.holds(hashes[i]):
+                return
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = hashes[i - 1] if i else None
+            block_id = self._take_free()
+            if not self.tier.load(block_id, hashes[i], parent, tokens):
+                self.free_blocks([block_id])
+                return
+            self._register(block_id, hashes[i], tokens, table, parent)
+            table.append(block_id)
+            self.tier_hits += 1
+
+    def _register(self, block_id: int, h: bytes, tokens: tuple[int, ...], table: list[int],
+                  parent: bytes | None) -> None:
+        """Enter a block whose K/V exist into the prefix cache, after the blocks of `table`."""
+        block = self.blocks[block_id]
+        block.hash, block.token_ids, block.parent, block.parent_hash = h, tokens, self._parent_of(table), parent
+        if self.hash_to_block.setdefault(h, block_id) == block_id:
+            self.events.stored(h)
 
     def _parent_of(self, table: list[int]) -> tuple[int, int] | None:
         return (table[-1], self.blocks[table[-1]].epoch) if table else None
@@ -225,13 +271,9 @@ class BlockManager:
             return
         hashes = self._hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                block.hash = hashes[i]
-                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                block.parent = self._parent_of(seq.block_table[:i])
-                if self.hash_to_block.setdefault(block.hash, block.block_id) == block.block_id:
-                    self.events.stored(block.hash)
+            if self.blocks[seq.block_table[i]].hash is None:
+                self._register(seq.block_table[i], hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]),
+                               seq.block_table[:i], hashes[i - 1] if i else None)
         seq.num_registered_blocks = num_full
 
     # ------------------------------------------------------------------ checks

@@ -298,6 +298,11 @@ class EngineConfig:
     # (rounded out to whole blocks), and the blocks between are given back. None: off (exact)
     kv_sink_tokens: int = 0
     kv_recent_tokens: int | None = None
+    # the KV offload tier (engine/kv_tier.py): blocks evicted from the prefix cache go to a directory
+    # of this many bytes shared by the engines given the same kv_offload_path, and come back on a
+    # prefix hit instead of being computed again. 0: off. Path None: a directory of this engine's own
+    kv_offload_bytes: int = 0
+    kv_offload_path: str | None = None
     max_num_batched_tokens: int = 2048  # token budget of one forward pass (long prompts are chunked)
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
@@ -323,6 +328,12 @@ class EngineConfig:
             raise ValueError(f"kv_recent_tokens must be an integer >= 1 or None (off), got {self.kv_recent_tokens!r}")
         if self.kv_sink_tokens and self.kv_recent_tokens is None:
             raise ValueError("kv_sink_tokens bounds a sequence's KV only with kv_recent_tokens set")
+        if not isinstance(self.kv_offload_bytes, int) or self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be an integer >= 0 (0: no offload tier), got {self.kv_offload_bytes!r}")
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise ValueError("the KV offload tier keeps blocks evicted from the prefix cache: it needs enable_prefix_caching")
+        if self.kv_offload_bytes and self.tensor_parallel_size > 1:
+            raise ValueError("the KV offload tier serves engines of one rank; tensor_parallel_size > 1 is not supported with it")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < 1:

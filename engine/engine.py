@@ -20,6 +20,7 @@ from engine.builtin_model import resolve_model_path
 from engine.cache_events import CacheChanges
 from engine.config import EngineConfig, ModelConfig
 from engine.guided import GuidedDecoder
+from engine.kv_tier import TierLink, TierStats, open_tier
 from engine.model_runner import LayerSend, ModelRunner, ScheduledSeq
 from engine.models.llama import LlamaModel
 from engine.request_checks import validate_request
@@ -65,6 +66,7 @@ class Engine:
         self.model_cfg = model_cfg or ModelConfig.from_pretrained(resolve_model_path(cfg.model))
         check_expert_parallel(self.model_cfg, cfg.expert_parallel)
         self._ranks: LocalRanks | None = None
+        self.tier = None
         if tp is None and cfg.tensor_parallel_size > 1:
             backend = "nccl" if cfg.torch_device.type == "cuda" else "gloo"
             self._ranks = LocalRanks(cfg, self.model_cfg, cfg.tensor_parallel_size, backend, rank_kv=rank_kv)
@@ -76,7 +78,9 @@ class Engine:
             self.close()
             raise
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.tier = open_tier(cfg, f"{self.runner.compat_hash}|{cfg.model}") if cfg.kv_offload_bytes else None
+        link = TierLink(self.tier, lambda: self.runner.kv_caches) if self.tier is not None else None
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching, link)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, handoff_after_prefill=role == "prefill",
             copy_blocks=self.runner.copy_blocks,
@@ -222,6 +226,9 @@ class Engine:
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the tensor-parallel ranks this engine started (nothing else needs closing); a rank
         still alive after `timeout_s` is killed."""
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
         if self._ranks is not None:
             self._ranks.close(0.0 if self.broken else timeout_s)  # broken: the others may sit in a collective
             self._ranks = None
@@ -264,6 +271,19 @@ class Engine:
     def prefix_cache_changes(self, cursor: int) -> CacheChanges:
         """What the prefix cache stored and evicted since `cursor` (engine/cache_events.py)."""
         return self.block_manager.events.since(cursor)
+
+    def tier_changes(self, cursor: int) -> CacheChanges | None:
+        """What the offload tier gained and lost since `cursor` (None: no tier); engine/kv_tier.py."""
+        return self.tier.changes(cursor) if self.tier is not None else None
+
+    @property
+    def tier_id(self) -> str:
+        """The offload tier's name, the same for every engine sharing it ("" without one)."""
+        return self.tier.tier_id if self.tier is not None else ""
+
+    def tier_stats(self) -> TierStats | None:
+        """The offload tier's size and this engine's saves, hits, misses and evictions (safe from any thread)."""
+        return self.tier.snapshot_stats() if self.tier is not None else None
 
     def cache_computed(self, seq: Sequence) -> None:
         """Enter `seq`'s full blocks whose K/V are computed (or arrived) into the prefix cache."""

@@ -248,6 +248,10 @@ class Controller:
                            kv_blocks_free=s.kv_blocks_free, queued_prefill_tokens=s.queued_prefill_tokens,
                            prompt_tokens=s.prompt_tokens, prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
                            local_prefills=s.local_prefills, kv_bytes_not_sent=s.kv_bytes_not_sent)
+                if s.tier_id:
+                    row.update(tier_id=s.tier_id, tier_capacity_bytes=s.tier_capacity_bytes,
+                               tier_used_bytes=s.tier_used_bytes, tier_blocks=s.tier_blocks, tier_saves=s.tier_saves,
+                               tier_hits=s.tier_hits, tier_misses=s.tier_misses, tier_evictions=s.tier_evictions)
             except grpc.RpcError as e:
                 row.update(state=f"unreachable ({e.code().name})")
             finally:

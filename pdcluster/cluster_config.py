@@ -31,6 +31,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    StrictStr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -202,6 +203,11 @@ class KVCacheConfig:
     # recent_tokens null: off (exact attention over every key)
     sink_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     recent_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
+    # the offload tier (engine/kv_tier.py): blocks evicted from the workers' prefix caches go to a
+    # pool of offload_mb MiB per node, shared by the cluster's workers there, in a directory made
+    # under offload_dir (/dev/shm: host memory; a disk path: a disk pool); 0: off
+    offload_mb: Annotated[StrictInt, Field(ge=0)] = 0
+    offload_dir: StrictStr = "/dev/shm"
 
 
 @with_config(FORBID_EXTRA)
@@ -303,6 +309,7 @@ class ClusterConfig:
             "kv_cache_dtype": kv.dtype,
             "kv_sink_tokens": kv.sink_tokens,
             "kv_recent_tokens": kv.recent_tokens,
+            "kv_offload_bytes": kv.offload_mb * _MIB,
             "max_num_batched_tokens": self.engine.max_num_batched_tokens,
             "max_num_seqs": self.engine.max_num_seqs,
             "enable_prefix_caching": self.engine.enable_prefix_caching,

@@ -24,6 +24,7 @@ from engine.builtin_model import resolve_model_path
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import Engine
+from engine.kv_tier import new_tier_path
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import load_tokenizer
@@ -101,6 +102,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         kv_sink_tokens: int = 0,
         kv_recent_tokens: int | None = None,
+        kv_offload_bytes: int = 0,
         enforce_eager: bool = False,
         mode: str = "colocated",
         tensor_parallel_size: int = 1,
@@ -115,7 +117,9 @@ class LLM:
         CPU threads of each process (default: the cores shared by the largest group's ranks).
         `kv_cache_dtype`: "auto" or quantized KV pages ("int8", "fp8_e4m3", "fp8_e5m2");
         `kv_recent_tokens` (with `kv_sink_tokens`): an approximate bound on each sequence's KV
-        (docs/kv_cache.md)."""
+        (docs/kv_cache.md); `kv_offload_bytes` > 0: blocks evicted from the prefix cache go to an
+        offload tier of that size in /dev/shm (both engines' when disaggregated) and come back on a
+        prefix hit."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         decode_tp = tensor_parallel_size if decode_tensor_parallel_size is None else decode_tensor_parallel_size
@@ -139,6 +143,8 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             kv_sink_tokens=kv_sink_tokens,
             kv_recent_tokens=kv_recent_tokens,
+            kv_offload_bytes=kv_offload_bytes,
+            kv_offload_path=new_tier_path() if kv_offload_bytes else None,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,

@@ -5,10 +5,12 @@ sends them a request; stopping actors.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Any
 
+from engine.kv_tier import DIR_PREFIX
 from pdcluster.cluster_config import ClusterConfig
 from pdcluster.ray_runtime import LaunchError
 
@@ -138,6 +140,13 @@ def worker_options(cfg: ClusterConfig, role: str, host: str, secret: str | None 
     return options
 
 
+def tier_path(parent: str, secret: str | None) -> str:
+    """The offload tier's directory of the cluster whose secret this is (the same on every node,
+    and for workers added later by `pdcluster scale`)."""
+    tag = hashlib.blake2b((secret or "").encode(), digest_size=6).hexdigest()
+    return os.path.join(parent, f"{DIR_PREFIX}{tag}")
+
+
 def start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime: str | None,
                    log_level: str, host: str, log_format: str = "text",
                    secret: str | None = None) -> tuple[list[Any], dict[Any, str]]:
@@ -152,6 +161,8 @@ def start_workers(cfg: ClusterConfig, pool: Any, worker_ids: list[str], lifetime
     if engine_kwargs.get("num_threads") is None:  # one torch thread per pinned CPU, else per Ray CPU, shared by the ranks
         cpus = len(pool.cpus) if pool.cpus else int(pool.resources.get("num_cpus", 1))
         engine_kwargs["num_threads"] = max(1, cpus // pool.tensor_parallel_size)
+    if cfg.kv_cache.offload_mb:  # one directory per cluster and node, shared by its workers there
+        engine_kwargs["kv_offload_path"] = tier_path(cfg.kv_cache.offload_dir, secret)
     options = worker_options(cfg, pool.role, host, secret, pool.device)
     actors, pending = [], {}
     for wid in worker_ids:

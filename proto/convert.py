@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from engine.cache_events import CacheChanges
+from engine.kv_tier import TierStats
 from engine.sampling_params import GuidedDecoding, SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.step_stats import PhaseTotals, StepTotals
@@ -101,11 +103,28 @@ def step_stats_to_proto(totals: StepTotals) -> dict[str, list[wk.StepPhaseStats]
 
 
 def prefix_cache_to_proto(request: wk.StatsRequest, changes: Callable[[int], CacheChanges],
-                          block_size: int) -> dict[str, wk.PrefixCacheEvents]:
-    """The `prefix_cache` field of a worker's Stats answer: what `changes(cursor)` returns, when the
-    request asked for it (`WorkerStats(**...)`; empty otherwise)."""
+                          block_size: int, tier_changes: Callable[[int], CacheChanges | None] | None = None,
+                          tier_id: str = "") -> dict[str, wk.PrefixCacheEvents]:
+    """The `prefix_cache` field of a worker's Stats answer: what `changes(cursor)` returns, and its
+    offload tier's `tier_changes(tier_cursor)` where it has one, when the request asked for it
+    (`WorkerStats(**...)`; empty otherwise)."""
     if not request.prefix_cache_events:
         return {}
     c = changes(request.prefix_cache_cursor)
-    return {"prefix_cache": wk.PrefixCacheEvents(cursor=c.cursor, snapshot=c.snapshot, stored=c.stored,
-                                                 removed=c.removed, block_size=block_size)}
+    events = wk.PrefixCacheEvents(cursor=c.cursor, snapshot=c.snapshot, stored=c.stored, removed=c.removed,
+                                  block_size=block_size)
+    t = tier_changes(request.tier_cursor) if tier_changes is not None else None
+    if t is not None:
+        events.tier_id, events.tier_cursor, events.tier_snapshot = tier_id, t.cursor, t.snapshot
+        events.tier_stored.extend(t.stored)
+        events.tier_removed.extend(t.removed)
+    return {"prefix_cache": events}
+
+
+def tier_stats_to_proto(tier_id: str, stats: TierStats | None) -> dict[str, Any]:
+    """The offload tier's WorkerStats fields (`WorkerStats(**...)`; empty without a tier)."""
+    if stats is None:
+        return {}
+    return {"tier_id": tier_id, "tier_capacity_bytes": stats.capacity_bytes, "tier_used_bytes": stats.used_bytes,
+            "tier_blocks": stats.blocks, "tier_saves": stats.saves, "tier_hits": stats.hits,
+            "tier_misses": stats.misses, "tier_evictions": stats.evictions}

@@ -152,29 +152,41 @@ class HealthResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("prefix_cache_events", "prefix_cache_cursor")
+    __slots__ = ("prefix_cache_events", "prefix_cache_cursor", "tier_cursor")
     PREFIX_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    TIER_CURSOR_FIELD_NUMBER: _ClassVar[int]
     prefix_cache_events: bool
     prefix_cache_cursor: int
-    def __init__(self, prefix_cache_events: _Optional[bool] = ..., prefix_cache_cursor: _Optional[int] = ...) -> None: ...
+    tier_cursor: int
+    def __init__(self, prefix_cache_events: _Optional[bool] = ..., prefix_cache_cursor: _Optional[int] = ..., tier_cursor: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheEvents(_message.Message):
-    __slots__ = ("cursor", "snapshot", "stored", "removed", "block_size")
+    __slots__ = ("cursor", "snapshot", "stored", "removed", "block_size", "tier_id", "tier_cursor", "tier_snapshot", "tier_stored", "tier_removed")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    TIER_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    TIER_STORED_FIELD_NUMBER: _ClassVar[int]
+    TIER_REMOVED_FIELD_NUMBER: _ClassVar[int]
     cursor: int
     snapshot: bool
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     block_size: int
-    def __init__(self, cursor: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    tier_id: str
+    tier_cursor: int
+    tier_snapshot: bool
+    tier_stored: _containers.RepeatedScalarFieldContainer[bytes]
+    tier_removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, cursor: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., tier_id: _Optional[str] = ..., tier_cursor: _Optional[int] = ..., tier_snapshot: _Optional[bool] = ..., tier_stored: _Optional[_Iterable[bytes]] = ..., tier_removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "running", "queued", "kv_blocks_used", "kv_blocks_free", "queued_prefill_tokens", "kv_bytes_sent", "prefix_cache_hit_tokens", "prompt_tokens", "steps", "steps_by_batch", "prefix_cache", "kv_bytes_not_sent", "local_prefills")
+    __slots__ = ("worker_id", "role", "running", "queued", "kv_blocks_used", "kv_blocks_free", "queued_prefill_tokens", "kv_bytes_sent", "prefix_cache_hit_tokens", "prompt_tokens", "steps", "steps_by_batch", "prefix_cache", "kv_bytes_not_sent", "local_prefills", "tier_id", "tier_capacity_bytes", "tier_used_bytes", "tier_blocks", "tier_saves", "tier_hits", "tier_misses", "tier_evictions")
     class KvBytesSentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +209,14 @@ class WorkerStats(_message.Message):
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_NOT_SENT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    TIER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_SAVES_FIELD_NUMBER: _ClassVar[int]
+    TIER_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIER_MISSES_FIELD_NUMBER: _ClassVar[int]
+    TIER_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     running: int
@@ -212,7 +232,15 @@ class WorkerStats(_message.Message):
     prefix_cache: PrefixCacheEvents
     kv_bytes_not_sent: int
     local_prefills: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[_Mapping[str, int]] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ..., steps_by_batch: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheEvents, _Mapping]] = ..., kv_bytes_not_sent: _Optional[int] = ..., local_prefills: _Optional[int] = ...) -> None: ...
+    tier_id: str
+    tier_capacity_bytes: int
+    tier_used_bytes: int
+    tier_blocks: int
+    tier_saves: int
+    tier_hits: int
+    tier_misses: int
+    tier_evictions: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[_Mapping[str, int]] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ..., steps_by_batch: _Optional[_Iterable[_Union[StepPhaseStats, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheEvents, _Mapping]] = ..., kv_bytes_not_sent: _Optional[int] = ..., local_prefills: _Optional[int] = ..., tier_id: _Optional[str] = ..., tier_capacity_bytes: _Optional[int] = ..., tier_used_bytes: _Optional[int] = ..., tier_blocks: _Optional[int] = ..., tier_saves: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., tier_evictions: _Optional[int] = ...) -> None: ...
 
 class StepPhaseStats(_message.Message):
     __slots__ = ("phase", "steps", "seconds", "seqs", "tokens", "context_tokens", "batch_min")

@@ -90,6 +90,9 @@ _WORKER_GAUGES = (  # (metric suffix, WorkerStats field, help)
     ("kv_blocks_used", "kv_blocks_used", "KV cache blocks in use on the worker."),
     ("kv_blocks_free", "kv_blocks_free", "Free KV cache blocks on the worker."),
     ("queued_prefill_tokens", "queued_prefill_tokens", "Prompt tokens queued on the worker."),
+    ("kv_tier_capacity_bytes", "tier_capacity_bytes", "Size of the KV offload tier the worker shares with its node."),
+    ("kv_tier_used_bytes", "tier_used_bytes", "Bytes the worker's KV offload tier holds (as the worker sees it)."),
+    ("kv_tier_blocks", "tier_blocks", "KV blocks the worker's offload tier holds (as the worker sees it)."),
 )
 _WORKER_COUNTERS = (
     ("prompt_tokens", "prompt_tokens", "Prompt tokens prefilled by the worker, cached ones included."),
@@ -97,6 +100,10 @@ _WORKER_COUNTERS = (
     ("kv_bytes_not_sent", "kv_bytes_not_sent", ("KV bytes no transfer had to move to the decode worker: "
      "blocks it held already, and prompts it prefilled itself.")),
     ("local_prefills", "local_prefills", "Requests the decode worker prefilled itself."),
+    ("kv_tier_saves", "tier_saves", "KV blocks the worker wrote to the offload tier (evicted from its prefix cache)."),
+    ("kv_tier_hits", "tier_hits", "KV blocks the worker read back from the offload tier instead of computing them."),
+    ("kv_tier_misses", "tier_misses", "KV blocks the worker looked up in the offload tier and did not find whole."),
+    ("kv_tier_evictions", "tier_evictions", "KV blocks the worker removed from the offload tier to make room (LRU)."),
 )
 
 _STEP_COUNTERS = (  # engine loop iterations by phase (engine/step_stats.py)

@@ -2,6 +2,10 @@
 change lists the workers answer Stats polls with (engine/cache_events.py), and the prompts the
 router has just sent each one (expected there once computed, before the next poll can say so).
 
+A worker with an offload tier (engine/kv_tier.py) also reports the tier's changes, under the tier's
+id: every worker of a node shares its tier, so a block one of them evicted to the tier counts as held
+by all of them (they read it back instead of computing it).
+
 The picture may be late or wrong (an eviction not yet reported, a prefill that failed): it only
 steers routing. A worker confirms every hit by token ids before it serves one.
 """
@@ -36,6 +40,8 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._held: dict[str, set[bytes]] = {}
         self._block_size: dict[str, int] = {}
+        self._tier_of: dict[str, str] = {}  # worker id -> its offload tier's id
+        self._tiers: dict[str, set[bytes]] = {}  # tier id -> block hashes it holds
 
     def apply(self, worker_id: str, events: wk.PrefixCacheEvents) -> None:
         """Take a worker's change list (a snapshot replaces what was known of it)."""
@@ -46,6 +52,13 @@ class PrefixIndex:
             held.update(events.stored)
             held.difference_update(events.removed)
             self._block_size[worker_id] = events.block_size
+            if events.tier_id:
+                self._tier_of[worker_id] = events.tier_id
+                tier = self._tiers.setdefault(events.tier_id, set())
+                if events.tier_snapshot:
+                    tier.clear()
+                tier.update(events.tier_stored)
+                tier.difference_update(events.tier_removed)
 
     def expect(self, worker_id: str, blocks: PromptBlocks) -> None:
         """`blocks`' full blocks will be in the worker's cache once computed."""
@@ -64,18 +77,26 @@ class PrefixIndex:
         with self._lock:
             self._held.pop(worker_id, None)
             self._block_size.pop(worker_id, None)
+            self._tier_of.pop(worker_id, None)  # the tier itself outlives a worker: its other users keep it
+
+    def tier_blocks(self, tier_id: str) -> int:
+        """Blocks the index believes the tier holds."""
+        with self._lock:
+            return len(self._tiers.get(tier_id, ()))
 
     def cached_tokens(self, worker_id: str, prompt: PromptBlocks) -> int:
-        """Leading prompt tokens the worker is expected to hold (whole blocks)."""
+        """Leading prompt tokens the worker is expected to hold (whole blocks), in its own cache or
+        in its node's offload tier."""
         with self._lock:
             bs = self._block_size.get(worker_id)
-            held = self._held.get(worker_id)
-            if not bs or not held:
+            held = self._held.get(worker_id) or set()
+            tier = self._tiers.get(self._tier_of.get(worker_id, ""), set())
+            if not bs or not (held or tier):
                 return 0
             n = 0
             usable = (len(prompt.token_ids) - 1) // bs  # a worker computes the last token's block afresh
             for h in prompt.hashes(bs)[:usable]:
-                if h not in held:
+                if h not in held and h not in tier:
                     break
                 n += 1
             return n * bs

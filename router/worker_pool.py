@@ -46,6 +46,7 @@ class WorkerHandle:
     healthy: bool = True
     stats: wk.WorkerStats | None = field(default=None, repr=False)  # last answer to Stats (None: none yet)
     cache_cursor: int = 0  # where the prefix index stands in the worker's cache change list
+    tier_cursor: int = 0  # and in its offload tier's
 
 
 @dataclass(frozen=True)
@@ -170,10 +171,11 @@ class WorkerPool:
         """Ask `w` for its Stats now (the poll does it every interval; a request that saw `w` fail
         asks at once). A worker that does not answer is out of rotation until it answers again,
         and its prefix cache is unknown until then."""
-        cursor = w.cache_cursor
+        cursor, tier_cursor = w.cache_cursor, w.tier_cursor
         try:
             stats = w.stub.Stats(wk.StatsRequest(prefix_cache_events=self.policy.prefix_aware,
-                                                 prefix_cache_cursor=cursor), timeout=timeout_s)
+                                                 prefix_cache_cursor=cursor, tier_cursor=tier_cursor),
+                                 timeout=timeout_s)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 log.debug("Stats of worker %s failed: %s %s", w.worker_id, e.code(), e.details())
@@ -183,16 +185,17 @@ class WorkerPool:
                             w.worker_id, w.address, e.code().name)
             w.healthy = False
             with self._lock:
-                w.cache_cursor = 0
+                w.cache_cursor = w.tier_cursor = 0
                 self.index.forget(w.worker_id)
             return False
         if not w.healthy:
             log.warning("worker %s at %s answers again: back in rotation", w.worker_id, w.address)
         if stats.HasField("prefix_cache"):
             with self._lock:  # a change list older than one already applied is left out
-                if w.cache_cursor == cursor:
+                if w.cache_cursor == cursor and w.tier_cursor == tier_cursor:
                     self.index.apply(w.worker_id, stats.prefix_cache)
                     w.cache_cursor = stats.prefix_cache.cursor
+                    w.tier_cursor = stats.prefix_cache.tier_cursor
         w.kv_blocks_free, w.healthy, w.stats = stats.kv_blocks_free, True, stats
         return True
 
