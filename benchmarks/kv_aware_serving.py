@@ -128,12 +128,14 @@ def run_figures(run: dict, block_size: int = 16) -> dict[str, Any]:
         "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in records),
         "kv_bytes": _counter(run, "prefill", "kv_transfer_bytes"),
         "local_prefills": _counter(run, "decode", "local_prefills"),
+        "tier_hit_tokens": block_size * sum(_counter(run, role, "kv_tier_hits") for role in ("prefill", "decode")),
         "later_turns": later_turns, "blocks": sum(b for b, _ in blocks),
         "first_turn_blocks": sum(b for b, first in blocks if first),
     }
 
 
-def analyse(results: list[dict], bound: int | None = None, block_size: int = 16) -> dict[str, Any]:
+def analyse(results: list[dict], bound: int | None = None, block_size: int = 16,
+            systems: tuple[str, ...] = SYSTEMS, baseline: str = BASELINE) -> dict[str, Any]:
     """Per system and rate, the medians over the repeats' results; the goals' ratios. KV bytes per
     later turn: what moved less the first turns' whole prompts (nothing is cached for those), at
     routing by load's bytes per block (it moves every block of every prompt)."""
@@ -141,7 +143,7 @@ def analyse(results: list[dict], bound: int | None = None, block_size: int = 16)
     for result in results:
         for run in result["runs"]:
             cells.setdefault(run["label"], {}).setdefault(run["rate"], []).append(run_figures(run, block_size))
-    per_block = _median([f["kv_bytes"] / f["blocks"] for f in (x for r in cells.get(BASELINE, {}).values() for x in r)
+    per_block = _median([f["kv_bytes"] / f["blocks"] for f in (x for r in cells.get(baseline, {}).values() for x in r)
                          if f["blocks"]])
     for rows in (x for by_rate in cells.values() for x in by_rate.values()):
         for f in rows:
@@ -160,9 +162,9 @@ def analyse(results: list[dict], bound: int | None = None, block_size: int = 16)
     best = {n: max([r for r in rates if (table[n][r]["attainment"] or 0) >= sweep.ATTAINMENT], default=None)
             for n in table}
     out["highest_rate_meeting_slo"] = best
-    if BASELINE in table:  # each system against routing by load: > 1 is better
-        base = table[BASELINE]
-        for n in (n for n in SYSTEMS if n in table and n != BASELINE):
+    if baseline in table:  # each system against the baseline (routing by load): > 1 is better
+        base = table[baseline]
+        for n in (n for n in systems if n in table and n != baseline):
             t = table[n]
             out.setdefault("ttft_p50_ratio", {})[n] = {r: _ratio(base[r]["ttft_p50"], t[r]["ttft_p50"]) for r in rates}
             out.setdefault("ttft_later_p50_ratio", {})[n] = {
@@ -171,7 +173,7 @@ def analyse(results: list[dict], bound: int | None = None, block_size: int = 16)
             out.setdefault("kv_later_turn_ratio", {})[n] = {
                 r: _ratio(base[r]["kv_bytes_later_turn"], max(t[r]["kv_bytes_later_turn"] or 0, 1.0)
                           if t[r]["kv_bytes_later_turn"] is not None else None) for r in rates}
-            out.setdefault("highest_rate_ratio", {})[n] = _ratio(best[n], best[BASELINE])
+            out.setdefault("highest_rate_ratio", {})[n] = _ratio(best[n], best[baseline])
     return out
 
 
@@ -184,7 +186,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def report(part: str, a: dict[str, Any]) -> str:
+def report(part: str, a: dict[str, Any], systems: tuple[str, ...] = SYSTEMS, baseline: str = BASELINE) -> str:
     lines = [f"## {part}", ""]
     if a.get("bound_tokens"):
         lines.append(f"bound (infinite cache shared by every worker): {a['bound_tokens']} prompt tokens")
@@ -192,7 +194,7 @@ def report(part: str, a: dict[str, Any]) -> str:
             "| of bound | KV MiB moved | KV MiB per later turn | local prefills |")
     lines += ["", head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for rate in a["rates"]:
-        for name in SYSTEMS:
+        for name in systems:
             m = a["table"].get(name, {}).get(rate)
             if m is None:
                 continue
@@ -205,7 +207,7 @@ def report(part: str, a: dict[str, Any]) -> str:
                        ("kv_later_turn_ratio", "KV bytes per later turn (>= 1 byte)")):
         for n, by_rate in (a.get(key) or {}).items():
             if any(by_rate.values()):
-                lines.append(f"\n{label}, {BASELINE} / {n}: " + ", ".join(f"{r:g}/s {_times(v)}"
+                lines.append(f"\n{label}, {baseline} / {n}: " + ", ".join(f"{r:g}/s {_times(v)}"
                                                                         for r, v in by_rate.items()))
     if a.get("highest_rate_meeting_slo"):
         lines.append(f"\nhighest rate meeting the SLO: {a['highest_rate_meeting_slo']}")

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING
 
 from engine.cache_events import CacheChanges, CacheEvents
 
-if TYPE_CHECKING:  # torch is imported where blocks are read and written: the launcher names tiers without it
+if TYPE_CHECKING:  # torch and numpy are imported where blocks are read and written: the launcher names tiers without them
+    import numpy as np
     import torch
 
     from engine.config import EngineConfig
@@ -133,6 +134,7 @@ class KVTier:
         self._files: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recently used first
         self._used = 0
         self._last_scan = 0.0
+        self._block_bytes = 0  # a block file's size for this layout, once known
         self.events = CacheEvents()  # blocks this engine saved and evicted, for the router's index
         self.stats = TierStats(capacity_bytes, 0, 0)
         self._closed = False
@@ -143,22 +145,30 @@ class KVTier:
         return f"{self._prefix}{h.hex()}.kv"
 
     def _rescan(self, force: bool = False) -> None:
-        """Merge what the neighbours wrote and removed into this view (caller holds the lock)."""
+        """Merge what the neighbours wrote and removed into this view (caller holds the lock): names
+        only (no stat per file: the directory holds thousands); a block new to this view counts as
+        just used and, for this layout, as big as this engine's blocks."""
         now = time.monotonic()
         if not force and now - self._last_scan < self.rescan_s:
             return
         self._last_scan = now
-        found: list[tuple[float, str, int]] = []
+        names = set()
         with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.path):
-                if entry.name.endswith(".kv"):
-                    with contextlib.suppress(FileNotFoundError):
-                        st = entry.stat(follow_symlinks=False)
-                        found.append((st.st_mtime, entry.name, st.st_size))
-        found.sort()
-        self._files = OrderedDict((name, size) for _, name, size in found)
-        self._used = sum(self._files.values())
+            names = {e.name for e in os.scandir(self.path) if e.name.endswith(".kv")}
+        for name in [n for n in self._files if n not in names]:
+            self._used -= self._files.pop(name)
+        for name in names.difference(self._files):
+            size = self._block_bytes if name.startswith(self._prefix) and self._block_bytes else self._size_of(name)
+            if size:
+                self._files[name] = size
+                self._used += size
         self._make_room(0)
+
+    def _size_of(self, name: str) -> int:
+        try:
+            return os.stat(self.path / name, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return 0
 
     def _make_room(self, need: int) -> None:
         while self._files and self._used + need > self.capacity_bytes:
@@ -175,9 +185,10 @@ class KVTier:
         return os.path.exists(self.path / self._name(h))
 
     # ------------------------------------------------------------------ blocks
-    def save(self, h: bytes, parent: bytes | None, token_ids: tuple[int, ...], planes: list[torch.Tensor]) -> bool:
-        """Write a block (its bytes: `planes`, each contiguous, every layer's K and V in order) unless
-        the tier holds it already (then only mark it used). False: not written (no room, an error)."""
+    def save(self, h: bytes, parent: bytes | None, token_ids: tuple[int, ...], parts: list[np.ndarray]) -> bool:
+        """Write a block (its bytes: `parts`, contiguous uint8 arrays, every layer's K and V in
+        order) unless the tier holds it already (then only mark it used). False: not written (no
+        room, an error)."""
         name = self._name(h)
         path = self.path / name
         with self._lock:
@@ -191,17 +202,17 @@ class KVTier:
                 return True
             header = _HEADER.pack(MAGIC, self.layout_digest, h, parent or bytes(16), len(token_ids))
             tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
-            bufs = [_bytes_of(p) for p in planes]
-            size = len(header) + len(tokens) + sum(b.nbytes for b in bufs)
+            size = len(header) + len(tokens) + sum(b.nbytes for b in parts)
             if size > self.capacity_bytes:
                 return False
+            self._block_bytes = size
             self._rescan()
             self._make_room(size)
             tmp = self.path / f".{name}.{os.getpid()}.tmp"
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
                 try:
-                    _write_all(fd, [memoryview(header), memoryview(tokens), *(memoryview(b) for b in bufs)])
+                    _write_all(fd, [memoryview(header), memoryview(tokens), *(memoryview(b) for b in parts)])
                 finally:
                     os.close(fd)
                 os.replace(tmp, path)
@@ -216,15 +227,15 @@ class KVTier:
             self.events.stored(h)
             return True
 
-    def load(self, h: bytes, parent: bytes | None, token_ids: tuple[int, ...], planes: list[torch.Tensor]) -> bool:
-        """Read a block into `planes` (a fresh block's views) if the tier holds it for exactly this
-        context: same layout, parent hash and tokens. False: a miss, and `planes` hold nothing
-        meaningful (the caller computes the block)."""
+    def load(self, h: bytes, parent: bytes | None, token_ids: tuple[int, ...], parts: list[np.ndarray]) -> bool:
+        """Read a block into `parts` (writable uint8 arrays: a fresh block's bytes) if the tier holds
+        it for exactly this context: same layout, parent hash and tokens. False: a miss, and `parts`
+        hold nothing meaningful (the caller computes the block)."""
         name = self._name(h)
         with self._lock:
             if self._closed:
                 return False
-            ok = self._read(self.path / name, h, parent, token_ids, planes)
+            ok = self._read(self.path / name, h, parent, token_ids, parts)
             if ok:
                 self.stats.hits += 1
                 if name in self._files:
@@ -234,7 +245,7 @@ class KVTier:
             return ok
 
     def _read(self, path: Path, h: bytes, parent: bytes | None, token_ids: tuple[int, ...],
-              planes: list[torch.Tensor]) -> bool:
+              parts: list[np.ndarray]) -> bool:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -247,17 +258,11 @@ class KVTier:
             want = struct.pack(f"<{len(token_ids)}q", *token_ids)
             if (magic, layout, fh, fparent, n) != (MAGIC, self.layout_digest, h, parent or bytes(16), len(token_ids)):
                 return False
-            body = sum(p.numel() * p.element_size() for p in planes)
+            body = sum(b.nbytes for b in parts)
             if os.fstat(fd).st_size != _HEADER.size + len(want) + body or os.read(fd, len(want)) != want:
                 return False
-            cpu = [p if p.device.type == "cpu" else p.new_empty(p.shape, device="cpu") for p in planes]
-            if not all(p.is_contiguous() for p in cpu):  # a block's views always are: never read into a copy
+            if not _read_all(fd, [memoryview(b) for b in parts]):
                 return False
-            if not _read_all(fd, [memoryview(_bytes_of(p)) for p in cpu]):
-                return False
-            for dst, src in zip(planes, cpu):
-                if dst is not src:
-                    dst.copy_(src)
             with contextlib.suppress(FileNotFoundError):
                 os.utime(fd)
             return True
@@ -290,15 +295,6 @@ class KVTier:
             os.unlink(self.path / "users" / str(os.getpid()))
         if not _live_users(self.path):
             shutil.rmtree(self.path, ignore_errors=True)
-
-
-def _bytes_of(t: torch.Tensor) -> "object":
-    """A contiguous CPU tensor's bytes as a numpy uint8 array (a view: no copy)."""
-    import torch
-
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:
@@ -342,23 +338,51 @@ def open_tier(cfg: EngineConfig, layout: str) -> KVTier:
 
 
 class TierLink:
-    """The block manager's side of a tier: block ids into the engine's cache views.
+    """The block manager's side of a tier: block ids into bytes of the engine's cache.
 
     `caches` gives the engine's current per-layer caches (a decode worker may swap them for shared
-    memory after start), each (planes, num_blocks, ...)."""
+    memory after start), each (planes, num_blocks, ...) and contiguous. On the CPU a block's bytes are
+    numpy views of the caches, made once per set of caches (a torch op per plane costs more than the
+    copy: 13 us against 5), written and read in place; elsewhere (CUDA) they pass through a host
+    buffer, one copy per layer."""
 
     def __init__(self, tier: KVTier, caches: Callable[[], list[torch.Tensor]]) -> None:
         self.tier = tier
         self._caches = caches
+        self._seen: list[torch.Tensor] | None = None
+        self._bytes: list[np.ndarray] = []  # per layer: (planes, num_blocks, block bytes) on the CPU
+        self._host: list[torch.Tensor] = []  # per layer: one block's planes on the host (CUDA)
 
-    def _planes(self, block_id: int) -> list[torch.Tensor]:
-        return [c[p, block_id] for c in self._caches() for p in range(c.shape[0])]
+    def _views(self) -> list[np.ndarray]:
+        import torch
+
+        caches = self._caches()
+        if caches is not self._seen:
+            self._seen = caches
+            if all(c.device.type == "cpu" for c in caches):
+                self._bytes = [c.view(torch.uint8).reshape(c.shape[0], c.shape[1], -1).numpy() for c in caches]
+                self._host = []
+            else:
+                self._host = [torch.empty((c.shape[0], *c.shape[2:]), dtype=c.dtype) for c in caches]
+                self._bytes = [h.view(torch.uint8).reshape(h.shape[0], 1, -1).numpy() for h in self._host]
+        return self._bytes
+
+    def _parts(self, block_id: int) -> list[np.ndarray]:
+        b = 0 if self._host else block_id
+        return [layer[p, b] for layer in self._views() for p in range(layer.shape[0])]
 
     def holds(self, h: bytes) -> bool:
         return self.tier.holds(h)
 
     def save(self, block_id: int, h: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> bool:
-        return self.tier.save(h, parent, token_ids, self._planes(block_id))
+        parts = self._parts(block_id)
+        for host, cache in zip(self._host, self._seen or []):
+            host.copy_(cache[:, block_id])
+        return self.tier.save(h, parent, token_ids, parts)
 
     def load(self, block_id: int, h: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> bool:
-        return self.tier.load(h, parent, token_ids, self._planes(block_id))
+        if not self.tier.load(h, parent, token_ids, self._parts(block_id)):
+            return False
+        for host, cache in zip(self._host, self._seen or []):
+            cache[:, block_id].copy_(host)
+        return True

@@ -21,9 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 STEP_FIELDS = ("steps", "step_seconds", "step_seqs", "step_tokens", "step_context_tokens")
 # per role, summed over its workers: prompt tokens prefilled and of those served from the prefix
-# cache; KV bytes sent (every backend), KV bytes no transfer had to move, requests a decode worker prefilled
+# cache; KV bytes sent (every backend), KV bytes no transfer had to move, requests a decode worker
+# prefilled; blocks written to and read back from the offload tier
 PREFIX_FIELDS = ("prompt_tokens", "prefix_cache_hit_tokens", "kv_transfer_bytes", "kv_bytes_not_sent",
-                 "local_prefills")
+                 "local_prefills", "kv_tier_saves", "kv_tier_hits")
 PREFIX = "prefix"  # the phase key of a role's prefix-cache counters
 BY_BATCH = "_by_batch"  # suffix of the step counters per batch-size bucket (label "batch")
 STATS_LAG_S = 0.7  # the router reads its workers' counters every 0.5 s
