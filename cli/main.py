@@ -157,7 +157,7 @@ def tier_lines(workers: list[dict]) -> list[str]:
             tiers.setdefault(w["tier_id"], []).append(w)
     lines = []
     for tier_id, users in sorted(tiers.items()):
-        first = users[0]
+        first = max(users, key=lambda w: w["tier_used_bytes"])  # the freshest view of the shared directory
         hits, misses = sum(w["tier_hits"] for w in users), sum(w["tier_misses"] for w in users)
         rate = f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"
         lines.append(f"KV offload tier {tier_id}: {first['tier_used_bytes'] / 2**20:.1f} of "

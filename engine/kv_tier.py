@@ -20,8 +20,8 @@ touches the file's time). Each engine keeps its own view of the directory, merge
 at most every `rescan_s`, so the directory can exceed the size by what its neighbours wrote since
 their last rescan.
 
-Lifetime: every engine using the directory holds a file in `users/`; the last to close removes the
-directory. Directories of tiers whose users all died (killed workers) are removed by the next tier
+Lifetime: every engine using the directory holds a file in `users/` (named by its process id); the
+last to close removes the directory. Directories of tiers whose users all died (killed workers) are removed by the next tier
 opened beside them, so a crashed cluster leaks nothing past the next start.
 """
 
@@ -84,8 +84,9 @@ def _live_users(path: Path) -> list[int]:
     pids = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(users):
-            if entry.name.isdigit() and _alive(int(entry.name)):
-                pids.append(int(entry.name))
+            pid = entry.name.split("-", 1)[0]
+            if pid.isdigit() and _alive(int(pid)):
+                pids.append(int(pid))
             else:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
@@ -124,9 +125,10 @@ class KVTier:
         self._prefix = self.layout_digest[:8].hex() + "-"
         self.tier_id = f"{socket.gethostname()}:{self.path}:{self._prefix[:-1]}"
         self.rescan_s = rescan_s
+        self._user = self.path / "users" / f"{os.getpid()}-{secrets.token_hex(4)}"  # one per engine, even in one process
         try:
             (self.path / "users").mkdir(parents=True, exist_ok=True)
-            (self.path / "users" / str(os.getpid())).touch()
+            self._user.touch()
         except OSError as e:
             raise ValueError(f"cannot use {self.path} for the KV offload tier: {e.strerror}") from None
         sweep_dead_tiers(self.path.parent, keep=self.path)
@@ -282,7 +284,10 @@ class KVTier:
         return CacheChanges(got.cursor, True, held)
 
     def snapshot_stats(self) -> TierStats:
+        """This engine's counters, and the directory's size as last rescanned (at most `rescan_s` ago)."""
         with self._lock:
+            if not self._closed:
+                self._rescan()
             return TierStats(**{**self.stats.__dict__, "used_bytes": self._used, "blocks": len(self._files)})
 
     def close(self) -> None:
@@ -292,7 +297,7 @@ class KVTier:
                 return
             self._closed = True
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path / "users" / str(os.getpid()))
+            os.unlink(self._user)
         if not _live_users(self.path):
             shutil.rmtree(self.path, ignore_errors=True)
 

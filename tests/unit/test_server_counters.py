@@ -18,6 +18,7 @@ def _phase(phase: str, steps: int, seqs: int, batch_min: int = 0) -> wk.StepPhas
 def test_the_routers_metrics_read_back_per_phase_per_bucket_and_prefix():
     stats = [wk.WorkerStats(worker_id=f"d{i}", role=wk.WORKER_ROLE_DECODE, prompt_tokens=50, prefix_cache_hit_tokens=10,
                             kv_bytes_not_sent=4096, local_prefills=3, kv_bytes_sent={"shm": 100, "grpc": 1},
+                            tier_id="host:/dev/shm/pdkv-tier-x:0", tier_saves=5, tier_hits=2,
                             steps=[_phase("decode", 7, 20)],
                             steps_by_batch=[_phase("decode", 2, 2, 1), _phase("decode", 5, 18, 2),
                                             _phase("decode", 9, 9, 0)])  # batch_min 0 is no bucket: left out
@@ -29,7 +30,8 @@ def test_the_routers_metrics_read_back_per_phase_per_bucket_and_prefix():
     assert got["decode/decode"]["steps"] == 14 and got["decode/decode"]["step_seqs"] == 40
     assert got["decode/decode[1]"]["steps"] == 4 and got["decode/decode[2-3]"]["step_seqs"] == 36
     assert got["decode/prefix"] == {"prompt_tokens": 100, "prefix_cache_hit_tokens": 20, "kv_transfer_bytes": 202,
-                                    "kv_bytes_not_sent": 8192, "local_prefills": 6}
+                                    "kv_bytes_not_sent": 8192, "local_prefills": 6, "kv_tier_saves": 10,
+                                    "kv_tier_hits": 4}
     assert sorted(k for k in got if k.startswith("decode/decode")) == ["decode/decode", "decode/decode[1]",
                                                                       "decode/decode[2-3]"]
     assert [label for label, _ in buckets(got, "decode", "decode")] == ["1", "2-3"]
