@@ -47,10 +47,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 
 from benchmarks import rate_sweep as sweep
-from benchmarks.local_clusters import REPO, Servers, interrupt, start, two_cpus, warm_up, write_cluster_files
+from benchmarks.local_clusters import REPO, interrupt, sweep_clusters, two_cpus, write_cluster_files
 from pdcluster.cluster_config import PoolConfig, load_cluster_config
 
 SYSTEMS = ("by-load", "prefix", "kv-aware")
@@ -286,19 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  args.local_prefill_max_tokens).items()
              if n in systems}
     if not args.analyse_only:
-        with Servers() as servers:
-            for name, path in files.items():
-                print(f"{name}: {servers.add(name, start(name, path, out))}", flush=True)
-            urls = servers.urls
-            model = httpx.get(f"{next(iter(urls.values()))}/v1/models", timeout=10).json()["data"][0]["id"]
-            for url in urls.values():
-                warm_up(url, model)
-            for part in parts:
-                for repeat in range(args.repeats):
-                    run_out = out / part / f"repeat{repeat}"
-                    rc = sweep.run_bench_serve(urls, [*part_args(part, args, repeat), *slo_args, "--out", str(run_out)])
-                    if rc != 0:
-                        return rc
+        rc = sweep_clusters(files, out, [(out / part / f"repeat{repeat}", [*part_args(part, args, repeat), *slo_args])
+                                         for part in parts for repeat in range(args.repeats)])
+        if rc != 0:
+            return rc
     return write_summary(out, parts, args, slo)
 
 

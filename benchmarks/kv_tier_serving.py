@@ -30,11 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from benchmarks import rate_sweep as sweep
 from benchmarks.kv_aware_serving import analyse, part_args, prefix_bound, workload_prompts
-from benchmarks.local_clusters import REPO, Servers, interrupt, start, two_cpus, warm_up, write_cluster_files
+from benchmarks.local_clusters import REPO, interrupt, sweep_clusters, two_cpus, write_cluster_files
 from pdcluster.cluster_config import PoolConfig, load_cluster_config
 
 SYSTEMS = ("no-tier", "tier")
@@ -107,18 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     slo_args = ["--slo-ttft-ms", str(slo.ttft_ms), "--slo-tpot-ms", str(slo.tpot_ms)]
     files = cluster_files(out, args.model, args.max_context + args.max_output + 64, args.memory_mb, args.tier_mb)
     if not args.analyse_only:
-        with Servers() as servers:
-            for name, path in files.items():
-                print(f"{name}: {servers.add(name, start(name, path, out))}", flush=True)
-            urls = servers.urls
-            model = httpx.get(f"{next(iter(urls.values()))}/v1/models", timeout=10).json()["data"][0]["id"]
-            for url in urls.values():
-                warm_up(url, model)
-            for repeat in range(args.repeats):
-                rc = sweep.run_bench_serve(urls, [*part_args("mooncake", args, repeat), *slo_args,
-                                                  "--out", str(out / f"repeat{repeat}")])
-                if rc != 0:
-                    return rc
+        rc = sweep_clusters(files, out, [(out / f"repeat{r}", [*part_args("mooncake", args, r), *slo_args])
+                                         for r in range(args.repeats)])
+        if rc != 0:
+            return rc
     block = load_cluster_config(REPO / "cluster.yaml").kv_cache.block_size
     results = [json.loads(f.read_text()) for f in sorted(out.glob("repeat*/result.json"))]
     if not results:

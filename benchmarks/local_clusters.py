@@ -125,3 +125,27 @@ class Servers:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         for proc in self.procs:
             stop(proc)
+
+
+def sweep_clusters(files: dict[str, Path], out: Path, runs: list[tuple[Path, list[str]]],
+                   on_up: Callable[[dict[str, str]], None] | None = None) -> int:
+    """Start every system's cluster (`files`: name -> cluster file; logs in OUT), warm each up, call
+    `on_up(urls)`, then run one interleaved `bench serve` sweep over all of them per run (its output
+    directory, its workload and SLO flags); the clusters stop on the way out. Returns the first
+    nonzero bench serve exit code, else 0."""
+    from benchmarks import rate_sweep
+
+    with Servers() as servers:
+        for name, path in files.items():
+            print(f"{name}: {servers.add(name, start(name, path, out))}", flush=True)
+        urls = servers.urls
+        model = httpx.get(f"{next(iter(urls.values()))}/v1/models", timeout=10).json()["data"][0]["id"]
+        for url in urls.values():
+            warm_up(url, model)
+        if on_up is not None:
+            on_up(urls)
+        for run_out, flags in runs:
+            rc = rate_sweep.run_bench_serve(urls, [*flags, "--out", str(run_out)])
+            if rc != 0:
+                return rc
+    return 0

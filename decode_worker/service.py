@@ -28,6 +28,7 @@ from decode_worker.locked_engine import LockedEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.step_stats import StepTotals
+from kv_transfer.tier_fetch import serve_blocks
 from proto import generate_pb2 as gen
 from proto import worker_pb2 as wk
 from proto import worker_pb2_grpc as wk_grpc
@@ -251,6 +252,10 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
 
     def Stats(self, request: wk.StatsRequest, context: grpc.ServicerContext) -> wk.WorkerStats:
         return self.stats(request)
+
+    def ReadTier(self, request: wk.ReadTierRequest, context: grpc.ServicerContext) -> Iterator[wk.TierBlock]:
+        """Blocks of this node's offload tier, for a prefill worker of another node."""
+        return serve_blocks(self.engine.tier, request)
 
     def engine_ranks(self) -> list[int]:
         """The engine's processes: this one, then its other tensor-parallel ranks."""

@@ -272,6 +272,10 @@ class Engine:
         """What the prefix cache stored and evicted since `cursor` (engine/cache_events.py)."""
         return self.block_manager.events.since(cursor)
 
+    def in_prefix_cache(self, h: bytes) -> bool:
+        """Whether a block of this hash is in the prefix cache now (a hint: safe from any thread)."""
+        return h in self.block_manager.hash_to_block
+
     def tier_changes(self, cursor: int) -> CacheChanges | None:
         """What the offload tier gained and lost since `cursor` (None: no tier); engine/kv_tier.py."""
         return self.tier.changes(cursor) if self.tier is not None else None

@@ -205,19 +205,27 @@ class KVTier:
             header = _HEADER.pack(MAGIC, self.layout_digest, h, parent or bytes(16), len(token_ids))
             tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
             size = len(header) + len(tokens) + sum(b.nbytes for b in parts)
-            if size > self.capacity_bytes:
-                return False
             self._block_bytes = size
+        return self._write(h, [memoryview(header), memoryview(tokens), *(memoryview(b) for b in parts)], size)
+
+    def _write(self, h: bytes, views: list[memoryview], size: int) -> bool:
+        """Write a block's file beside its name and rename it into place, room made first."""
+        name = self._name(h)
+        with self._lock:
+            if self._closed or size > self.capacity_bytes:
+                return False
+            if name in self._files and os.path.exists(self.path / name):
+                return True
             self._rescan()
             self._make_room(size)
-            tmp = self.path / f".{name}.{os.getpid()}.tmp"
+            tmp = self.path / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
                 try:
-                    _write_all(fd, [memoryview(header), memoryview(tokens), *(memoryview(b) for b in parts)])
+                    _write_all(fd, views)
                 finally:
                     os.close(fd)
-                os.replace(tmp, path)
+                os.replace(tmp, self.path / name)
             except OSError:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -270,6 +278,29 @@ class KVTier:
             return True
         finally:
             os.close(fd)
+
+    # ------------------------------------------------------------------ between nodes
+    def read_file(self, h: bytes) -> bytes | None:
+        """A block's file as this tier holds it (header and body), for a worker of another node;
+        None if it is not here."""
+        if len(h) != 16:
+            return None
+        try:
+            with open(self.path / self._name(h), "rb") as f:
+                data = f.read()
+        except OSError:
+            return None
+        return data if data[: len(MAGIC)] == MAGIC and data[8:24] == self.layout_digest else None
+
+    def put_file(self, h: bytes, data: bytes) -> bool:
+        """Store a block another node's tier sent (`read_file`'s bytes) as if this engine had saved
+        it; a load checks it like any other. False: not stored (not a block of this layout, no room)."""
+        if len(h) != 16 or len(data) < _HEADER.size:
+            return False
+        magic, layout, fh, _, _ = _HEADER.unpack(data[: _HEADER.size])
+        if (magic, layout, fh) != (MAGIC, self.layout_digest, h):
+            return False
+        return self._write(h, [memoryview(data)], len(data))
 
     # ------------------------------------------------------------------ what the router and status read
     def changes(self, cursor: int) -> CacheChanges:

@@ -35,10 +35,11 @@ class LocalCluster:
                  mode: str = "disaggregated", prefill: dict[str, Any] | None = None,
                  decode: dict[str, Any] | None = None, router: dict[str, Any] | None = None,
                  http: dict[str, Any] | None = None, cluster_secret: str | None = None,
-                 tls: tuple[str, str] | None = None, prefill_engine: EngineConfig | None = None,
-                 decode_engine: EngineConfig | None = None) -> None:
+                 tls: tuple[str, str] | None = None, prefill_engine: EngineConfig | list[EngineConfig] | None = None,
+                 decode_engine: EngineConfig | list[EngineConfig] | None = None) -> None:
         """`prefill_engine` / `decode_engine`: that role's engine instead of `engine` (another
-        tensor_parallel_size, say). `http`: also serve the OpenAI API (HttpApi's keyword arguments; {} for the defaults).
+        tensor_parallel_size, say), or a list of one per worker of the role (another offload tier each:
+        workers of different nodes). `http`: also serve the OpenAI API (HttpApi's keyword arguments; {} for the defaults).
         `cluster_secret`: required of every worker RPC (the router sends it). `tls`: (certificate,
         private key) PEM files; the router's public port and the HTTP API serve TLS only."""
         if mode not in MODES:
@@ -54,10 +55,10 @@ class LocalCluster:
         try:
             decode_server = ColocatedWorkerServer if mode == "colocated" else DecodeWorkerServer
             for i in range(num_decode):
-                self.decode_workers.append(decode_server(decode_engine or engine, f"{self.decode_role}-{i}",
+                self.decode_workers.append(decode_server(_nth(decode_engine, i) or engine, f"{self.decode_role}-{i}",
                                                          **{**secret, **(decode or {})}))
             for i in range(0 if mode == "colocated" else num_prefill):
-                self.prefill_workers.append(PrefillWorkerServer(prefill_engine or engine, f"prefill-{i}",
+                self.prefill_workers.append(PrefillWorkerServer(_nth(prefill_engine, i) or engine, f"prefill-{i}",
                                                                 **{**secret, **(prefill or {})}))
             options = {"max_model_len": engine.max_model_len, **secret, **certs, **(router or {})}
             self.router = RouterServer(options.pop("model", engine.model), mode=mode, **options)
@@ -125,3 +126,8 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _nth(cfg: EngineConfig | list[EngineConfig] | None, i: int) -> EngineConfig | None:
+    """A role's engine config for its worker i (one for all, or one each)."""
+    return cfg[i] if isinstance(cfg, list) else cfg

@@ -15,16 +15,18 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.prefix_hash import block_hashes
 from engine.sampling_params import SamplingParams
 from engine.step_stats import StepTotals
 from kv_transfer import TransferTicket
+from kv_transfer.tier_fetch import TierFetcher, serve_blocks
 from prefill_worker.prefill_engine import PrefillEngine, PrefillResult
 from prefill_worker.rank_kv import PrefillRankKV, SenderSettings, connect_all
 from proto import generate_pb2 as gen
@@ -74,6 +76,9 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         # with tensor parallelism each rank has a KV sender of its own (the direct path) unless direct_kv=False
         self.engine = Engine(engine_cfg, "prefill", rank_kv=PrefillRankKV(settings) if direct_kv else None)
         self.prefill = PrefillEngine(self.engine, settings.make(self.engine.compat_hash))
+        # blocks of another node's offload tier, read into this node's before a prompt is queued
+        self.tier_fetcher = (TierFetcher(self.engine.tier, cluster_secret, kv_timeout_s)
+                             if self.engine.tier is not None else None)
         self._inbox: queue.Queue[_Pending | str] = queue.Queue()  # requests, or request ids to abort
         self._pending: dict[str, _Pending] = {}
         self._queued_tokens = 0
@@ -190,6 +195,8 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         except ValueError as e:
             log.warning("refused: %s", e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.HasField("tier_source") and self.tier_fetcher is not None:
+            self._fetch_tier_blocks(request.tier_source, ids)
         pending = _Pending(rid, ids, params, TransferTicket.from_proto(request.ticket), request.resume_offset)
         context.add_callback(lambda: None if pending.done.is_set() else self._inbox.put(rid))
         self._inbox.put(pending)
@@ -218,6 +225,19 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             response.first_token_logprob.CopyFrom(logprob_to_proto(r.logprob))
         response.prompt_logprobs.extend(logprob_to_proto(x) for x in r.prompt_logprobs)
         return response
+
+    def _fetch_tier_blocks(self, source: wk.TierSource, ids: list[int]) -> None:
+        """Read the prompt's leading blocks that neither this engine's prefix cache nor this node's
+        tier holds from the tier of `source`'s node (kv_transfer/tier_fetch.py)."""
+        bs = self.engine.block_size
+        n = min(source.blocks, (len(ids) - 1) // bs)  # the last token's block is always computed
+        hashes = block_hashes(ids[: n * bs], bs)
+        first = next((i for i, h in enumerate(hashes) if not self.engine.in_prefix_cache(h)), len(hashes))
+        if first < len(hashes):
+            self.tier_fetcher.fetch(source, hashes[first:])
+
+    def ReadTier(self, request: wk.ReadTierRequest, context: grpc.ServicerContext) -> Iterator[wk.TierBlock]:
+        return serve_blocks(self.engine.tier, request)
 
     def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
         found = request.request_id in self._pending
@@ -258,4 +278,6 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self._stop.set()
         self.server.stop(grace).wait(grace + 1)
         self._thread.join(timeout=5)
+        if self.tier_fetcher is not None:
+            self.tier_fetcher.close()
         self.prefill.close()

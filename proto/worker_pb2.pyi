@@ -41,19 +41,45 @@ class TransferTicket(_message.Message):
     rank_endpoints: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, transfer_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., auth_token: _Optional[str] = ..., num_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., rank_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class TierSource(_message.Message):
+    __slots__ = ("address", "blocks", "role")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    blocks: int
+    role: WorkerRole
+    def __init__(self, address: _Optional[str] = ..., blocks: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
+
+class ReadTierRequest(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class TierBlock(_message.Message):
+    __slots__ = ("hash", "data")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    data: bytes
+    def __init__(self, hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "ticket", "resume_offset")
+    __slots__ = ("request_id", "token_ids", "sampling", "ticket", "resume_offset", "tier_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TIER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     ticket: TransferTicket
     resume_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+    tier_source: TierSource
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., resume_offset: _Optional[int] = ..., tier_source: _Optional[_Union[TierSource, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token", "first_token_logprob", "num_prompt_tokens", "num_cached_tokens", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "finish_reason", "prompt_logprobs")

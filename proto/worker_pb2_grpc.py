@@ -56,6 +56,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.ReadTier = channel.unary_stream(
+                '/pdcluster.v1.PrefillWorker/ReadTier',
+                request_serializer=proto_dot_worker__pb2.ReadTierRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.TierBlock.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -88,6 +93,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadTier(self, request, context):
+        """Blocks of this worker's node's offload tier, for a worker of another node (kv_transfer/tier_fetch.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +122,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'ReadTier': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadTier,
+                    request_deserializer=proto_dot_worker__pb2.ReadTierRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.TierBlock.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +248,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ReadTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdcluster.v1.PrefillWorker/ReadTier',
+            proto_dot_worker__pb2.ReadTierRequest.SerializeToString,
+            proto_dot_worker__pb2.TierBlock.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Decode side: receives KV into pre-allocated blocks and runs the decode loop.
@@ -266,6 +310,11 @@ class DecodeWorkerStub:
                 '/pdcluster.v1.DecodeWorker/Stats',
                 request_serializer=proto_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.ReadTier = channel.unary_stream(
+                '/pdcluster.v1.DecodeWorker/ReadTier',
+                request_serializer=proto_dot_worker__pb2.ReadTierRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.TierBlock.FromString,
                 _registered_method=True)
 
 
@@ -306,6 +355,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadTier(self, request, context):
+        """as PrefillWorker's
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -333,6 +389,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'ReadTier': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadTier,
+                    request_deserializer=proto_dot_worker__pb2.ReadTierRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.TierBlock.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -471,6 +532,33 @@ class DecodeWorker:
             '/pdcluster.v1.DecodeWorker/Stats',
             proto_dot_worker__pb2.StatsRequest.SerializeToString,
             proto_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdcluster.v1.DecodeWorker/ReadTier',
+            proto_dot_worker__pb2.ReadTierRequest.SerializeToString,
+            proto_dot_worker__pb2.TierBlock.FromString,
             options,
             channel_credentials,
             insecure,

@@ -384,10 +384,11 @@ class Orchestrator:
             self._reached(active, prefill, rid)
             log.debug("prefill on %s (%d prompt tokens expected cached there, %d on the decode worker)",
                       prefill.worker_id, taken.cached_tokens, ticket.cached_tokens)
+            source = self.pool.tier_source(prefill, blocks, taken.cached_tokens)
             self.pool.index.expect(prefill.worker_id, blocks)
             return prefill.stub.Prefill(
                 wk.PrefillRequest(request_id=rid, token_ids=ids, sampling=sampling_to_proto(params), ticket=ticket,
-                                  resume_offset=offset),
+                                  resume_offset=offset, tier_source=source),
                 timeout=max(0.1, deadline - time.monotonic()),
             )
         except grpc.RpcError as e:

@@ -79,6 +79,26 @@ class PrefixIndex:
             self._block_size.pop(worker_id, None)
             self._tier_of.pop(worker_id, None)  # the tier itself outlives a worker: its other users keep it
 
+    def other_tier(self, worker_id: str, prompt: PromptBlocks, beyond_tokens: int) -> tuple[int, list[str]] | None:
+        """Another node's tier that holds more of the prompt's leading blocks than `beyond_tokens`
+        (what the worker holds itself), when the worker has a tier to read them into: (blocks it
+        holds, the workers of that node), the tier holding the most; None otherwise."""
+        with self._lock:
+            bs, own = self._block_size.get(worker_id), self._tier_of.get(worker_id)
+            if not bs or not own:
+                return None
+            hashes = prompt.hashes(bs)[: (len(prompt.token_ids) - 1) // bs]
+            best: tuple[int, str] | None = None
+            for tier_id, held in self._tiers.items():
+                if tier_id == own:
+                    continue
+                n = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+                if n * bs > beyond_tokens and (best is None or n > best[0]):
+                    best = (n, tier_id)
+            if best is None:
+                return None
+            return best[0], sorted(w for w, t in self._tier_of.items() if t == best[1])
+
     def tier_blocks(self, tier_id: str) -> int:
         """Blocks the index believes the tier holds."""
         with self._lock:

@@ -32,6 +32,10 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive
 Connect = Callable[[str, str], "tuple[Any, Any]"]
 
 
+_ROLES = {"prefill": wk.WORKER_ROLE_PREFILL, "decode": wk.WORKER_ROLE_DECODE,
+          "colocated": wk.WORKER_ROLE_COLOCATED}
+
+
 @dataclass
 class WorkerHandle:
     worker_id: str
@@ -143,6 +147,20 @@ class WorkerPool:
         if role != "prefill":
             return self.policy.pick_decode(cands)
         return self.policy.pick_prefill(len(prompt.token_ids) if prompt is not None else tokens, cands)
+
+    def tier_source(self, w: WorkerHandle, prompt: PromptBlocks, cached_tokens: int) -> wk.TierSource | None:
+        """A healthy worker of another node whose offload tier holds more of the prompt than `w`
+        holds (`cached_tokens`), for `w` to read the blocks from (kv_transfer/tier_fetch.py); None
+        when there is none, or `w` has no tier."""
+        found = self.index.other_tier(w.worker_id, prompt, cached_tokens)
+        if found is None:
+            return None
+        blocks, holders = found
+        with self._lock:
+            source = next((self._workers[h] for h in holders if h in self._workers and self._workers[h].healthy), None)
+        if source is None:
+            return None
+        return wk.TierSource(address=source.address, blocks=blocks, role=_ROLES[source.role])
 
     def prefill_queued(self) -> int | None:
         """Prompt tokens queued on the least-loaded healthy prefill worker, with its share of those

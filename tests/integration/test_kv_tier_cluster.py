@@ -119,3 +119,25 @@ def test_an_engine_that_dies_holding_tier_blocks_loses_nothing_and_leaks_nothing
         engine.close()
     assert got == _reference()[:5]
     assert not tier.exists()  # the dead engine's entry did not keep the directory alive
+
+
+def test_a_prefill_worker_reads_another_nodes_tier_over_grpc(tmp_path: Path) -> None:
+    """Node B: prefill-0 and the decode worker share tier B; node C: prefill-1 with tier C. Once
+    prefill-0 is gone, prompts whose blocks only node B's tier holds go to prefill-1, which reads
+    them from the decode worker's tier (the router names it) instead of computing them."""
+    node_b, node_c = tmp_path / f"{DIR_PREFIX}node-b", tmp_path / f"{DIR_PREFIX}node-c"
+    want = _reference()
+    with LocalCluster(_cfg(node_b), 2, 1, prefill_engine=[_cfg(node_b), _cfg(node_c)], decode_engine=_cfg(node_b),
+                      router={"request_timeout_s": 60, "max_retries": 3}) as c, c.client() as client:
+        first = [client.complete(p, PARAMS).token_ids for p in PROMPTS]
+        c.prefill_workers[0].stop()
+        pool = c.router.pool
+        for w in pool.workers():
+            pool.check(w)  # the router sees prefill-0 gone now (its poll would within a second)
+        node_c_fetcher = c.prefill_workers[1].tier_fetcher
+        again = [client.complete(p, PARAMS).token_ids for p in PROMPTS]
+        fetched = node_c_fetcher.blocks_fetched
+        c_hits = c.prefill_workers[1].stats().tier_hits
+    assert first == want and again == want
+    assert fetched >= 9  # a prompt's full blocks, at least, came from node B's tier
+    assert c_hits >= fetched  # and were read back from node C's tier into the engine

@@ -249,3 +249,52 @@ def test_engine_config_refuses_a_tier_it_cannot_serve() -> None:
         EngineConfig(kv_offload_bytes=1 << 20, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_offload_bytes"):
         EngineConfig(kv_offload_bytes=-1)
+
+
+def test_the_router_names_another_nodes_worker_whose_tier_holds_more() -> None:
+    from proto import worker_pb2 as wk
+    from router.prefix_index import PrefixIndex, PromptBlocks
+    from router.worker_pool import WorkerHandle, WorkerPool
+
+    ids = list(range(1, 5 * BS + 2))
+    hashes = block_hashes(ids, BS)
+    pool = WorkerPool(stats_interval_s=3600.0)  # no Stats poll during the test (channels never connect)
+    pool.set_workers([("p0", "prefill", "a:1"), ("d0", "decode", "b:1"), ("p1", "prefill", "b:2")])
+    index: PrefixIndex = pool.index
+    index.apply("p0", wk.PrefixCacheEvents(snapshot=True, block_size=BS, tier_id="A", tier_snapshot=True,
+                                           tier_stored=hashes[:1]))
+    index.apply("d0", wk.PrefixCacheEvents(snapshot=True, block_size=BS, tier_id="B", tier_snapshot=True,
+                                           tier_stored=hashes[:4]))
+    index.apply("p1", wk.PrefixCacheEvents(snapshot=True, block_size=BS, tier_id="B"))
+    prompt = PromptBlocks(ids)
+    p0 = next(w for w in pool.workers() if w.worker_id == "p0")
+    assert index.other_tier("p0", prompt, BS) == (4, ["d0", "p1"])
+    assert pool.tier_source(p0, prompt, BS) == wk.TierSource(address="b:1", blocks=4, role=wk.WORKER_ROLE_DECODE)
+    assert pool.tier_source(p0, prompt, 4 * BS) is None  # it holds as much itself
+    next(w for w in pool.workers() if w.worker_id == "d0").healthy = False
+    assert pool.tier_source(p0, prompt, BS).address == "b:2"  # another worker of that node
+    assert index.other_tier("p1", prompt, 0) == (1, ["p0"])
+    index.apply("p9", wk.PrefixCacheEvents(snapshot=True, block_size=BS))  # a worker without a tier reads none
+    assert index.other_tier("p9", prompt, 0) is None
+    assert isinstance(p0, WorkerHandle)
+    pool.close()
+
+
+def test_a_tier_serves_its_blocks_files_in_prompt_order_and_takes_anothers(tmp_path: Path) -> None:
+    from kv_transfer.tier_fetch import serve_blocks
+    from proto import worker_pb2 as wk
+
+    caches = _caches()
+    a = TierLink(_tier(tmp_path, name="a"), lambda: caches)
+    b = _tier(tmp_path, name="b")
+    for i in (1, 2, 4):
+        a.save(i, _h(i), _h(i - 1), TOKENS)
+    got = list(serve_blocks(a.tier, wk.ReadTierRequest(hashes=[_h(1), _h(2), _h(3), _h(4)])))
+    assert [blk.hash for blk in got] == [_h(1), _h(2)]  # up to the first it lacks
+    assert list(serve_blocks(None, wk.ReadTierRequest(hashes=[_h(1)]))) == []
+    assert all(b.put_file(blk.hash, blk.data) for blk in got)
+    assert not b.put_file(_h(9), got[0].data)  # named for another block: refused
+    assert not KVTier(b.path, "another model", 1 << 20).put_file(_h(1), got[0].data)
+    other = [torch.zeros_like(c) for c in caches]
+    assert TierLink(b, lambda: other).load(0, _h(2), _h(1), TOKENS)
+    assert torch.equal(other[2][:, 0], caches[2][:, 2])
