@@ -39,12 +39,13 @@ from pdcluster.cluster_config import PoolConfig, load_cluster_config
 
 
 def cluster_files(out: Path, max_model_len: int) -> dict[str, Path]:
-    """The two deployments, derived from cluster.yaml (model, SLO, timeouts as there)."""
+    """The two deployments, derived from cluster.yaml (SLO, timeouts as there; the model its results were
+    measured on, builtin:tiny-llama)."""
     base = load_cluster_config(REPO / "cluster.yaml")
     a, b = two_cpus()
     common = dict(
         router=dataclasses.replace(base.router, grpc_port=0, http_port=0),
-        model=dataclasses.replace(base.model, max_model_len=max_model_len),
+        model=dataclasses.replace(base.model, path="builtin:tiny-llama", max_model_len=max_model_len),
         engine=dataclasses.replace(base.engine, num_threads=1),
     )
     one = {"num_cpus": 1.0}

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key", default=None, help="API key, if the cluster requires one")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt: ids, text, timing")
     gen.add_argument("--offline", action="store_true", help="no cluster: run prefill and decode engines here")
-    gen.add_argument("--model", default="builtin:tiny-llama", help="--offline: builtin:NAME or a local HF checkpoint dir")
+    gen.add_argument("--model", default="builtin:stdlib-4m", help="--offline: builtin:NAME or a local HF checkpoint dir")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="auto: the checkpoint's own dtype")
     gen.add_argument("--device", default=None, help="--offline: cpu or cuda (default: cuda if available)")

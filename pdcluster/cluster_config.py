@@ -92,7 +92,7 @@ class RayConfig:
 @with_config(FORBID_EXTRA)
 @dataclass(frozen=True)
 class ModelSection:
-    path: Text = "builtin:tiny-llama"  # builtin:NAME or a Hugging Face checkpoint directory
+    path: Text = "builtin:stdlib-4m"  # builtin:NAME or a Hugging Face checkpoint directory
     dtype: Dtype = "auto"  # the checkpoint's dtype; or float32 / bfloat16 / float16
     # None: the model's max_position_embeddings, capped at 4096
     max_model_len: Annotated[StrictInt | None, Field(ge=2)] = 2048

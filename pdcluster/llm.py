@@ -86,7 +86,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str = "builtin:tiny-llama",
+        model: str = "builtin:stdlib-4m",
         *,
         dtype: str = "auto",
         device: str | None = None,

@@ -74,6 +74,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
                    help="the workers' KV cache: the model's dtype, or quantized pages (a byte a value and a scale "
                         "a row: more tokens per device, fewer bytes per transfer); written to kv_cache.dtype")
+    m.add_argument("--kv-offload-mb", type=int, default=0,
+                   help="an offload tier of this many MiB for blocks evicted from the workers' prefix caches "
+                        "(simulated as one tier shared by every worker; 0: none); written to kv_cache.offload_mb")
     m.add_argument("--catalog", action="append", default=[], metavar="FILE",
                    help="extra hardware entries (planner/hardware.yaml's layout); repeatable")
     m.add_argument("--price", action="append", default=[], metavar="NAME=USD", help="override a price per device-hour")
@@ -93,7 +96,10 @@ def _context(args: argparse.Namespace, hardware: list[str]):
     coeffs = None
     if any(catalog[h].is_cpu for h in hardware):
         coeffs = load_coefficients(args.coefficients or CPU_COEFFICIENTS)
-    return PlanContext(model_shape(args.model), catalog, args.dtype, coeffs, kv_cache_dtype=args.kv_cache_dtype)
+    if args.kv_offload_mb < 0:
+        raise ValueError(f"--kv-offload-mb must be >= 0, got {args.kv_offload_mb}")
+    return PlanContext(model_shape(args.model), catalog, args.dtype, coeffs, kv_cache_dtype=args.kv_cache_dtype,
+                       kv_offload_mb=args.kv_offload_mb)
 
 
 def _workload(args: argparse.Namespace):

@@ -96,6 +96,7 @@ class PlanContext:
     gpu_overheads: Overheads = field(default_factory=Overheads)
     kv_context: int | None = None  # typical tokens per sequence (windowed layers' share of the KV cache)
     kv_cache_dtype: str = "auto"  # the workers' kv_cache.dtype: auto, or quantized pages (int8, fp8_e4m3, fp8_e5m2)
+    kv_offload_mb: int = 0  # kv_cache.offload_mb: the offload tier's size (simulated as one, shared by every worker)
 
     def hardware(self, name: str) -> Hardware:
         if name not in self.catalog:
@@ -203,7 +204,15 @@ def build_cluster(plan: Plan, ctx: PlanContext) -> ClusterSpec:
                        commit_waits_lock=ctx.commit_waits_lock(plan),
                        local_prefill_max_tokens=plan.local_prefill_max_tokens if disaggregated else 0,
                        mixed_steps=disaggregated and (plan.local_prefill_max_tokens or local_uncached) > 0,
-                       prefix_aware=plan.prefix_aware, local_prefill_uncached_tokens=local_uncached)
+                       prefix_aware=plan.prefix_aware, local_prefill_uncached_tokens=local_uncached,
+                       tier_blocks=tier_blocks(plan, ctx))
+
+
+def tier_blocks(plan: Plan, ctx: PlanContext) -> int:
+    """The offload tier's size in blocks of the decode pool's KV (0: no tier)."""
+    if not ctx.kv_offload_mb:
+        return 0
+    return ctx.kv_offload_mb * 2**20 // (ctx.cost(plan.decode).kv_bytes_per_token * ctx.block_size)
 
 
 def fits(pool: Pool, ctx: PlanContext, longest_tokens: int) -> bool:

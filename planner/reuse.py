@@ -124,6 +124,8 @@ def reuse_line(res: SimResult, bound: int) -> str:
                  "(held by the decode worker)")
     if st["local_uncached"]:
         line += f"; {st['local_uncached']} prompts prefilled on their decode worker (short uncached part)"
+    if st.get("tier_hit_blocks"):
+        line += f"; {st['tier_hit_blocks']} blocks read back from the offload tier"
     return line
 
 

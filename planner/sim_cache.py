@@ -7,6 +7,11 @@ worker's reservations and running sequences) or free (least recently used first 
 are needed). A prefill worker's or a colocated worker's blocks are free between prompts, so their
 caches are bounded by the worker's block count; a decode worker's free cached blocks by its free
 blocks (SimDecodeWorker trims it as they are taken).
+
+The offload tier (engine/kv_tier.py) is a TierCache shared by the workers' caches: a free block
+trimmed out of a cache goes to it (least recently used out past its size), and a prompt's leading
+blocks missing from a cache are looked up there next; those it holds count as cached, as the engine
+reads them back instead of computing them.
 """
 
 from __future__ import annotations
@@ -15,10 +20,43 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 
+class TierCache:
+    """An offload tier's keys, least recently used first, at most `capacity` blocks."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: OrderedDict[Hashable, None] = OrderedDict()
+        self.hit_blocks = 0  # blocks read back (the simulated tier's hits)
+
+    def put(self, key: Hashable) -> None:
+        self.keys[key] = None
+        self.keys.move_to_end(key)
+        while len(self.keys) > self.capacity:
+            self.keys.popitem(last=False)
+
+    def run(self, keys: Sequence[Hashable]) -> int:
+        """How many of `keys` it holds from the first on (nothing is touched)."""
+        n = 0
+        for key in keys:
+            if key not in self.keys:
+                break
+            n += 1
+        return n
+
+    def use(self, keys: Sequence[Hashable]) -> int:
+        """As run, and those become the most recently used and count as hits."""
+        n = self.run(keys)
+        for key in keys[:n]:
+            self.keys.move_to_end(key)
+        self.hit_blocks += n
+        return n
+
+
 class PrefixCache:
-    def __init__(self) -> None:
+    def __init__(self, tier: TierCache | None = None) -> None:
         self.free: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
         self.held: dict[Hashable, int] = {}  # key -> sequences holding it
+        self.tier = tier  # where trimmed blocks go and missing ones are looked up (None: nowhere)
 
     def __len__(self) -> int:
         return len(self.free) + len(self.held)
@@ -27,16 +65,19 @@ class PrefixCache:
         return key in self.free or key in self.held
 
     def prefix_blocks(self, keys: Sequence[Hashable], limit: int) -> int:
-        """How many of keys[:limit] are cached from the first on (nothing is touched)."""
+        """How many of keys[:limit] are cached from the first on, here or in the tier (nothing is touched)."""
         n = 0
         for key in keys[:limit]:
             if key not in self.free and key not in self.held:
                 break
             n += 1
+        if self.tier is not None and n < limit:
+            n += self.tier.run(keys[n:limit])
         return n
 
     def use_prefix(self, keys: Sequence[Hashable], limit: int) -> int:
-        """As prefix_blocks, and the free ones among them become the most recently used."""
+        """As prefix_blocks, and the free ones among them become the most recently used (the
+        tier's ones are read back: the caller holds or stores them like computed ones)."""
         n = 0
         for key in keys[:limit]:
             if key in self.free:
@@ -44,6 +85,8 @@ class PrefixCache:
             elif key not in self.held:
                 break
             n += 1
+        if self.tier is not None and n < limit:
+            n += self.tier.use(keys[n:limit])
         return n
 
     def store(self, keys: Iterable[Hashable], cap: int) -> None:
@@ -57,7 +100,9 @@ class PrefixCache:
 
     def trim(self, cap: int) -> None:
         while len(self.free) > max(0, cap):
-            self.free.popitem(last=False)
+            key, _ = self.free.popitem(last=False)
+            if self.tier is not None:
+                self.tier.put(key)
 
     def hold(self, keys: Iterable[Hashable]) -> None:
         """A sequence holds these blocks (shared from the cache, or its own KV landed)."""

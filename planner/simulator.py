@@ -58,7 +58,9 @@ recently used first out, up to its block count. A decode worker shares the cache
 at a reservation (no KV moves for them) and keeps a finished request's prompt and answer blocks,
 as free blocks allow. With `keep_caches` the caches outlive a run (the same cluster replays several
 runs). With `prefix_aware` off (router.prefix_aware: false) the router picks workers by load alone
-and a decode worker's reservation shares nothing: every prompt's whole KV moves.
+and a decode worker's reservation shares nothing: every prompt's whole KV moves. With
+`tier_blocks` (kv_cache.offload_mb) the blocks trimmed out of any worker's cache go to one offload
+tier shared by all of them, and a prompt's blocks missing from a cache come back from it.
 
 The parts mirror the cluster's, one file each:
 
@@ -81,7 +83,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from planner.cost_model import CostModel
-from planner.sim_cache import PrefixCache
+from planner.sim_cache import PrefixCache, TierCache
 from planner.sim_cluster import SimCluster
 from planner.sim_request import NAN, Outcomes, SimRequest
 
@@ -132,6 +134,8 @@ class ClusterSpec:
     prefix_aware: bool = True
     # disaggregated: router.local_prefill_uncached_tokens (conditional disaggregation; 0: never)
     local_prefill_uncached_tokens: int = 0
+    # kv_cache.offload_mb as blocks: an offload tier shared by every worker (one node's); 0: none
+    tier_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -178,10 +182,12 @@ class Simulator:
             raise ValueError("arrivals, prompts and outputs must have the same length")
         out = Outcomes(n, c.first_token_out_s, slo_ttft_s, slo_tpot_s, max_misses, count_from, on_progress)
         cluster = SimCluster(c, out)
+        tier = TierCache(c.tier_blocks) if c.tier_blocks > 0 and block_keys is not None else None
         if block_keys is not None:
             for j, w in enumerate(cluster.workers):
                 w.cache = self._caches.setdefault(j, PrefixCache()) if self.keep_caches else PrefixCache()
                 w.cache.release_all()
+                w.cache.tier = tier
         for w in cluster.decode:
             need_max = -(-max(p + o for p, o in zip(prompts, outputs)) // w.bs) if n else 0
             if w.num_blocks < need_max:
@@ -203,4 +209,5 @@ class Simulator:
              "decode_step_s": out.decode_step_s, "decode_seqs": out.decode_seqs,
              "prefill_step_s": out.prefill_step_s, "local_prefills": out.local_prefills,
              "local_uncached": out.local_uncached, "kv_bytes_sent": out.kv_bytes_sent,
-             "kv_bytes_held": out.kv_bytes_held, "prompt_tokens": sum(prompts)})
+             "kv_bytes_held": out.kv_bytes_held, "prompt_tokens": sum(prompts),
+             "tier_hit_blocks": tier.hit_blocks if tier is not None else 0})

@@ -36,7 +36,7 @@ def _config(mode: str) -> ClusterConfig:
         cfg = dataclasses.replace(cfg, kv_transfer=kv)
     router = dataclasses.replace(cfg.router, grpc_port=0, http_port=0)
     kv = dataclasses.replace(cfg.kv_cache, memory_mb=64)
-    model = dataclasses.replace(cfg.model, max_model_len=1024)
+    model = dataclasses.replace(cfg.model, path="builtin:tiny-llama", max_model_len=1024)
     usable = sorted(os.sched_getaffinity(0))
     if mode == "colocated":
         pools = (dataclasses.replace(cfg.pools[0], name="workers", role="colocated", cpus=tuple(usable)),)

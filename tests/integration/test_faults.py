@@ -45,7 +45,7 @@ def small_cluster(prefill: dict, decode: dict, max_model_len: int) -> ClusterCon
         cfg, pools=pools, router=dataclasses.replace(cfg.router, grpc_port=fixed_port(), http_port=fixed_port(),
                                                      max_retries=2),
         kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=64),
-        model=dataclasses.replace(cfg.model, max_model_len=max_model_len),
+        model=dataclasses.replace(cfg.model, path="builtin:tiny-llama", max_model_len=max_model_len),
         engine=dataclasses.replace(cfg.engine, num_threads=1),
     ).validate()
 

@@ -30,7 +30,7 @@ def multinode(builtin_path):
         cfg, ray=dataclasses.replace(cfg.ray, address=cluster.address), pools=pools,
         router=dataclasses.replace(cfg.router, grpc_port=0, http_port=0),
         kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=32),
-        model=dataclasses.replace(cfg.model, max_model_len=512),
+        model=dataclasses.replace(cfg.model, path="builtin:tiny-llama", max_model_len=512),
     ).validate()
     handle = launcher.up(cfg, say=lambda _: None)
     # node id -> the pool whose marker resource it carries

@@ -218,3 +218,38 @@ def test_plan_gives_each_disaggregated_plan_its_own_threshold_by_default(capsys)
         main(["simulate", "--workload", "azure-conv", "--prefill", "cpu", "--decode", "cpu", "--rate", "1",
               "--local-prefill-uncached-tokens", "auto"])
     assert "invalid int value: 'auto'" in capsys.readouterr().err
+
+
+def test_an_offload_tier_brings_evicted_prefixes_back_up_to_the_bound():
+    # 16 shared prefixes of 1024 tokens, two prefill workers each holding about a third of them:
+    # without a tier they evict what later requests need; with a tier the size of all of them, every
+    # repeat after the first is served from a cache or the tier
+    n = 400
+    prompts, keys = _shared_prefixes(n, groups=16, prefix_blocks=64)
+    arrivals = _poisson(n, 10.0)
+    runs = {tier: Simulator(_cluster(2, 1, prefill_capacity=6_000, tier_blocks=tier)).run(
+        arrivals, prompts, [8] * n, block_keys=keys) for tier in (0, 16 * 64 + 64)}
+    hits = {tier: sum(r.stats["cached_tokens"][:2]) for tier, r in runs.items()}
+    bound = reuse_bound(arrivals, prompts, keys, 16)
+    assert hits[0] < 0.8 * bound and 0.95 * bound <= hits[1088] <= bound
+    assert runs[0].stats["tier_hit_blocks"] == 0 and runs[1088].stats["tier_hit_blocks"] > 0
+    assert _p50(runs[1088].ttft) < _p50(runs[0].ttft)
+
+
+def test_the_tier_cache_keeps_its_size_least_recently_used_first():
+    from planner.sim_cache import TierCache
+
+    tier = TierCache(2)
+    cache = PrefixCache(tier)
+    cache.store(["a", "b", "c"], cap=1)  # a and b trimmed out: to the tier
+    assert list(tier.keys) == ["a", "b"] and cache.prefix_blocks(["a", "b", "c"], 3) == 2
+    assert cache.use_prefix(["a"], 1) == 1 and tier.hit_blocks == 1  # a, read back, is the most recent
+    cache.store(["d"], cap=0)  # c, then d trimmed into the tier: b, then a leave it (least recently used)
+    assert list(tier.keys) == ["c", "d"]
+
+
+def test_plan_writes_the_tier_and_simulate_reports_what_it_read_back(capsys):
+    ctx = PlanContext(PRESETS["Llama-3-8B"], load_catalog(), kv_offload_mb=1024)
+    plan = Plan("disaggregated", Pool("H100-SXM", 1), Pool("H100-SXM", 1))
+    assert build_cluster(plan, ctx).tier_blocks == 1024 * 2**20 // (131072 * 16)
+    assert cluster_dict(plan, ctx, SLOTarget(1.0, 0.05), "Llama-3-8B", 4096)["kv_cache"]["offload_mb"] == 1024
