@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", default="512,2048,8192", help="prompt lengths (comma-separated)")
     p.add_argument("--layouts", default="builtin,llama3-8b", help=f"of {', '.join(LAYOUTS)}")
     p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the decode worker's KV pages: the layout's dtype, or quantized pages (they travel as stored)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--overlap-tokens", type=int, default=2048, help="0: skip the overlap measurement")
     p.add_argument("--overlap-backend", default="grpc", choices=BACKENDS, help="the backend the overlap is measured with")
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens = [int(t) for t in args.tokens.split(",") if t]
-    layouts = [Layout(n, *LAYOUTS[n]) for n in args.layouts.split(",") if n]
+    layouts = [Layout(n, *LAYOUTS[n], kv_cache_dtype=args.kv_cache_dtype) for n in args.layouts.split(",") if n]
     backends = [b for b in args.backends.split(",") if b]
     os.environ.setdefault("PDCLUSTER_CACHE", os.path.join(tempfile.gettempdir(), "pdcluster-cache"))
     rows: list[dict] = []
@@ -103,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                 for n in sorted(tokens):
                     bar.set_postfix_str(f"{lay.name} {n} tok")
                     nbytes = lay.nbytes(n)
-                    layer = torch.randn(lay.layer_shape(n)).to(getattr(torch, lay.dtype))
-                    row = {"layout": lay.name, "tokens": n, "bytes": nbytes,
+                    layer = lay.random_layer(n)
+                    row = {"layout": lay.name, "tokens": n, "bytes": nbytes, "kv_cache_dtype": lay.kv_cache_dtype,
+                           "bytes_per_token": lay.bytes_per_token(),
+                           "model_dtype_bytes_per_token": lay.model_dtype_bytes_per_token(),
                            "socket_s": median([socket_time(layer, lay.layers, peer) for _ in range(args.repeats)]),
                            "memcpy_s": median([memcpy_time(layer, lay.layers) for _ in range(args.repeats)]),
                            "grpc_raw_s": median([grpc_raw_time(layer, lay.layers, peer.raw_port)

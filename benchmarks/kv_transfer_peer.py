@@ -45,7 +45,8 @@ class _Receiver:
         path = _write_checkpoint(workdir / lay.name, lay, max_tokens + BLOCK_SIZE)
         blocks = -(-max_tokens // BLOCK_SIZE) + 2
         cfg = EngineConfig(model=str(path), dtype=lay.dtype, device="cpu", num_blocks=blocks,
-                           max_model_len=max_tokens + BLOCK_SIZE, enable_prefix_caching=False)
+                           max_model_len=max_tokens + BLOCK_SIZE, enable_prefix_caching=False,
+                           kv_cache_dtype=lay.kv_cache_dtype)
         self.engine = Engine(cfg, "decode")
         self.decoders = {b: DecodeEngine(self.engine, backend=b) for b in BACKENDS}
 

@@ -31,6 +31,12 @@ def print_report(rows: list[dict], notes: list[str], ov: dict | None, backends: 
               f"{r['grpc_raw_gbs']:8.2f} {r['memcpy_gbs']:7.2f} | " + " ".join(cells) + " | " + " ".join(ratios))
     print("(socket / grpc-raw / memcpy / backend columns: GB/s; '<backend> s': seconds; <backend>/sock: bytes/s "
           "ratio)")
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        r = next(r for r in rows if r["layout"] == layout)
+        if r.get("bytes_per_token"):
+            print(f"KV bytes per token, {layout}: {r['bytes_per_token']} as {r['kv_cache_dtype']} pages, "
+                  f"{r['model_dtype_bytes_per_token']} in the model's dtype "
+                  f"({r['bytes_per_token'] / r['model_dtype_bytes_per_token']:.2f}x)")
     for note in notes:
         print("note:", note)
     if ov:

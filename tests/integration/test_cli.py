@@ -37,11 +37,12 @@ def test_up_detach_status_generate_down_from_a_shell(tmp_path):
         lines = status.stdout.splitlines()
         assert any("prefill-0" in line and "healthy" in line for line in lines), status.stdout
         assert any("decode-0" in line and "healthy" in line for line in lines), status.stdout
-        # what the cache keeps per token: K and V of every layer's heads, float32 (4 bytes)
-        kv = re.search(r"KV per token: heads:(\d+)x(\d+)x(\d+) float32, (\d+) B/token", status.stdout)
+        # what the cache keeps per token: K and V of every layer's heads, in the model's dtype (the
+        # default model's bfloat16 where the CPU has it natively, else float32)
+        kv = re.search(r"KV per token: heads:(\d+)x(\d+)x(\d+) (float32|bfloat16), (\d+) B/token", status.stdout)
         assert kv is not None, status.stdout
-        heads, head_dim, layers, per_token = map(int, kv.groups())
-        assert per_token == 2 * heads * head_dim * layers * 4
+        heads, head_dim, layers, per_token = (int(kv[i]) for i in (1, 2, 3, 5))
+        assert per_token == 2 * heads * head_dim * layers * (4 if kv[4] == "float32" else 2)
 
         gen = _pdcluster("generate", "--json", "--max-tokens", "8", "Once upon a time")
         assert gen.returncode == 0, gen.stderr[-3000:]

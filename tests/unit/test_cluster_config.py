@@ -42,7 +42,7 @@ def test_repo_file_is_the_default_deployment():
     cfg = load_cluster_config(REPO_FILE)
     assert cfg == ClusterConfig()
     assert cfg.ray.address is None
-    assert cfg.model.path == "builtin:tiny-llama" and cfg.model.max_model_len == 2048
+    assert cfg.model.path == "builtin:stdlib-4m" and cfg.model.max_model_len == 2048
     assert cfg.mode == "disaggregated"
     assert (cfg.router.host, cfg.router.grpc_port, cfg.router.http_port, cfg.router.api_keys) == (
         "127.0.0.1", 50051, 8000, ())
@@ -306,7 +306,7 @@ def test_engine_kwargs_build_engine_config():
     cfg = ClusterConfig()
     kwargs = cfg.engine_kwargs()
     ec = EngineConfig(**kwargs)
-    assert ec.model == "builtin:tiny-llama" and ec.dtype == "auto" and ec.max_model_len == 2048
+    assert ec.model == "builtin:stdlib-4m" and ec.dtype == "auto" and ec.max_model_len == 2048
     assert ec.block_size == 16 and ec.num_blocks is None
     assert ec.kv_cache_memory_bytes == 512 * 1024 * 1024
     assert (ec.max_num_batched_tokens, ec.max_num_seqs, ec.enable_prefix_caching, ec.num_threads) == (
@@ -416,11 +416,12 @@ def test_up_refuses_a_tensor_parallel_size_that_cannot_split_the_model_naming_th
     from pdcluster.ray_runtime import LaunchError
     from pdcluster.worker_launch import check_tensor_parallel
 
-    ok = ClusterConfig.from_dict({"pools": [{"name": "p", "role": "prefill", "tensor_parallel_size": 2},
-                                            {"name": "d", "role": "decode", "tensor_parallel_size": 4}]})
-    check_tensor_parallel(ok)  # builtin:tiny-llama: 8 heads, 4 KV heads
-    bad = ClusterConfig.from_dict({"pools": [{"name": "p", "role": "prefill"},
-                                             {"name": "d", "role": "decode", "tensor_parallel_size": 3}]})
+    tiny = {"path": "builtin:tiny-llama"}  # 8 heads, 4 KV heads
+    ok = ClusterConfig.from_dict({"model": tiny, "pools": [{"name": "p", "role": "prefill", "tensor_parallel_size": 2},
+                                                           {"name": "d", "role": "decode", "tensor_parallel_size": 4}]})
+    check_tensor_parallel(ok)
+    bad = ClusterConfig.from_dict({"model": tiny, "pools": [{"name": "p", "role": "prefill"},
+                                                            {"name": "d", "role": "decode", "tensor_parallel_size": 3}]})
     with pytest.raises(LaunchError, match=r"pools\[1\].tensor_parallel_size \(pool 'd'\): .*divide the model's 8 "
                                           "attention heads"):
         check_tensor_parallel(bad)
