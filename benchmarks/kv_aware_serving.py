@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import statistics
 import sys
 from pathlib import Path
@@ -49,7 +48,7 @@ from typing import Any
 
 
 from benchmarks import rate_sweep as sweep
-from benchmarks.local_clusters import REPO, interrupt, sweep_clusters, two_cpus, write_cluster_files
+from benchmarks.local_clusters import REPO, cell, experiment_setup, sweep_clusters, two_cpus, write_cluster_files
 from pdcluster.cluster_config import PoolConfig, load_cluster_config
 
 SYSTEMS = ("by-load", "prefix", "kv-aware")
@@ -197,10 +196,10 @@ def report(part: str, a: dict[str, Any], systems: tuple[str, ...] = SYSTEMS, bas
             m = a["table"].get(name, {}).get(rate)
             if m is None:
                 continue
-            lines.append(f"| {rate:g} | {name} | {_f(m['ttft_p50'])} | {_f(m['ttft_later_p50'])} | "
-                         f"{_f(m['tpot_p50'])} | {_f(m['attainment'], '.0%')} | {_f(m['hit_tokens'], '.0f')} | "
-                         f"{_f(m.get('hit_of_bound'), '.0%')} | {_f((m['kv_bytes'] or 0) / 2**20, '.1f')} | "
-                         f"{_f(_mib(m['kv_bytes_later_turn']), '.2f')} | {_f(m['local_prefills'], '.0f')} |")
+            lines.append(f"| {rate:g} | {name} | {cell(m['ttft_p50'])} | {cell(m['ttft_later_p50'])} | "
+                         f"{cell(m['tpot_p50'])} | {cell(m['attainment'], '.0%')} | {cell(m['hit_tokens'], '.0f')} | "
+                         f"{cell(m.get('hit_of_bound'), '.0%')} | {cell((m['kv_bytes'] or 0) / 2**20, '.1f')} | "
+                         f"{cell(_mib(m['kv_bytes_later_turn']), '.2f')} | {cell(m['local_prefills'], '.0f')} |")
     for key, label in (("ttft_p50_ratio", "TTFT p50"), ("ttft_later_p50_ratio", "later turns' TTFT p50"),
                        ("kv_bytes_ratio", "KV bytes moved"),
                        ("kv_later_turn_ratio", "KV bytes per later turn (>= 1 byte)")):
@@ -219,10 +218,6 @@ def _times(v: float | None) -> str:
 
 def _mib(v: float | None) -> float | None:
     return None if v is None else max(v, 0.0) / 2**20
-
-
-def _f(v: Any, spec: str = ".0f") -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def workload_prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -272,11 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = [x for x in args.parts.split(",") if x]
     if bad := [x for x in parts if x not in PARTS]:
         p.error(f"--parts: unknown {bad}; allowed: {', '.join(PARTS)}")
-    signal.signal(signal.SIGTERM, interrupt)  # stop the clusters on a kill too (see Servers)
-    out = (REPO / args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    slo = load_cluster_config(REPO / "cluster.yaml").slo
-    slo_args = ["--slo-ttft-ms", str(slo.ttft_ms), "--slo-tpot-ms", str(slo.tpot_ms)]
+    out, slo, slo_args = experiment_setup(args.out)
     max_len = max(args.max_context + args.max_output, args.first_prompt + args.turns * (args.message + args.output)) + 64
     systems = [x for x in args.systems.split(",") if x]
     if bad := [x for x in systems if x not in SYSTEMS]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import httpx
 
 from benchmarks.kv_aware_serving import analyse
-from benchmarks.local_clusters import REPO, interrupt, sweep_clusters, two_cpus, write_cluster_files
+from benchmarks.local_clusters import REPO, cell, experiment_setup, sweep_clusters, two_cpus, write_cluster_files
 from pdcluster.cluster_config import PoolConfig, load_cluster_config
 
 SYSTEMS = ("auto", "int8")
@@ -68,18 +67,14 @@ def report(a: dict[str, Any], capacity: dict[str, int]) -> str:
         for name in SYSTEMS:
             m = a["table"].get(name, {}).get(rate)
             if m is not None:
-                lines.append(f"| {rate:g} | {name} | {_f(m['ttft_p50'])} | {_f(m['tpot_p50'])} | "
-                             f"{_f(m['attainment'], '.0%')} |")
+                lines.append(f"| {rate:g} | {name} | {cell(m['ttft_p50'])} | {cell(m['tpot_p50'])} | "
+                             f"{cell(m['attainment'], '.0%')} |")
     best = a.get("highest_rate_meeting_slo") or {}
     lines.append(f"\nhighest rate meeting the SLO: {best}; int8 / auto: "
-                 f"{_f((a.get('highest_rate_ratio') or {}).get('int8'), '.2f')}x")
+                 f"{cell((a.get('highest_rate_ratio') or {}).get('int8'), '.2f')}x")
     if capacity:
         lines.append(f"\nKV blocks per decode worker: {capacity}")
     return "\n".join(lines) + "\n"
-
-
-def _f(v: Any, spec: str = ".0f") -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def decode_blocks(url: str) -> int | None:
@@ -107,11 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--analyse-only", action="store_true",
                    help="start nothing: summarise the result.json files already in OUT")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt)  # stop the clusters on a kill too (see Servers)
-    out = (REPO / args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    slo = load_cluster_config(REPO / "cluster.yaml").slo
-    slo_args = ["--slo-ttft-ms", str(slo.ttft_ms), "--slo-tpot-ms", str(slo.tpot_ms)]
+    out, slo, slo_args = experiment_setup(args.out)
     files = cluster_files(out, args.model, args.input * 3 // 2 + args.output + 64, args.memory_mb)
     capacity: dict[str, int] = {}
     if not args.analyse_only:

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.kv_aware_serving import analyse, part_args, prefix_bound, workload_prompts
-from benchmarks.local_clusters import REPO, interrupt, sweep_clusters, two_cpus, write_cluster_files
+from benchmarks.local_clusters import REPO, cell, experiment_setup, sweep_clusters, two_cpus, write_cluster_files
 from pdcluster.cluster_config import PoolConfig, load_cluster_config
 
 SYSTEMS = ("no-tier", "tier")
@@ -67,17 +66,14 @@ def report(a: dict[str, Any]) -> str:
         for name in SYSTEMS:
             m = a["table"].get(name, {}).get(rate)
             if m is not None:
-                lines.append(f"| {rate:g} | {name} | {_f(m['ttft_p50'])} | {_f(m['tpot_p50'])} | "
-                             f"{_f(m['attainment'], '.0%')} | {_f(m['hit_tokens'])} | {_f(m.get('hit_of_bound'), '.0%')} "
-                             f"| {_f(m.get('tier_hit_tokens'))} |")
+                lines.append(f"| {rate:g} | {name} | {cell(m['ttft_p50'])} | {cell(m['tpot_p50'])} | "
+                             f"{cell(m['attainment'], '.0%')} | {cell(m['hit_tokens'])} | "
+                             f"{cell(m.get('hit_of_bound'), '.0%')} "
+                             f"| {cell(m.get('tier_hit_tokens'))} |")
     for rate, v in (a.get("ttft_p50_ratio") or {}).get("tier", {}).items():
-        lines.append(f"\nTTFT p50 at {rate:g}/s, no-tier / tier: {_f(v, '.2f')}x")
+        lines.append(f"\nTTFT p50 at {rate:g}/s, no-tier / tier: {cell(v, '.2f')}x")
     lines.append(f"\nhighest rate meeting the SLO: {a.get('highest_rate_meeting_slo')}")
     return "\n".join(lines) + "\n"
-
-
-def _f(v: Any, spec: str = ".0f") -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="start nothing: summarise the result.json files already in OUT (same workload options)")
     args = p.parse_args(argv)
     args.mooncake_sample = "conversations"
-    signal.signal(signal.SIGTERM, interrupt)  # stop the clusters on a kill too (see Servers)
-    out = (REPO / args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    slo = load_cluster_config(REPO / "cluster.yaml").slo
-    slo_args = ["--slo-ttft-ms", str(slo.ttft_ms), "--slo-tpot-ms", str(slo.tpot_ms)]
+    out, slo, slo_args = experiment_setup(args.out)
     files = cluster_files(out, args.model, args.max_context + args.max_output + 64, args.memory_mb, args.tier_mb)
     if not args.analyse_only:
         rc = sweep_clusters(files, out, [(out / f"repeat{r}", [*part_args("mooncake", args, r), *slo_args])

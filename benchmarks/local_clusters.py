@@ -24,6 +24,23 @@ def interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def experiment_setup(out: str) -> tuple[Path, Any, list[str]]:
+    """A serving experiment's start: its output directory (under the repository, made), cluster.yaml's
+    SLO and the bench serve flags that apply it; a SIGTERM stops the clusters too (see Servers)."""
+    from pdcluster.cluster_config import load_cluster_config
+
+    signal.signal(signal.SIGTERM, interrupt)
+    path = (REPO / out).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    slo = load_cluster_config(REPO / "cluster.yaml").slo
+    return path, slo, ["--slo-ttft-ms", str(slo.ttft_ms), "--slo-tpot-ms", str(slo.tpot_ms)]
+
+
+def cell(v: Any, spec: str = ".0f") -> str:
+    """A report table's cell: `v` formatted, "-" for None."""
+    return "-" if v is None else format(v, spec)
+
+
 def two_cpus() -> tuple[int, int]:
     """The first two CPUs this process may use; exits when there are fewer."""
     usable = sorted(os.sched_getaffinity(0))

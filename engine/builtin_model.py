@@ -30,6 +30,7 @@ benchmarks/yardstick_train.py; docs/yardstick.md) whose text can be read, so num
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import os
@@ -418,8 +419,15 @@ def _shipped(name: str) -> Path:
     weights = src / PACKED_WEIGHTS
     if not (weights.is_file() and (src / "config.json").is_file()):
         raise FileNotFoundError(f"the shipped checkpoint of {BUILTIN_PREFIX}{name} is missing from {src}")
-    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
-    return _cached(f"{name}-{digest}", lambda tmp: expand(src, tmp))
+    st = weights.stat()
+    return _cached(f"{name}-{_digest(weights, st.st_size, st.st_mtime_ns)}", lambda tmp: expand(src, tmp))
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: Path, size: int, mtime_ns: int) -> str:
+    """The first 12 hex digits of a file's SHA-256, read once per version of the file (every engine,
+    router and LLM of a process resolves the default model: 4 MB hashed each time was 10 ms)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
 def resolve_model_path(model: str) -> Path:

@@ -21,13 +21,15 @@ at most every `rescan_s`, so the directory can exceed the size by what its neigh
 their last rescan.
 
 Lifetime: every engine using the directory holds a file in `users/` (named by its process id); the
-last to close removes the directory. Directories of tiers whose users all died (killed workers) are removed by the next tier
-opened beside them, so a crashed cluster leaks nothing past the next start.
+last to close removes the directory. Directories of tiers whose users all died (killed workers)
+are removed by the next tier opened beside them, so a crashed cluster leaks nothing past the next
+start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import secrets
@@ -64,7 +66,7 @@ class TierStats:
     blocks: int
     saves: int = 0  # blocks this engine wrote
     hits: int = 0  # blocks this engine loaded
-    misses: int = 0  # loads asked for blocks the tier did not hold (or held for another context)
+    misses: int = 0  # lookups of blocks the tier did not hold (or held for another context)
     evictions: int = 0  # blocks this engine removed to make room
     failures: int = 0  # writes that failed (a full disk): the block is only dropped
 
@@ -185,6 +187,15 @@ class KVTier:
     def holds(self, h: bytes) -> bool:
         """Whether the tier has a block of this hash for this layout (a file check: cheap)."""
         return os.path.exists(self.path / self._name(h))
+
+    def lookup(self, h: bytes) -> bool:
+        """`holds`, for the engine's lookups: a block it lacks counts as a miss (a held one counts
+        when it is loaded, as a hit or, if it turns out stale, a miss)."""
+        if self.holds(h):
+            return True
+        with self._lock:
+            self.stats.misses += 1
+        return False
 
     # ------------------------------------------------------------------ blocks
     def save(self, h: bytes, parent: bytes | None, token_ids: tuple[int, ...], parts: list[np.ndarray]) -> bool:
@@ -319,7 +330,7 @@ class KVTier:
         with self._lock:
             if not self._closed:
                 self._rescan()
-            return TierStats(**{**self.stats.__dict__, "used_bytes": self._used, "blocks": len(self._files)})
+            return dataclasses.replace(self.stats, used_bytes=self._used, blocks=len(self._files))
 
     def close(self) -> None:
         """Leave the tier; the last engine to leave removes its directory."""
@@ -337,12 +348,7 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
     for i in range(0, len(views), IOV_MAX):
         chunk = views[i : i + IOV_MAX]
         while chunk:
-            done = os.writev(fd, chunk)
-            while chunk and done >= chunk[0].nbytes:
-                done -= chunk[0].nbytes
-                chunk = chunk[1:]
-            if chunk and done:
-                chunk[0] = chunk[0][done:]
+            chunk = _advance(chunk, os.writev(fd, chunk))
 
 
 def _read_all(fd: int, views: list[memoryview]) -> bool:
@@ -352,12 +358,18 @@ def _read_all(fd: int, views: list[memoryview]) -> bool:
             done = os.readv(fd, chunk)
             if done == 0:
                 return False
-            while chunk and done >= chunk[0].nbytes:
-                done -= chunk[0].nbytes
-                chunk = chunk[1:]
-            if chunk and done:
-                chunk[0] = chunk[0][done:]
+            chunk = _advance(chunk, done)
     return True
+
+
+def _advance(chunk: list[memoryview], done: int) -> list[memoryview]:
+    """What is left of a writev/readv's buffers after `done` bytes."""
+    while chunk and done >= chunk[0].nbytes:
+        done -= chunk[0].nbytes
+        chunk = chunk[1:]
+    if chunk and done:
+        chunk = [chunk[0][done:], *chunk[1:]]
+    return chunk
 
 
 DEFAULT_PARENT = "/dev/shm"
@@ -404,11 +416,12 @@ class TierLink:
         return self._bytes
 
     def _parts(self, block_id: int) -> list[np.ndarray]:
+        views = self._views()  # first: it decides whether blocks pass through the host buffer
         b = 0 if self._host else block_id
-        return [layer[p, b] for layer in self._views() for p in range(layer.shape[0])]
+        return [layer[p, b] for layer in views for p in range(layer.shape[0])]
 
     def holds(self, h: bytes) -> bool:
-        return self.tier.holds(h)
+        return self.tier.lookup(h)
 
     def save(self, block_id: int, h: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> bool:
         parts = self._parts(block_id)

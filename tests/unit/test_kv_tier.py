@@ -298,3 +298,28 @@ def test_a_tier_serves_its_blocks_files_in_prompt_order_and_takes_anothers(tmp_p
     other = [torch.zeros_like(c) for c in caches]
     assert TierLink(b, lambda: other).load(0, _h(2), _h(1), TOKENS)
     assert torch.equal(other[2][:, 0], caches[2][:, 2])
+
+
+def test_a_recall_counts_each_block_it_looked_up_as_a_hit_or_a_miss(tmp_path: Path) -> None:
+    """Through a real tier: the blocks read back are hits, the first one the tier lacks ends the
+    recall as one miss (the status line's hit rate is hits over both)."""
+    caches = _caches(blocks=10)
+    link = TierLink(_tier(tmp_path), lambda: caches)
+    bm = BlockManager(10, BS, tier=link)
+    ids = list(range(1, 5 * BS + 2))  # 5 full blocks and one token
+    a = _seq("a", ids)
+    bm.allocate(a)
+    a.num_computed_tokens = len(ids)
+    bm.cache_full_blocks(a)
+    want = [caches[1][:, b].clone() for b in a.block_table[:5]]
+    bm.free(a)
+    bm.allocate(_seq("x", [7] * (10 * BS)))  # evicts a's five blocks into the tier
+    before = link.tier.snapshot_stats()
+    assert (before.saves, before.misses) == (5, 2)  # a's and x's first blocks were looked up, not found
+    bm.free_blocks(list(range(10)))
+    os.unlink(link.tier.path / link.tier._name(block_hashes(ids, BS)[3]))  # the 4th block lost
+    b = _seq("b", ids)
+    bm.allocate(b)
+    s = link.tier.snapshot_stats()
+    assert (b.num_cached_tokens, bm.tier_hits, s.hits, s.misses - before.misses) == (3 * BS, 3, 3, 1)
+    assert all(torch.equal(caches[1][:, blk], w) for blk, w in zip(b.block_table[:3], want))
