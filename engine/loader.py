@@ -137,7 +137,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     if pack:
         lib = native_lib() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
         tiles = lib if lib is not None and dtype == torch.bfloat16 and lib.pd_amx_ready() else None  # AMX
-        pack_linears(model, tiles)
+        pack_linears(model, tiles, lib)
         if lib is not None:
             _native_experts(model, lib, dtype)
             _native_token_ops(model, lib)

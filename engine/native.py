@@ -107,6 +107,11 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.pd_linear_bf16
     fn.argtypes = [p, i64, p, p, p, i, i, i, i]
     fn.restype = ctypes.c_int
+    fn = lib.pd_linear_panels
+    fn.argtypes = [p, i64, p, p, p, i, i, i, i, i]
+    fn.restype = ctypes.c_int
+    lib.pd_linear_panels_dtypes.argtypes = []
+    lib.pd_linear_panels_dtypes.restype = ctypes.c_int
     fn = lib.pd_attention_block_bf16
     fn.argtypes = [p] * 20 + [i] * 7 + [ctypes.c_float] * 2 + [i, i]
     fn.restype = ctypes.c_int

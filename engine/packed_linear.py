@@ -15,6 +15,14 @@ bit for bit what oneDNN computes. A decode step's weights come from memory, push
 caches by the layers before: there oneDNN's small-batch matmul reads 7-8 GB/s and the tiles 17-20
 (a 1280x640 weight, 4 rows: 227 vs 91 us, 32 rows: 201 vs 132; Xeon with AMX, 2 threads). The tile copy is a second copy
 of the layer's weight (the LM head, the largest, keeps oneDNN alone).
+
+Elsewhere, given the native kernels with AVX-512 (float32; bfloat16 with AVX-512 BF16) or AVX2
+(float32), a layer keeps its weight only in the panel layout of engine/csrc/linear_panels.c
+(engine/linear_panels.py) and runs every batch there: at decode sizes it streams the weight from
+memory near the read bandwidth where oneDNN's small-batch matmul reaches 60-75% of it (llama-200m's
+linears, an AVX-512 EPYC, two threads: 1 row 1.4-1.9x, 16 rows 1.2-1.4x faster), and at prefill sizes
+it runs within a few percent of oneDNN (90-100% of the GEMM peak). docs/engine_kernels.md has the
+measurements (`python -m benchmarks.linear_kernels`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import linear_panels
 from engine.config import cpu_has_native
 from engine.models.moe_packed import DEPTH, TILE, pack
 
@@ -39,21 +48,29 @@ TILE_MAX_ROWS = 32
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, tiles: Any = None) -> None:
-        """`tiles`: the native kernels, for a decode copy of a bfloat16 weight on AMX tiles."""
+    def __init__(self, linear: nn.Linear, tiles: Any = None, panels: Any = None) -> None:
+        """`tiles`: the native kernels, for a decode copy of a bfloat16 weight on AMX tiles; `panels`:
+        the native kernels, to run every batch on the weight in the panel layout (no oneDNN copy)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, LAYOUT_HINT_ROWS),
-                             persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.lib: Any = None
         self.tiles: torch.Tensor | None = None
+        self.register_buffer("panels", None, persistent=False)
+        if tiles is None and linear_panels.served(panels, weight.dtype) \
+                and (weight.dtype != torch.bfloat16 or self.in_features % 2 == 0):
+            self.lib, self.panels = panels, linear_panels.pack_panels(weight)
+            return
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, LAYOUT_HINT_ROWS),
+                             persistent=False)
         if tiles is not None and weight.dtype == torch.bfloat16 and self.in_features % DEPTH == 0 \
                 and self.out_features % TILE == 0:
             self.lib, self.tiles = tiles, pack(weight[None])[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return self._on_panels(x)
         if self.tiles is not None and x.dim() == 2 and x.shape[0] <= TILE_MAX_ROWS and x.dtype == torch.bfloat16:
             if x.stride(1) != 1:
                 x = x.contiguous()
@@ -64,8 +81,20 @@ class PackedLinear(nn.Module):
                 return out
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def _on_panels(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
+            rows = rows.contiguous()
+        out = linear_panels.linear(self.lib, rows, self.panels, self.bias, self.out_features)
+        if out is None:  # another dtype than the weight's (a caller's mistake, kept working): torch's matmul
+            weight = linear_panels.unpack_panels(self.panels, self.out_features, self.in_features)
+            out = torch.nn.functional.linear(rows.to(weight.dtype), weight, self.bias)
+        return out.view(*lead, self.out_features)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN"
+        kernel = "native panels" if self.panels is not None else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kernel}"
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -74,9 +103,10 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and cpu_has_native(dtype)
 
 
-def pack_linears(model: nn.Module, tiles: Any = None) -> int:
+def pack_linears(model: nn.Module, tiles: Any = None, panels: Any = None) -> int:
     """Replace each `nn.Linear` of `model` (on CPU) by a `PackedLinear`; returns how many. `tiles`:
-    the native kernels where the CPU has AMX tiles, for the decode copies (not of `lm_head`)."""
+    the native kernels where the CPU has AMX tiles, for the decode copies (not of `lm_head`);
+    `panels`: the native kernels, for the panel layout where the CPU's vector units serve it."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     if not targets:
@@ -86,7 +116,7 @@ def pack_linears(model: nn.Module, tiles: Any = None) -> int:
         return 0
     copies = 0
     for parent, name, child in targets:
-        packed = PackedLinear(child, tiles if name != "lm_head" else None)
+        packed = PackedLinear(child, tiles if name != "lm_head" else None, panels if tiles is None else None)
         copies += packed.tiles.numel() * 2 if packed.tiles is not None else 0
         setattr(parent, name, packed)
     if copies:

@@ -1,0 +1,283 @@
+/* Linear layers on the CPU's vector units: out[T][N] = x[T][K] . W^T (+ bias), float32, or
+ * bfloat16 with float32 sums rounded once (as torch's bfloat16 linear rounds).
+ *
+ * W is prepacked at load into panels of 64 output columns (engine/linear_panels.py): panel p holds
+ * columns [64p, 64p + w) with w = min(64, N16 - 64p), N16 = N rounded up to 16 (the pad columns
+ * are zeros), laid out k by k: float32 [K][w]; bfloat16 [K/2][w][2], two k values of a column side
+ * by side (the operand of AVX-512 BF16's pair dot product). Panel p starts at 64 p K values.
+ *
+ * A panel is streamed once per block of MR rows of x, in chunks of KC values of k so a chunk read
+ * by the first row block is still in the core's caches for the others: for a decode batch (T up to
+ * MR) the weight is read from memory exactly once, at the speed the multiply-adds allow (a
+ * broadcast of one x value against four vectors of the panel's row, MR x 4 accumulators). Panels
+ * are split between threads (torch's OpenMP threads where built with OpenMP), contiguous ranges.
+ *
+ * Served: AVX-512F (float32), AVX-512 BF16 (bfloat16), AVX2 + FMA (float32). Elsewhere the entry
+ * points return -1 and the caller keeps oneDNN. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "parallel.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PD_VEC 16
+#define PD_MR 6
+typedef __m512 vec_t;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VBCAST(p) _mm512_set1_ps(*(p))
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PD_VEC 8
+#define PD_MR 3
+typedef __m256 vec_t;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VBCAST(p) _mm256_broadcast_ss(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PD_BF16_PANELS 1
+#endif
+
+#define PANEL 64 /* output columns of a panel */
+#define KC 256   /* values of k per chunk */
+#define NV 4     /* vectors of columns a micro-kernel call covers */
+
+#ifdef PD_VEC
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+
+typedef struct {
+    const void *x, *w, *bias;
+    void *out;
+    float *scratch; /* T x PANEL float32 sums per thread */
+    int64_t x_stride;
+    int T, K, N, bf16;
+} panels_t;
+
+/* c[r][0 .. nv*PD_VEC) (+)= x[r][k0 .. k1) . panel columns, for r < mr; `ws`: the panel's width. */
+static ALWAYS_INLINE void tile_f32(const float *x, int64_t xs, const float *w, int ws, int k0, int k1, float *c,
+                                   int mr, int nv, int first, const char *pf, int pf_lines) {
+    vec_t acc[PD_MR][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) acc[r][v] = first ? VZERO() : VLOAD(c + r * PANEL + v * PD_VEC);
+    for (int k = k0; k < k1; k++) {
+        const float *wk = w + (int64_t)k * ws;
+        for (int i = 0; i < pf_lines; i++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        vec_t b[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) b[v] = VLOAD(wk + v * PD_VEC);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const vec_t a = VBCAST(x + r * xs + k);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) acc[r][v] = VFMA(a, b[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) VSTORE(c + r * PANEL + v * PD_VEC, acc[r][v]);
+}
+
+#ifdef PD_BF16_PANELS
+/* As tile_f32 for bfloat16 x and panel: k advances in pairs ([K/2][ws][2] panel). */
+static ALWAYS_INLINE void tile_bf16(const uint16_t *x, int64_t xs, const uint16_t *w, int ws, int k0, int k1,
+                                    float *c, int mr, int nv, int first, const char *pf, int pf_lines) {
+    __m512 acc[PD_MR][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * PANEL + v * 16);
+    for (int k = k0; k < k1; k += 2) {
+        const uint16_t *wk = w + (int64_t)k * ws;
+        for (int i = 0; i < pf_lines; i++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        __m512bh b[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) b[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * xs + k, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(c + r * PANEL + v * 16, acc[r][v]);
+}
+#endif
+
+/* One specialised copy per (rows, vectors): the accumulators stay in registers. */
+#define TILE_CASES(FN, T)                                                                                   \
+    switch (mr * 8 + nv) {                                                                                \
+    case 8 + 1: FN(x, xs, w, ws, k0, k1, c, 1, 1, first, pf, pf_lines); break;                                          \
+    case 8 + 2: FN(x, xs, w, ws, k0, k1, c, 1, 2, first, pf, pf_lines); break;                                          \
+    case 8 + 3: FN(x, xs, w, ws, k0, k1, c, 1, 3, first, pf, pf_lines); break;                                          \
+    case 8 + 4: FN(x, xs, w, ws, k0, k1, c, 1, 4, first, pf, pf_lines); break;                                          \
+    case 16 + 1: FN(x, xs, w, ws, k0, k1, c, 2, 1, first, pf, pf_lines); break;                                         \
+    case 16 + 2: FN(x, xs, w, ws, k0, k1, c, 2, 2, first, pf, pf_lines); break;                                         \
+    case 16 + 3: FN(x, xs, w, ws, k0, k1, c, 2, 3, first, pf, pf_lines); break;                                         \
+    case 16 + 4: FN(x, xs, w, ws, k0, k1, c, 2, 4, first, pf, pf_lines); break;                                         \
+    case 24 + 1: FN(x, xs, w, ws, k0, k1, c, 3, 1, first, pf, pf_lines); break;                                         \
+    case 24 + 2: FN(x, xs, w, ws, k0, k1, c, 3, 2, first, pf, pf_lines); break;                                         \
+    case 24 + 3: FN(x, xs, w, ws, k0, k1, c, 3, 3, first, pf, pf_lines); break;                                         \
+    case 24 + 4: FN(x, xs, w, ws, k0, k1, c, 3, 4, first, pf, pf_lines); break;                                         \
+    T                                                                                                     \
+    }
+
+#if PD_MR == 6
+#define WIDE_CASES(FN)                                                                                    \
+    case 32 + 1: FN(x, xs, w, ws, k0, k1, c, 4, 1, first, pf, pf_lines); break;                                         \
+    case 32 + 2: FN(x, xs, w, ws, k0, k1, c, 4, 2, first, pf, pf_lines); break;                                         \
+    case 32 + 3: FN(x, xs, w, ws, k0, k1, c, 4, 3, first, pf, pf_lines); break;                                         \
+    case 32 + 4: FN(x, xs, w, ws, k0, k1, c, 4, 4, first, pf, pf_lines); break;                                         \
+    case 40 + 1: FN(x, xs, w, ws, k0, k1, c, 5, 1, first, pf, pf_lines); break;                                         \
+    case 40 + 2: FN(x, xs, w, ws, k0, k1, c, 5, 2, first, pf, pf_lines); break;                                         \
+    case 40 + 3: FN(x, xs, w, ws, k0, k1, c, 5, 3, first, pf, pf_lines); break;                                         \
+    case 40 + 4: FN(x, xs, w, ws, k0, k1, c, 5, 4, first, pf, pf_lines); break;                                         \
+    case 48 + 1: FN(x, xs, w, ws, k0, k1, c, 6, 1, first, pf, pf_lines); break;                                         \
+    case 48 + 2: FN(x, xs, w, ws, k0, k1, c, 6, 2, first, pf, pf_lines); break;                                         \
+    case 48 + 3: FN(x, xs, w, ws, k0, k1, c, 6, 3, first, pf, pf_lines); break;                                         \
+    case 48 + 4: FN(x, xs, w, ws, k0, k1, c, 6, 4, first, pf, pf_lines); break;
+#else
+#define WIDE_CASES(FN)
+#endif
+
+static void tile_f32_any(const float *x, int64_t xs, const float *w, int ws, int k0, int k1, float *c, int mr, int nv,
+                         int first, const char *pf, int pf_lines) {
+    TILE_CASES(tile_f32, WIDE_CASES(tile_f32))
+}
+
+#ifdef PD_BF16_PANELS
+static void tile_bf16_any(const uint16_t *x, int64_t xs, const uint16_t *w, int ws, int k0, int k1, float *c, int mr,
+                          int nv, int first, const char *pf, int pf_lines) {
+    TILE_CASES(tile_bf16, WIDE_CASES(tile_bf16))
+}
+#endif
+
+static inline float bf_to_f(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* torch's rounding to bfloat16: to nearest, ties to even; NaN stays NaN. */
+static inline uint16_t f_to_bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Rows [r0, r0 + rows) of columns [col, col + cols) from the float32 sums (PANEL apart) into out. */
+static void finish(const panels_t *l, const float *c, int r0, int rows, int col, int cols) {
+    for (int r = 0; r < rows; r++) {
+        const float *cr = c + r * PANEL;
+        if (l->bf16) {
+            uint16_t *o = (uint16_t *)l->out + (int64_t)(r0 + r) * l->N + col;
+            const uint16_t *bias = l->bias != NULL ? (const uint16_t *)l->bias + col : NULL;
+            for (int n = 0; n < cols; n++) o[n] = f_to_bf(cr[n] + (bias != NULL ? bf_to_f(bias[n]) : 0.0f));
+        } else {
+            float *o = (float *)l->out + (int64_t)(r0 + r) * l->N + col;
+            const float *bias = l->bias != NULL ? (const float *)l->bias + col : NULL;
+            for (int n = 0; n < cols; n++) o[n] = cr[n] + (bias != NULL ? bias[n] : 0.0f);
+        }
+    }
+}
+
+/* Columns of one panel against every row of x: row blocks of PD_MR within each chunk of k. */
+static void panel(const panels_t *l, int p, float *c) {
+    const int n16 = (l->N + 15) / 16 * 16, ws = n16 - PANEL * p < PANEL ? n16 - PANEL * p : PANEL;
+    const int cols = l->N - PANEL * p < PANEL ? l->N - PANEL * p : PANEL;
+    const int esize = l->bf16 ? 2 : 4;
+    const char *w = (const char *)l->w + (int64_t)PANEL * p * l->K * esize;
+    for (int v0 = 0; v0 < ws; v0 += NV * PD_VEC) { /* AVX2: two halves of 32 columns */
+        const int nv = (ws - v0 < NV * PD_VEC ? ws - v0 : NV * PD_VEC) / PD_VEC;
+        for (int k0 = 0; k0 < l->K; k0 += KC) {
+            const int k1 = l->K - k0 < KC ? l->K : k0 + KC;
+            /* the first row block reads the chunk from memory; the others, from the caches, bring
+             * in the next KC rows of the weight meanwhile (this panel's next chunk, or the next panel) */
+            const int blocks = (l->T + PD_MR - 1) / PD_MR;
+            const char *pf = w + (int64_t)k1 * ws * esize;
+            const int steps = (k1 - k0) / (l->bf16 ? 2 : 1); /* of a tile's k loop */
+            const int pf_lines = blocks > 1 && v0 == 0 ? (KC * ws * esize / 64 + (blocks - 1) * steps - 1) /
+                                                          ((blocks - 1) * steps) : 0;
+            for (int b = 0; b < blocks; b++) { /* rows split evenly: 16 rows are 6 + 5 + 5 */
+                const int r0 = l->T * b / blocks, mr = l->T * (b + 1) / blocks - r0;
+                const int lines = b == 0 ? 0 : pf_lines;
+                float *cr = c + r0 * PANEL + v0;
+                if (l->bf16) {
+#ifdef PD_BF16_PANELS
+                    tile_bf16_any((const uint16_t *)l->x + r0 * l->x_stride, l->x_stride,
+                                  (const uint16_t *)w + v0 * 2, ws, k0, k1, cr, mr, nv, k0 == 0, pf, lines);
+#endif
+                } else {
+                    tile_f32_any((const float *)l->x + r0 * l->x_stride, l->x_stride, (const float *)w + v0, ws, k0,
+                                 k1, cr, mr, nv, k0 == 0, pf, lines);
+                }
+                if (lines) pf += (int64_t)lines * 64 * steps;
+            }
+        }
+    }
+    finish(l, c, 0, l->T, PANEL * p, cols);
+}
+
+static void run(const void *ctx, int phase, int t, int threads) {
+    (void)phase;
+    const panels_t *l = (const panels_t *)ctx;
+    const int panels = (l->N + PANEL - 1) / PANEL;
+    float *c = l->scratch + (int64_t)t * l->T * PANEL;
+    for (int p = (int)((int64_t)panels * t / threads); p < (int)((int64_t)panels * (t + 1) / threads); p++)
+        panel(l, p, c);
+}
+#endif
+
+/* x: T rows of K values (float32, or bfloat16 when `bf16`), `x_stride` values apart; w packed as
+ * above; bias N values or NULL; out: T x N, contiguous. Returns 0; -1 where this CPU or dtype is
+ * not served (or K is odd in bfloat16); -2 when out of memory. */
+int pd_linear_panels(const void *x, int64_t x_stride, const void *w, const void *bias, void *out, int T, int K, int N,
+                     int bf16, int threads) {
+#ifdef PD_VEC
+#ifndef PD_BF16_PANELS
+    if (bf16) return -1;
+#endif
+    if (K <= 0 || N <= 0 || T < 0 || threads < 1 || (bf16 && K % 2)) return -1;
+    if (T == 0) return 0;
+    const int panels = (N + PANEL - 1) / PANEL;
+    if (threads > panels) threads = panels;
+    if (threads > PD_MAX_THREADS) threads = PD_MAX_THREADS;
+    float *scratch = aligned_alloc(64, (size_t)threads * T * PANEL * sizeof(float));
+    if (scratch == NULL) return -2;
+    const panels_t l = {x, w, bias, out, scratch, x_stride, T, K, N, bf16};
+    pd_parallel_phase(run, &l, 0, threads);
+    free(scratch);
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)w, (void)bias, (void)out, (void)T, (void)K, (void)N, (void)bf16, (void)threads;
+    return -1;
+#endif
+}
+
+/* What pd_linear_panels serves on this build: bit 0 float32, bit 1 bfloat16. */
+int pd_linear_panels_dtypes(void) {
+#if defined(PD_VEC) && defined(PD_BF16_PANELS)
+    return 3;
+#elif defined(PD_VEC)
+    return 1;
+#else
+    return 0;
+#endif
+}
