@@ -4,6 +4,11 @@ and the call that runs it.
 W (N, K) becomes panels of 64 output columns, the last one narrower (N rounded up to 16, the pad
 columns zero): float32 panels are [K][width], bfloat16 ones [K/2][width][2] (two k values of a
 column side by side). Panel p starts at 64 p K values. The packed copy replaces the weight.
+
+A SwiGLU MLP's fused gate/up weight (gate rows, then up rows) can be packed paired
+(`pair_gate_up`): each panel 32 gate rows then the same 32 up rows, so the kernel writes
+silu(gate) * up straight from its sums (`linear(..., swiglu=True)`), and the (T, 2 inter) output
+and torch's two passes over it are never made.
 """
 
 from __future__ import annotations
@@ -39,6 +44,19 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).contiguous()
 
 
+def pair_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """(2 I, K) gate rows then up rows -> rows in 32-row blocks gate, up, gate, up, ... (I % 32 == 0)."""
+    two_i, k = weight.shape
+    inter = two_i // 2
+    return weight.view(2, inter // 32, 32, k).transpose(0, 1).reshape(two_i, k)
+
+
+def unpair_gate_up(out: torch.Tensor) -> torch.Tensor:
+    """A paired layer's plain output (..., 2 I) back in gate-then-up column order."""
+    lead, two_i = out.shape[:-1], out.shape[-1]
+    return out.reshape(-1, two_i // 64, 2, 32).transpose(1, 2).reshape(*lead, two_i)
+
+
 def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The (n, k) weight back from its panels (for state dicts and checks)."""
     n16 = -(-n // 16) * 16
@@ -54,12 +72,15 @@ def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.cat(rows)[:n].contiguous()
 
 
-def linear(lib: Any, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    """x (T, K) . W^T (+ bias) on the kernel, or None where it does not serve this call."""
+def linear(lib: Any, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+           swiglu: bool = False) -> torch.Tensor | None:
+    """x (T, K) . W^T (+ bias) on the kernel, or None where it does not serve this call. `swiglu`:
+    W packed paired (`pair_gate_up`), the result silu(gate) * up, (T, n / 2)."""
     if x.dim() != 2 or x.dtype != packed.dtype or x.stride(1) != 1:
         return None
     t, k = x.shape
-    out = torch.empty(t, n, dtype=x.dtype)
+    out = torch.empty(t, n // 2 if swiglu else n, dtype=x.dtype)
     rc = lib.pd_linear_panels(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                              out.data_ptr(), t, k, n, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+                              out.data_ptr(), t, k, n, int(x.dtype == torch.bfloat16), int(swiglu),
+                              torch.get_num_threads())
     return out if rc == 0 else None

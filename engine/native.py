@@ -108,7 +108,7 @@ def _load(path: Path) -> ctypes.CDLL:
     fn.argtypes = [p, i64, p, p, p, i, i, i, i]
     fn.restype = ctypes.c_int
     fn = lib.pd_linear_panels
-    fn.argtypes = [p, i64, p, p, p, i, i, i, i, i]
+    fn.argtypes = [p, i64, p, p, p, i, i, i, i, i, i]
     fn.restype = ctypes.c_int
     lib.pd_linear_panels_dtypes.argtypes = []
     lib.pd_linear_panels_dtypes.restype = ctypes.c_int

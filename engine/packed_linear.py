@@ -48,9 +48,10 @@ TILE_MAX_ROWS = 32
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, tiles: Any = None, panels: Any = None) -> None:
+    def __init__(self, linear: nn.Linear, tiles: Any = None, panels: Any = None, gate_up: bool = False) -> None:
         """`tiles`: the native kernels, for a decode copy of a bfloat16 weight on AMX tiles; `panels`:
-        the native kernels, to run every batch on the weight in the panel layout (no oneDNN copy)."""
+        the native kernels, to run every batch on the weight in the panel layout (no oneDNN copy);
+        `gate_up`: the layer is a SwiGLU MLP's gate rows then up rows (`swiglu` then serves it)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -58,10 +59,14 @@ class PackedLinear(nn.Module):
         self.lib: Any = None
         self.tiles: torch.Tensor | None = None
         self.register_buffer("panels", None, persistent=False)
+        # paired gate/up panels: each panel's 64 columns are 32 gate and the same 32 up ones
+        self.paired = gate_up and self.bias is None and self.out_features % 64 == 0
         if tiles is None and linear_panels.served(panels, weight.dtype) \
                 and (weight.dtype != torch.bfloat16 or self.in_features % 2 == 0):
-            self.lib, self.panels = panels, linear_panels.pack_panels(weight)
+            self.lib = panels
+            self.panels = linear_panels.pack_panels(linear_panels.pair_gate_up(weight) if self.paired else weight)
             return
+        self.paired = False
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, LAYOUT_HINT_ROWS),
                              persistent=False)
         if tiles is not None and weight.dtype == torch.bfloat16 and self.in_features % DEPTH == 0 \
@@ -90,7 +95,21 @@ class PackedLinear(nn.Module):
         if out is None:  # another dtype than the weight's (a caller's mistake, kept working): torch's matmul
             weight = linear_panels.unpack_panels(self.panels, self.out_features, self.in_features)
             out = torch.nn.functional.linear(rows.to(weight.dtype), weight, self.bias)
+        if self.paired:
+            out = linear_panels.unpair_gate_up(out)
         return out.view(*lead, self.out_features)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a gate/up layer in one native pass, (..., out_features / 2); None where
+        this layer is not packed for it (the caller then runs the linear and the activation)."""
+        if not self.paired or x.dtype != self.panels.dtype:
+            return None
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
+            rows = rows.contiguous()
+        out = linear_panels.linear(self.lib, rows, self.panels, None, self.out_features, swiglu=True)
+        return None if out is None else out.view(*lead, self.out_features // 2)
 
     def extra_repr(self) -> str:
         kernel = "native panels" if self.panels is not None else "oneDNN"
@@ -116,7 +135,8 @@ def pack_linears(model: nn.Module, tiles: Any = None, panels: Any = None) -> int
         return 0
     copies = 0
     for parent, name, child in targets:
-        packed = PackedLinear(child, tiles if name != "lm_head" else None, panels if tiles is None else None)
+        packed = PackedLinear(child, tiles if name != "lm_head" else None, panels if tiles is None else None,
+                              gate_up=name == "gate_up_proj" and getattr(parent, "SWIGLU", False))
         copies += packed.tiles.numel() * 2 if packed.tiles is not None else 0
         setattr(parent, name, packed)
     if copies:

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_tiles.h"
 #include "parallel.h"
 
 #if defined(__AVX512F__)
@@ -59,6 +60,7 @@ typedef struct {
     float *scratch; /* T x PANEL float32 sums per thread */
     int64_t x_stride;
     int T, K, N, bf16;
+    int swiglu; /* panels of 32 gate then 32 up columns; out holds silu(gate) * up, N/2 columns */
 } panels_t;
 
 /* c[r][0 .. nv*PD_VEC) (+)= x[r][k0 .. k1) . panel columns, for r < mr; `ws`: the panel's width. */
@@ -167,21 +169,6 @@ static void tile_bf16_any(const uint16_t *x, int64_t xs, const uint16_t *w, int 
 }
 #endif
 
-static inline float bf_to_f(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* torch's rounding to bfloat16: to nearest, ties to even; NaN stays NaN. */
-static inline uint16_t f_to_bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* Rows [r0, r0 + rows) of columns [col, col + cols) from the float32 sums (PANEL apart) into out. */
 static void finish(const panels_t *l, const float *c, int r0, int rows, int col, int cols) {
     for (int r = 0; r < rows; r++) {
@@ -189,11 +176,31 @@ static void finish(const panels_t *l, const float *c, int r0, int rows, int col,
         if (l->bf16) {
             uint16_t *o = (uint16_t *)l->out + (int64_t)(r0 + r) * l->N + col;
             const uint16_t *bias = l->bias != NULL ? (const uint16_t *)l->bias + col : NULL;
-            for (int n = 0; n < cols; n++) o[n] = f_to_bf(cr[n] + (bias != NULL ? bf_to_f(bias[n]) : 0.0f));
+            for (int n = 0; n < cols; n++) o[n] = f2bf(cr[n] + (bias != NULL ? bf2f(bias[n]) : 0.0f));
         } else {
             float *o = (float *)l->out + (int64_t)(r0 + r) * l->N + col;
             const float *bias = l->bias != NULL ? (const float *)l->bias + col : NULL;
             for (int n = 0; n < cols; n++) o[n] = cr[n] + (bias != NULL ? bias[n] : 0.0f);
+        }
+    }
+}
+
+/* SwiGLU from a panel of 32 gate columns then the same 32 up columns: out[r][col/2 + j] =
+ * silu(gate) * up, rounded as torch rounds its three steps in bfloat16 (the linear's output, silu's,
+ * the product's). out is T x N/2. */
+static void finish_swiglu(const panels_t *l, const float *c, int col) {
+    const int half = PANEL / 2;
+    for (int r = 0; r < l->T; r++) {
+        const float *cr = c + r * PANEL;
+        if (l->bf16) {
+            uint16_t *o = (uint16_t *)l->out + (int64_t)r * (l->N / 2) + col / 2;
+            for (int n = 0; n < half; n++) {
+                const float g = round_bf(cr[n]), u = round_bf(cr[half + n]);
+                o[n] = f2bf(round_bf(g / (1.0f + exp_f(-g))) * u);
+            }
+        } else {
+            float *o = (float *)l->out + (int64_t)r * (l->N / 2) + col / 2;
+            for (int n = 0; n < half; n++) o[n] = cr[n] / (1.0f + exp_f(-cr[n])) * cr[half + n];
         }
     }
 }
@@ -232,7 +239,10 @@ static void panel(const panels_t *l, int p, float *c) {
             }
         }
     }
-    finish(l, c, 0, l->T, PANEL * p, cols);
+    if (l->swiglu)
+        finish_swiglu(l, c, PANEL * p);
+    else
+        finish(l, c, 0, l->T, PANEL * p, cols);
 }
 
 static void run(const void *ctx, int phase, int t, int threads) {
@@ -246,27 +256,29 @@ static void run(const void *ctx, int phase, int t, int threads) {
 #endif
 
 /* x: T rows of K values (float32, or bfloat16 when `bf16`), `x_stride` values apart; w packed as
- * above; bias N values or NULL; out: T x N, contiguous. Returns 0; -1 where this CPU or dtype is
- * not served (or K is odd in bfloat16); -2 when out of memory. */
+ * above; bias N values or NULL; out: T x N, contiguous. `swiglu`: the panels pair 32 gate columns
+ * with 32 up columns (N a multiple of 64, no bias) and out, T x N/2, gets silu(gate) * up. Returns
+ * 0; -1 where this CPU or dtype is not served (or K is odd in bfloat16); -2 when out of memory. */
 int pd_linear_panels(const void *x, int64_t x_stride, const void *w, const void *bias, void *out, int T, int K, int N,
-                     int bf16, int threads) {
+                     int bf16, int swiglu, int threads) {
 #ifdef PD_VEC
 #ifndef PD_BF16_PANELS
     if (bf16) return -1;
 #endif
-    if (K <= 0 || N <= 0 || T < 0 || threads < 1 || (bf16 && K % 2)) return -1;
+    if (K <= 0 || N <= 0 || T < 0 || threads < 1 || (bf16 && K % 2) || (swiglu && (N % PANEL || bias))) return -1;
     if (T == 0) return 0;
     const int panels = (N + PANEL - 1) / PANEL;
     if (threads > panels) threads = panels;
     if (threads > PD_MAX_THREADS) threads = PD_MAX_THREADS;
     float *scratch = aligned_alloc(64, (size_t)threads * T * PANEL * sizeof(float));
     if (scratch == NULL) return -2;
-    const panels_t l = {x, w, bias, out, scratch, x_stride, T, K, N, bf16};
+    const panels_t l = {x, w, bias, out, scratch, x_stride, T, K, N, bf16, swiglu};
     pd_parallel_phase(run, &l, 0, threads);
     free(scratch);
     return 0;
 #else
-    (void)x, (void)x_stride, (void)w, (void)bias, (void)out, (void)T, (void)K, (void)N, (void)bf16, (void)threads;
+    (void)x, (void)x_stride, (void)w, (void)bias, (void)out, (void)T, (void)K, (void)N, (void)bf16, (void)swiglu;
+    (void)threads;
     return -1;
 #endif
 }

@@ -81,6 +81,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    SWIGLU = True  # gate_up_proj's rows are gate then up, and forward takes silu(gate) * up
+
     def __init__(self, cfg: ModelConfig, layout: TPLayout | None = None, reduce: Reduce | None = None,
                  inter: int | None = None) -> None:
         """`inter`: another width than the config's (DeepSeek's shared experts)."""
@@ -91,8 +93,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        fused = getattr(self.gate_up_proj, "swiglu", None)  # one native pass (engine/packed_linear.py)
+        h = fused(x) if fused is not None else None
+        if h is None:
+            gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+            h = F.silu(gate) * up
+        out = self.down_proj(h)
         return out if self.reduce is None else self.reduce(out)
 
 

@@ -60,3 +60,39 @@ def test_packed_linear_runs_on_panels_only(dtype):
     torch.testing.assert_close(packed(wide), ref(wide), **tol)
     other = torch.float64
     torch.testing.assert_close(packed(x.to(other)).to(dtype), ref(x), **tol)  # another dtype still answers
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 100])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_up_pass_equals_silu_times_up(rows, dtype):
+    torch.manual_seed(rows)
+    inter, hidden = 96, 64
+    ref = nn.Linear(hidden, 2 * inter, bias=False).to(dtype)
+    packed = PackedLinear(ref, panels=LIB, gate_up=True)
+    assert packed.paired
+    x = torch.randn(rows, hidden).to(dtype)
+    gate, up = ref(x).split([inter, inter], dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = packed.swiglu(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)  # the plain output, unpaired
+    else:  # each of torch's three roundings made in the same places: a bfloat16 ulp at most
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
+        torch.testing.assert_close(packed(x).float(), ref(x).float(), atol=2e-2, rtol=2e-2)
+    assert PackedLinear(nn.Linear(hidden, 2 * 40, bias=False).to(dtype), panels=LIB, gate_up=True).swiglu(x) is None
+
+
+def test_mlp_runs_its_gate_up_fused_after_packing(checkpoint):
+    from engine.config import ModelConfig
+    from engine.loader import load_model
+
+    cfg = ModelConfig.from_pretrained(checkpoint("llama-gqa"))
+    model = load_model(cfg, torch.float32, torch.device("cpu"), 64)
+    plain = load_model(cfg, torch.float32, torch.device("cpu"), 64, pack=False)
+    mlp, ref = model.layers[0].mlp, plain.layers[0].mlp
+    if mlp.inter % 32:
+        pytest.skip("this checkpoint's MLP is not a multiple of 32 wide")
+    assert mlp.gate_up_proj.paired
+    x = torch.randn(9, cfg.hidden_size)
+    torch.testing.assert_close(mlp(x), ref(x), atol=1e-5, rtol=1e-5)
