@@ -34,6 +34,9 @@ class SeqSpan:
     ctx_len: int
     kv_index: torch.Tensor | None  # (ctx_len,) slots of the keys; None when they are exactly the new tokens
     mask: torch.Tensor | None  # (q_len, ctx_len) bool, True = may attend; None when causal from 0
+    # query i sees keys j <= i + causal_offset, no other limit (the native prefill kernel serves it);
+    # None where a window or a bound also masks
+    causal_offset: int | None = None
 
 
 @dataclass
@@ -70,6 +73,8 @@ class AttentionMetadata:
     spans: list[SeqSpan] | None = None
     # quantized pages (engine/kv_quant.py): rows are written quantized and dequantized as gathered
     kv_quant: KVQuant | None = None
+    # the native kernels, for spans with a plain causal mask (engine/csrc/prefill_attention.c)
+    native_prefill: object | None = None
 
     def stored(self, rows: torch.Tensor) -> torch.Tensor:
         """New rows (T, heads, d) as the cache keeps them."""
@@ -143,6 +148,16 @@ def paged_attention(
     k_flat = kv_cache[0].view(-1, kvh, kv_cache[0].shape[-1])
     v_flat = kv_cache[1].view(-1, kvh, kv_cache[1].shape[-1])
     for span in meta.spans:
+        if meta.native_prefill is not None and sinks is None and span.causal_offset is not None:
+            if span.kv_index is None:
+                ks, vs = k[span.q_start : span.q_end], v[span.q_start : span.q_end]
+            else:
+                ks, vs = meta.values(k_flat[span.kv_index], q.dtype), meta.values(v_flat[span.kv_index], q.dtype)
+            o = prefill_attention(meta.native_prefill, q[span.q_start : span.q_end], ks, vs[..., :vd],
+                                  span.causal_offset, scale)
+            if o is not None:
+                outs.append(o)
+                continue
         qs = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)
         if span.kv_index is None:  # whole sequence is new: keys are exactly this slice
             ks = k[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
@@ -156,6 +171,23 @@ def paged_attention(
             o = sdpa(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+def prefill_attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                      scale: float) -> torch.Tensor | None:
+    """Causal attention of q (n, H, hd) over k (nk, kvh, hd), v (nk, kvh, vd), query i seeing keys
+    j <= i + offset, on the native kernel; None where it does not serve these tensors."""
+    if q.dtype not in (torch.float32, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype) \
+            or q.device.type != "cpu" or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return None
+    n, heads, hd = q.shape
+    nk, kvh, vd = v.shape
+    out = torch.empty(n, heads, vd, dtype=q.dtype)
+    rc = lib.pd_prefill_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                                  v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), heads * vd, vd, n, nk,
+                                  heads, kvh, hd, vd, offset, scale, int(q.dtype == torch.bfloat16),
+                                  torch.get_num_threads())
+    return out if rc == 0 else None
 
 
 def _sink_attention(sinks: torch.Tensor):

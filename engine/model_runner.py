@@ -188,6 +188,7 @@ class ModelRunner:
             first_span = n_dec
         if first_span < len(batch):
             meta.spans = self._spans(batch[first_span:], ctx[first_span:], first_span, window)
+            meta.native_prefill = self._native
         return meta
 
     def _key_blocks(self, table: list[int], first_query: int, end: int, window: int | None,
@@ -252,7 +253,8 @@ class ModelRunner:
                 if c > n:
                     table = torch.tensor(blocks, dtype=torch.long, device=dev)
                     kv_index = (table[:, None] * bs + torch.arange(bs, device=dev)).flatten()[lo:hi]
-            spans.append(SeqSpan(q_start, q_start + n, keys, kv_index, mask))
+            plain = not (windowed or bounded)  # causal only: the native prefill kernel's case
+            spans.append(SeqSpan(q_start, q_start + n, keys, kv_index, mask, c - n if plain else None))
             q_start += n
         return spans
 

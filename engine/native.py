@@ -1,5 +1,5 @@
 """The engine's native CPU kernels (engine/csrc), built on first use: paged decode attention (and
-its bfloat16 form on AMX tiles), a mixture-of-experts layer's routed experts (float32; and
+its bfloat16 form on AMX tiles), prefill attention and linear layers on the vector units (panels), a mixture-of-experts layer's routed experts (float32; and
 bfloat16 on AMX tiles), and the per-token steps of a layer (RMSNorm, RoPE: engine/token_ops.py).
 
 The C sources are compiled with the host's C compiler (`$CC`, else cc / gcc) for this CPU
@@ -109,6 +109,9 @@ def _load(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn = lib.pd_linear_panels
     fn.argtypes = [p, i64, p, p, p, i, i, i, i, i, i]
+    fn.restype = ctypes.c_int
+    fn = lib.pd_prefill_attention
+    fn.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i, i, i, i, i, i, i, ctypes.c_float, i, i]
     fn.restype = ctypes.c_int
     lib.pd_linear_panels_dtypes.argtypes = []
     lib.pd_linear_panels_dtypes.restype = ctypes.c_int

@@ -19,41 +19,12 @@
 #include <string.h>
 
 #include "bf16_tiles.h"
+#include "panel_tiles.h"
 #include "parallel.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define PD_VEC 16
-#define PD_MR 6
-typedef __m512 vec_t;
-#define VZERO() _mm512_setzero_ps()
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define VBCAST(p) _mm512_set1_ps(*(p))
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PD_VEC 8
-#define PD_MR 3
-typedef __m256 vec_t;
-#define VZERO() _mm256_setzero_ps()
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VSTORE(p, v) _mm256_storeu_ps(p, v)
-#define VBCAST(p) _mm256_broadcast_ss(p)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#endif
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define PD_BF16_PANELS 1
-#endif
-
-#define PANEL 64 /* output columns of a panel */
-#define KC 256   /* values of k per chunk */
-#define NV 4     /* vectors of columns a micro-kernel call covers */
+#define KC 256 /* values of k per chunk */
 
 #ifdef PD_VEC
-#define ALWAYS_INLINE __attribute__((always_inline)) inline
-
 typedef struct {
     const void *x, *w, *bias;
     void *out;
@@ -62,112 +33,6 @@ typedef struct {
     int T, K, N, bf16;
     int swiglu; /* panels of 32 gate then 32 up columns; out holds silu(gate) * up, N/2 columns */
 } panels_t;
-
-/* c[r][0 .. nv*PD_VEC) (+)= x[r][k0 .. k1) . panel columns, for r < mr; `ws`: the panel's width. */
-static ALWAYS_INLINE void tile_f32(const float *x, int64_t xs, const float *w, int ws, int k0, int k1, float *c,
-                                   int mr, int nv, int first, const char *pf, int pf_lines) {
-    vec_t acc[PD_MR][NV];
-#pragma GCC unroll 8
-    for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) acc[r][v] = first ? VZERO() : VLOAD(c + r * PANEL + v * PD_VEC);
-    for (int k = k0; k < k1; k++) {
-        const float *wk = w + (int64_t)k * ws;
-        for (int i = 0; i < pf_lines; i++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-        vec_t b[NV];
-#pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) b[v] = VLOAD(wk + v * PD_VEC);
-#pragma GCC unroll 8
-        for (int r = 0; r < mr; r++) {
-            const vec_t a = VBCAST(x + r * xs + k);
-#pragma GCC unroll 4
-            for (int v = 0; v < nv; v++) acc[r][v] = VFMA(a, b[v], acc[r][v]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) VSTORE(c + r * PANEL + v * PD_VEC, acc[r][v]);
-}
-
-#ifdef PD_BF16_PANELS
-/* As tile_f32 for bfloat16 x and panel: k advances in pairs ([K/2][ws][2] panel). */
-static ALWAYS_INLINE void tile_bf16(const uint16_t *x, int64_t xs, const uint16_t *w, int ws, int k0, int k1,
-                                    float *c, int mr, int nv, int first, const char *pf, int pf_lines) {
-    __m512 acc[PD_MR][NV];
-#pragma GCC unroll 8
-    for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * PANEL + v * 16);
-    for (int k = k0; k < k1; k += 2) {
-        const uint16_t *wk = w + (int64_t)k * ws;
-        for (int i = 0; i < pf_lines; i++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-        __m512bh b[NV];
-#pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) b[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
-#pragma GCC unroll 8
-        for (int r = 0; r < mr; r++) {
-            int32_t pair;
-            memcpy(&pair, x + r * xs + k, 4);
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) _mm512_storeu_ps(c + r * PANEL + v * 16, acc[r][v]);
-}
-#endif
-
-/* One specialised copy per (rows, vectors): the accumulators stay in registers. */
-#define TILE_CASES(FN, T)                                                                                   \
-    switch (mr * 8 + nv) {                                                                                \
-    case 8 + 1: FN(x, xs, w, ws, k0, k1, c, 1, 1, first, pf, pf_lines); break;                                          \
-    case 8 + 2: FN(x, xs, w, ws, k0, k1, c, 1, 2, first, pf, pf_lines); break;                                          \
-    case 8 + 3: FN(x, xs, w, ws, k0, k1, c, 1, 3, first, pf, pf_lines); break;                                          \
-    case 8 + 4: FN(x, xs, w, ws, k0, k1, c, 1, 4, first, pf, pf_lines); break;                                          \
-    case 16 + 1: FN(x, xs, w, ws, k0, k1, c, 2, 1, first, pf, pf_lines); break;                                         \
-    case 16 + 2: FN(x, xs, w, ws, k0, k1, c, 2, 2, first, pf, pf_lines); break;                                         \
-    case 16 + 3: FN(x, xs, w, ws, k0, k1, c, 2, 3, first, pf, pf_lines); break;                                         \
-    case 16 + 4: FN(x, xs, w, ws, k0, k1, c, 2, 4, first, pf, pf_lines); break;                                         \
-    case 24 + 1: FN(x, xs, w, ws, k0, k1, c, 3, 1, first, pf, pf_lines); break;                                         \
-    case 24 + 2: FN(x, xs, w, ws, k0, k1, c, 3, 2, first, pf, pf_lines); break;                                         \
-    case 24 + 3: FN(x, xs, w, ws, k0, k1, c, 3, 3, first, pf, pf_lines); break;                                         \
-    case 24 + 4: FN(x, xs, w, ws, k0, k1, c, 3, 4, first, pf, pf_lines); break;                                         \
-    T                                                                                                     \
-    }
-
-#if PD_MR == 6
-#define WIDE_CASES(FN)                                                                                    \
-    case 32 + 1: FN(x, xs, w, ws, k0, k1, c, 4, 1, first, pf, pf_lines); break;                                         \
-    case 32 + 2: FN(x, xs, w, ws, k0, k1, c, 4, 2, first, pf, pf_lines); break;                                         \
-    case 32 + 3: FN(x, xs, w, ws, k0, k1, c, 4, 3, first, pf, pf_lines); break;                                         \
-    case 32 + 4: FN(x, xs, w, ws, k0, k1, c, 4, 4, first, pf, pf_lines); break;                                         \
-    case 40 + 1: FN(x, xs, w, ws, k0, k1, c, 5, 1, first, pf, pf_lines); break;                                         \
-    case 40 + 2: FN(x, xs, w, ws, k0, k1, c, 5, 2, first, pf, pf_lines); break;                                         \
-    case 40 + 3: FN(x, xs, w, ws, k0, k1, c, 5, 3, first, pf, pf_lines); break;                                         \
-    case 40 + 4: FN(x, xs, w, ws, k0, k1, c, 5, 4, first, pf, pf_lines); break;                                         \
-    case 48 + 1: FN(x, xs, w, ws, k0, k1, c, 6, 1, first, pf, pf_lines); break;                                         \
-    case 48 + 2: FN(x, xs, w, ws, k0, k1, c, 6, 2, first, pf, pf_lines); break;                                         \
-    case 48 + 3: FN(x, xs, w, ws, k0, k1, c, 6, 3, first, pf, pf_lines); break;                                         \
-    case 48 + 4: FN(x, xs, w, ws, k0, k1, c, 6, 4, first, pf, pf_lines); break;
-#else
-#define WIDE_CASES(FN)
-#endif
-
-static void tile_f32_any(const float *x, int64_t xs, const float *w, int ws, int k0, int k1, float *c, int mr, int nv,
-                         int first, const char *pf, int pf_lines) {
-    TILE_CASES(tile_f32, WIDE_CASES(tile_f32))
-}
-
-#ifdef PD_BF16_PANELS
-static void tile_bf16_any(const uint16_t *x, int64_t xs, const uint16_t *w, int ws, int k0, int k1, float *c, int mr,
-                          int nv, int first, const char *pf, int pf_lines) {
-    TILE_CASES(tile_bf16, WIDE_CASES(tile_bf16))
-}
-#endif
 
 /* Rows [r0, r0 + rows) of columns [col, col + cols) from the float32 sums (PANEL apart) into out. */
 static void finish(const panels_t *l, const float *c, int r0, int rows, int col, int cols) {
@@ -229,11 +94,11 @@ static void panel(const panels_t *l, int p, float *c) {
                 if (l->bf16) {
 #ifdef PD_BF16_PANELS
                     tile_bf16_any((const uint16_t *)l->x + r0 * l->x_stride, l->x_stride,
-                                  (const uint16_t *)w + v0 * 2, ws, k0, k1, cr, mr, nv, k0 == 0, pf, lines);
+                                  (const uint16_t *)w + v0 * 2, ws, k0, k1, cr, PANEL, mr, nv, k0 == 0, pf, lines);
 #endif
                 } else {
                     tile_f32_any((const float *)l->x + r0 * l->x_stride, l->x_stride, (const float *)w + v0, ws, k0,
-                                 k1, cr, mr, nv, k0 == 0, pf, lines);
+                                 k1, cr, PANEL, mr, nv, k0 == 0, pf, lines);
                 }
                 if (lines) pf += (int64_t)lines * 64 * steps;
             }
