@@ -80,16 +80,16 @@ static void panel(const panels_t *l, int p, float *c) {
         const int nv = (ws - v0 < NV * PD_VEC ? ws - v0 : NV * PD_VEC) / PD_VEC;
         for (int k0 = 0; k0 < l->K; k0 += KC) {
             const int k1 = l->K - k0 < KC ? l->K : k0 + KC;
-            /* the first row block reads the chunk from memory; the others, from the caches, bring
-             * in the next KC rows of the weight meanwhile (this panel's next chunk, or the next panel) */
+            /* every row block brings in a share of the next KC rows of the weight (this panel's next
+             * chunk, or the next panel) while it computes on this chunk: the row blocks after the
+             * first read the chunk from the caches, and the memory stream overlaps their work */
             const int blocks = (l->T + PD_MR - 1) / PD_MR;
             const char *pf = w + (int64_t)k1 * ws * esize;
             const int steps = (k1 - k0) / (l->bf16 ? 2 : 1); /* of a tile's k loop */
-            const int pf_lines = blocks > 1 && v0 == 0 ? (KC * ws * esize / 64 + (blocks - 1) * steps - 1) /
-                                                          ((blocks - 1) * steps) : 0;
+            const int pf_lines = v0 == 0 ? (KC * ws * esize / 64 + blocks * steps - 1) / (blocks * steps) : 0;
             for (int b = 0; b < blocks; b++) { /* rows split evenly: 16 rows are 6 + 5 + 5 */
                 const int r0 = l->T * b / blocks, mr = l->T * (b + 1) / blocks - r0;
-                const int lines = b == 0 ? 0 : pf_lines;
+                const int lines = pf_lines;
                 float *cr = c + r0 * PANEL + v0;
                 if (l->bf16) {
 #ifdef PD_BF16_PANELS
