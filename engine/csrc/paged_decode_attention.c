@@ -22,8 +22,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "parallel.h"
 #include "kernels.h"
+#include "panel_tiles.h"
+#include "parallel.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -154,6 +155,30 @@ static inline const float *row_f32(const job_t *j, const void *base, int64_t off
     return buf;
 }
 
+#ifdef PD_VEC
+/* Plain rows (float32 or bfloat16) whose widths are whole vectors: read in vectors, converted in
+ * registers, no copy of the row. */
+static inline vec_t plain_vec(const void *base, int64_t i, int is_bf16) {
+    return is_bf16 ? VLOAD_BF16((const uint16_t *)base + i) : VLOAD((const float *)base + i);
+}
+
+static inline float dot_plain(const float *q, const void *base, int64_t off, int n, int is_bf16) {
+    vec_t a0 = VZERO(), a1 = VZERO();
+    int d = 0;
+    for (; d + 2 * PD_VEC <= n; d += 2 * PD_VEC) {
+        a0 = VFMA(VLOAD(q + d), plain_vec(base, off + d, is_bf16), a0);
+        a1 = VFMA(VLOAD(q + d + PD_VEC), plain_vec(base, off + d + PD_VEC, is_bf16), a1);
+    }
+    if (d < n) a0 = VFMA(VLOAD(q + d), plain_vec(base, off + d, is_bf16), a0);
+    return VHSUM(VADD(a0, a1));
+}
+
+static inline void axpy_plain(float *acc, float p, const void *base, int64_t off, int n, int is_bf16) {
+    const vec_t pv = VSET1(p);
+    for (int d = 0; d < n; d += PD_VEC) VSTORE(acc + d, VFMA(pv, plain_vec(base, off + d, is_bf16), VLOAD(acc + d)));
+}
+#endif
+
 /* Sequence i, kv heads [h0, h1), query rows [g0, g1) of each: every token row of a block is read
  * once, in order. */
 static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
@@ -172,6 +197,9 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
         l[r] = 0.f;
     }
     const int64_t n = j->ctx[i], first = j->starts ? j->starts[i] : 0;
+#ifdef PD_VEC
+    const int vec_rows = j->kv_format == KV_PLAIN && hd % PD_VEC == 0 && vd % PD_VEC == 0;
+#endif
     const int64_t row = (int64_t)kvh * j->width;  /* elements between consecutive tokens of a block */
     for (int64_t start = first - first % bs; start < n; start += bs) {
         const int64_t block = j->tables[(int64_t)i * j->max_blocks + start / bs];
@@ -182,7 +210,18 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
         for (int r = 0; r < rows; r++) bmax[r] = -INFINITY;
         for (int t = t0; t < cnt; t++) {
             for (int h = h0; h < h1; h++) {
-                const float *kr = row_f32(j, j->k, base + t * row + (int64_t)h * j->width, buf, hd);
+                const int64_t off = base + t * row + (int64_t)h * j->width;
+#ifdef PD_VEC
+                if (vec_rows) {
+                    for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
+                        const float x = dot_plain(qv[r], j->k, off, hd, j->is_bf16);
+                        s[r][t] = x;
+                        if (x > bmax[r]) bmax[r] = x;
+                    }
+                    continue;
+                }
+#endif
+                const float *kr = row_f32(j, j->k, off, buf, hd);
                 for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
                     const float x = dot(qv[r], kr, hd);
                     s[r][t] = x;
@@ -200,6 +239,14 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
         }
         for (int t = t0; t < cnt; t++) {
             for (int h = h0; h < h1; h++) {
+#ifdef PD_VEC
+                if (vec_rows) {
+                    const int64_t off = base + t * row + (int64_t)h * j->width;
+                    for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++)
+                        axpy_plain(acc[r], s[r][t], j->v, off, vd, j->is_bf16);
+                    continue;
+                }
+#endif
                 const float *vr = row_f32(j, j->v, base + t * row + (int64_t)h * j->width, buf, vd);
                 for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
                     const float p = s[r][t];
