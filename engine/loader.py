@@ -141,8 +141,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         if lib is not None:
             _native_experts(model, lib, dtype)
             _native_token_ops(model, lib)
-        if tiles is not None:
-            _native_decode_blocks(model, tiles)
+            _native_decode_blocks(model, lib, tiles is not None)  # AMX tiles or panels: AttentionBlock.serves says
     return model.eval()
 
 
@@ -153,12 +152,12 @@ def _native_token_ops(model: nn.Module, lib: Any) -> None:
             module.token_ops = lib
 
 
-def _native_decode_blocks(model: nn.Module, lib: Any) -> None:
+def _native_decode_blocks(model: nn.Module, lib: Any, amx: bool) -> None:
     """Each layer whose attention half the native decode block runs gets one (engine/models/decode_block.py)."""
     for layer in model.layers:
         if AttentionBlock.serves(layer):
             layer.decode_block = AttentionBlock(layer, lib)
-        elif hasattr(layer.self_attn, "pack_heads"):  # latent attention: its per-head projections on tiles
+        elif amx and hasattr(layer.self_attn, "pack_heads"):  # latent attention: its per-head projections on tiles
             layer.self_attn.pack_heads(lib)
 
 

@@ -118,6 +118,12 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.pd_attention_block_bf16
     fn.argtypes = [p] * 20 + [i] * 7 + [ctypes.c_float] * 2 + [i, i]
     fn.restype = ctypes.c_int
+    fn = lib.pd_attention_block_panels
+    fn.argtypes = [p] * 20 + [i] * 7 + [ctypes.c_float] * 2 + [i, i]
+    fn.restype = ctypes.c_int
+    fn = lib.pd_mlp_panels
+    fn.argtypes = [p] * 4 + [i] * 5
+    fn.restype = ctypes.c_int
     fn = lib.pd_moe_block_bf16
     fn.argtypes = [p] * 5 + [i] * 8
     fn.restype = ctypes.c_int

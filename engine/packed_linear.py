@@ -116,6 +116,21 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kernel}"
 
 
+def mlp_on_panels(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A SwiGLU MLP's two linears (gate/up packed paired, down) in one native call
+    (engine/csrc/decode_layer.c pd_mlp_panels: the same kernels as `swiglu` then `down`), or None
+    where they are not both on panels or x is not a contiguous batch of their dtype."""
+    if not (isinstance(gate_up, PackedLinear) and gate_up.paired and isinstance(down, PackedLinear)
+            and down.panels is not None and down.bias is None and x.dim() == 2 and x.is_contiguous()
+            and x.dtype == gate_up.panels.dtype == down.panels.dtype):
+        return None
+    out = torch.empty(x.shape[0], down.out_features, dtype=x.dtype)
+    rc = gate_up.lib.pd_mlp_panels(x.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), out.data_ptr(),
+                                   x.shape[0], gate_up.in_features, down.in_features, int(x.dtype == torch.bfloat16),
+                                   torch.get_num_threads())
+    return out if rc == 0 else None
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False

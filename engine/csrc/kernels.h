@@ -11,6 +11,8 @@ int pd_rope(const void *src, long token_stride, long head_stride, const void *co
             int q_heads, int hd, float eps, int dtype, int threads);
 int pd_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *out, int T,
                    int K, int N, int threads);
+int pd_linear_panels(const void *x, int64_t x_stride, const void *w, const void *bias, void *out, int T, int K, int N,
+                     int bf16, int swiglu, int threads);
 int pd_linear_heads_bf16(const uint16_t *x, int64_t x_stride, int64_t x_head, const uint16_t *w, uint16_t *out,
                          int64_t out_stride, int64_t out_head, int T, int K, int N, int heads, int threads);
 int decode_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,

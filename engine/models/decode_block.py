@@ -1,5 +1,7 @@
 """A Llama-family layer's decode step in native calls (engine/csrc/decode_layer.c): bfloat16 on a
-CPU with AMX tiles, a decode-only batch of up to `TILE_MAX_ROWS` sequences.
+CPU with AMX tiles, a decode-only batch of up to `TILE_MAX_ROWS` sequences; or, where the linears
+run on the panel kernel (engine/packed_linear.py), float32 or bfloat16, a decode-only batch of any
+size.
 
 `AttentionBlock` runs the attention half of a layer in one call: the previous layer's MLP output
 added to the residual stream, RMSNorm, q/k/v, Qwen3's q/k norms and RoPE, the new K/V into the
@@ -45,6 +47,8 @@ class AttentionBlock:
         self.q_w = attn.q_norm.weight if attn.q_norm is not None else None
         self.k_w = attn.k_norm.weight if attn.k_norm is not None else None
         self.heads, self.kv_heads, self.hd, self.scale = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
+        self.panels = attn.qkv_proj.tiles is None  # else the AMX tile copies
+        self.dtype = attn.qkv_proj.panels.dtype if self.panels else torch.bfloat16
 
     @staticmethod
     def serves(layer: DecoderLayer) -> bool:
@@ -57,9 +61,12 @@ class AttentionBlock:
         eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
         if attn.q_norm is not None:
             eps |= {attn.q_norm.eps, attn.k_norm.eps}
-        return (attn.reduce is None and attn.sinks is None and len(eps) == 1
-                and all(isinstance(m, PackedLinear) and m.tiles is not None for m in (attn.qkv_proj, attn.o_proj))
-                and layer.input_layernorm.weight.dtype == torch.bfloat16)
+        linears = (attn.qkv_proj, attn.o_proj)
+        tiles = all(isinstance(m, PackedLinear) and m.tiles is not None for m in linears) \
+            and layer.input_layernorm.weight.dtype == torch.bfloat16
+        panels = all(isinstance(m, PackedLinear) and m.panels is not None for m in linears) \
+            and layer.input_layernorm.weight.dtype == attn.qkv_proj.panels.dtype
+        return attn.reduce is None and attn.sinks is None and len(eps) == 1 and (tiles or panels)
 
     def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -67,19 +74,24 @@ class AttentionBlock:
         block does not serve."""
         nd = meta.native_decode
         T = x.shape[0]
-        if (nd is None or meta.spans is not None or meta.decode_groups is not None or T > TILE_MAX_ROWS
-                or x.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous()
+        if (nd is None or meta.spans is not None or meta.decode_groups is not None
+                or (T > TILE_MAX_ROWS and not self.panels) or meta.kv_quant is not None
+                or x.dtype != self.dtype or kv_cache.dtype != self.dtype or not kv_cache.is_contiguous()
                 or not x.is_contiguous() or (delta is not None and not delta.is_contiguous())):
             return None
         x_out, h_out = torch.empty_like(x), torch.empty_like(x)
         bs = kv_cache.shape[2]
-        rc = self.lib.pd_attention_block_bf16(
-            x.data_ptr(), _ptr(delta), self.in_w.data_ptr(), self.qkv.tiles.data_ptr(), _ptr(self.qkv.bias),
-            _ptr(self.q_w), _ptr(self.k_w), cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
-            kv_cache[1].data_ptr(), meta.slot_mapping.data_ptr(), nd.block_tables.data_ptr(),
-            nd.context_lens.data_ptr(), _ptr(nd.starts), self.o.tiles.data_ptr(), _ptr(self.o.bias),
-            self.post_w.data_ptr(), x_out.data_ptr(), h_out.data_ptr(), T, x.shape[1], self.heads, self.kv_heads,
-            self.hd, bs, nd.block_tables.shape[1], self.eps, self.scale, int(AMX_ATTENTION), nd.threads)
+        args = (x.data_ptr(), _ptr(delta), self.in_w.data_ptr(),
+                (self.qkv.panels if self.panels else self.qkv.tiles).data_ptr(), _ptr(self.qkv.bias),
+                _ptr(self.q_w), _ptr(self.k_w), cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
+                kv_cache[1].data_ptr(), meta.slot_mapping.data_ptr(), nd.block_tables.data_ptr(),
+                nd.context_lens.data_ptr(), _ptr(nd.starts), (self.o.panels if self.panels else self.o.tiles).data_ptr(),
+                _ptr(self.o.bias), self.post_w.data_ptr(), x_out.data_ptr(), h_out.data_ptr(), T, x.shape[1],
+                self.heads, self.kv_heads, self.hd, bs, nd.block_tables.shape[1], self.eps, self.scale)
+        if self.panels:
+            rc = self.lib.pd_attention_block_panels(*args, int(self.dtype == torch.bfloat16), nd.threads)
+        else:
+            rc = self.lib.pd_attention_block_bf16(*args, int(AMX_ATTENTION), nd.threads)
         if rc == -2:
             raise MemoryError("the native attention block could not allocate its buffers")
         if rc != 0:

@@ -26,6 +26,7 @@ from engine.models.gpt_oss import GptOssMoE
 from engine.models.mla import LatentAttention
 from engine.models.moe import Reduce, SparseMoE
 from engine.models.norm import RMSNorm
+from engine.packed_linear import mlp_on_panels
 from engine.rope import apply_rope, rope_cos_sin, rotate
 
 if TYPE_CHECKING:
@@ -93,12 +94,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj, "swiglu", None)  # one native pass (engine/packed_linear.py)
-        h = fused(x) if fused is not None else None
-        if h is None:
-            gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-            h = F.silu(gate) * up
-        out = self.down_proj(h)
+        out = mlp_on_panels(self.gate_up_proj, self.down_proj, x)  # one native call (engine/packed_linear.py)
+        if out is None:
+            fused = getattr(self.gate_up_proj, "swiglu", None)  # silu(gate) * up in the linear's pass
+            h = fused(x) if fused is not None else None
+            if h is None:
+                gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+                h = F.silu(gate) * up
+            out = self.down_proj(h)
         return out if self.reduce is None else self.reduce(out)
 
 
