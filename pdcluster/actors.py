@@ -152,7 +152,8 @@ class RouterActor:
                                     metrics=router_metrics(self.server),
                                     request_timeout_s=self.server.request_timeout_s + 10,
                                     max_model_len=self.server.max_model_len,
-                                    tls_cert=router_kwargs.get("tls_cert"), tls_key=router_kwargs.get("tls_key"), **http)
+                                    tls_cert=router_kwargs.get("tls_cert"), tls_key=router_kwargs.get("tls_key"),
+                                    router=self.server, **http)
                 self.http.start()
             except BaseException:
                 self.server.stop()

@@ -67,7 +67,8 @@ class LocalCluster:
                 self.http = HttpApi(self.router.local_address, self.router.model_name, self.router.tokenizer,
                                     **{"readiness": router_readiness(self.router),
                                        "max_model_len": self.router.max_model_len,
-                                       "metrics": router_metrics(self.router), **certs, **http})
+                                       "metrics": router_metrics(self.router), "router": self.router, **certs,
+                                       **http})
                 self.http.start()
         except BaseException:
             self.stop()

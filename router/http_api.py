@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API: FastAPI on uvicorn, in front of the router's own gRPC service.
 
-Every generation is forwarded to `PDCluster.Generate` over a loopback grpc.aio channel, so the
-router (router/server.py) stays the one place for validation, API keys, cancellation and
-orchestration; this module serves the routes and translates: router/openai_protocol.py reads
+Every generation goes to the router's `PDCluster.Generate` handler (router/server.py), which stays
+the one place for validation, API keys, cancellation and orchestration: in the same process when
+the API is given the router (`router=`: router/local_call.py runs the handler there, no loopback
+gRPC hop; how `pdcluster up` and LocalCluster serve it), else over a loopback grpc.aio channel; this module serves the routes and translates: router/openai_protocol.py reads
 requests, router/openai_responses.py shapes answers, router/http_stream.py relays a generation.
 
     POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events)
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException
 from proto import generate_pb2_grpc as gen_grpc
 from router.http_choices import ChoiceRun, collect_all
 from router.http_stream import ClientGone, events, unless_disconnected
+from router.local_call import LocalStub
 from router.openai_choices import usage
 from router.openai_protocol import ApiError, bad, chat_messages, parse_chat, parse_completion
 from router.openai_responses import LogprobFormatter, response_of
@@ -73,11 +75,12 @@ class HttpApi:
                  host: str = "127.0.0.1", port: int = 0, api_keys: list[str] | None = None,
                  request_timeout_s: float = 600.0, readiness: Readiness | None = None,
                  metrics: Callable[[], tuple[bytes, str]] | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, max_model_len: int | None = None) -> None:
+                 tls_key: str | None = None, max_model_len: int | None = None, router: Any = None) -> None:
         """`tokenizer`: a Hugging Face tokenizer, or a checkpoint path / "builtin:NAME" to load one from
         (used for chat templates and logprob token strings). `api_keys`: empty = no authentication
         here (the router still checks its own keys: the caller's key is forwarded). `tls_cert` /
-        `tls_key`: PEM files; with both, HTTPS only."""
+        `tls_key`: PEM files; with both, HTTPS only. `router`: the in-process RouterServer whose
+        Generate handler serves the generations directly (router/local_call.py)."""
         if isinstance(tokenizer, (str, Path)):
             from engine.builtin_model import resolve_model_path
             from engine.tokenizer import load_tokenizer
@@ -91,6 +94,7 @@ class HttpApi:
         self.readiness = readiness
         self.max_model_len = max_model_len  # reported by /tokenize
         self.metrics = metrics  # () -> (body, content type) for /metrics; None: 404
+        self.router = router
         self.created = int(time.time())
         self._bos = _template_bos(tokenizer)
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
@@ -153,7 +157,7 @@ class HttpApi:
         # bound to this thread's loop; takes what the router may send (a first message with prompt logprobs)
         self._channel = grpc.aio.insecure_channel(self.router_address, options=[
             ("grpc.max_receive_message_length", MAX_BODY_BYTES)])
-        self._stub = gen_grpc.PDClusterStub(self._channel)
+        self._stub = LocalStub(self.router) if self.router is not None else gen_grpc.PDClusterStub(self._channel)
         try:
             yield
         finally:
