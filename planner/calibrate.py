@@ -281,7 +281,7 @@ def calibrate(model: str = "builtin:tiny-llama", cpu: int | None = None, repeats
                        "torch_threads": 1, "pinned_cpu": pinned},
             "machine": _machine(),
             "command": "pdcluster " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name in ("pdcluster", "cli.py")
-            else " ".join(sys.argv),
+            or Path(sys.argv[0]).parts[-2:] == ("cli", "__main__.py") else " ".join(sys.argv),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "wall_s": round(time.perf_counter() - t_start, 1),
             "samples": {"prefill": prefill_samples, "decode": decode_samples},
