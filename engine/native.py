@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
 HEADERS = sorted(CSRC.glob("*.h"))
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-fPIC", "-shared"]
+MARCH = "native"  # the instruction sets the kernels are built for (`library_for` builds others)
 # OpenMP: the kernels then run on torch's own OpenMP threads (libgomp.so.1, which torch has already
 # loaded, is the one the dynamic loader binds); where the compiler lacks it, POSIX threads.
 OPENMP = ["-fopenmp"]
@@ -56,12 +57,13 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, march: str = MARCH) -> Path:
+    flags = [f"-march={march}", *FLAGS]
     try:
-        return _build_with(cc, FLAGS + OPENMP)
+        return _build_with(cc, flags + OPENMP)
     except (RuntimeError, subprocess.SubprocessError) as e:
         log.info("native kernels: building without OpenMP (%s)", e)
-        return _build_with(cc, FLAGS)
+        return _build_with(cc, flags)
 
 
 def _build_with(cc: str, flags: list[str]) -> Path:
@@ -146,6 +148,15 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.pd_amx_ready.argtypes = []
     lib.pd_amx_ready.restype = ctypes.c_int
     return lib
+
+
+def library_for(march: str) -> ctypes.CDLL:
+    """The kernels built for another instruction set (`-march=haswell`: AVX2 without AVX-512), for
+    tests of the paths this CPU would not take; raises where no compiler builds it."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found")
+    return _load(_build(cc, march))
 
 
 def native_lib() -> ctypes.CDLL | None:
