@@ -138,26 +138,29 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
         stream = self._streams.get(seq.request_id)
         if stream is None:
             return
-        first = stream.sent
+        opening, first = stream.sent == 0, stream.sent
+        if opening and not stream.local and stream.committed_at is not None and seq.output_token_ids:
+            first = 1  # the first token came with the prefill worker's reply: the router has it, it crosses once
         new = seq.output_token_ids[first:]
+        stream.sent = first
         stream.sent += len(new)
         lps = seq.logprobs[first : first + len(new)] if seq.logprobs else []
         decode_queue_ms = 0.0
-        if first == 0 and stream.local:  # queued until the prompt was first scheduled
+        if opening and stream.local:  # queued until the prompt was first scheduled
             decode_queue_ms = seq.queue_ms
             self._prompt_tokens += seq.num_prompt_tokens
             self._cached_tokens += seq.num_cached_tokens
             if self.role == wk.WORKER_ROLE_DECODE:
                 self._local_prefills += 1
                 self._local_blocks += -(-seq.num_prompt_tokens // self.engine.block_size)
-        elif first == 0 and stream.committed_at is not None:  # KV committed -> first decode step done
+        elif opening and stream.committed_at is not None:  # KV committed -> first decode step done
             decode_queue_ms = (time.monotonic() - stream.committed_at) * 1e3
         chunk = wk.TokenChunk(
             request_id=seq.request_id, start_index=first, token_ids=new,
             logprobs=[logprob_to_proto(lp) for lp in lps], finish_reason=seq.finish_reason or "",
             decode_queue_ms=decode_queue_ms,
         )
-        if first == 0 and stream.local:
+        if opening and stream.local:
             chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in seq.prompt_logprobs)
         stream.queue.put(chunk)
         if seq.finish_reason is not None:
