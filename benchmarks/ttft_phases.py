@@ -61,11 +61,15 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
     return histogram_sums(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
-def ttft_ms(url: str, words: int, max_tokens: int) -> float:
-    """One streamed completion; the client's time to its first token, ms."""
+def ttft_ms(url: str, words: int, max_tokens: int, client: httpx.Client | None = None) -> float:
+    """One streamed completion; the client's time to its first token, ms. `client`: a kept one (a
+    new httpx client builds its TLS context, ~20 ms, even for plain HTTP: it would be counted)."""
+    if client is None:
+        with httpx.Client(timeout=120) as own:
+            return ttft_ms(url, words, max_tokens, own)
     t0 = time.perf_counter()
     first = None
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+    with client.stream("POST", f"{url}/v1/completions", timeout=120, json={
             "model": MODEL, "prompt": "hello " * words, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}) as r:
         r.raise_for_status()
@@ -82,19 +86,22 @@ def case(url: str, streams: int, requests: int) -> dict[str, float]:
     done = threading.Event()
 
     def background() -> None:
-        while not done.is_set():
-            ttft_ms(url, 20, 150)
+        with httpx.Client(timeout=120) as own:
+            while not done.is_set():
+                ttft_ms(url, 20, 150, own)
 
     threads = [threading.Thread(target=background, daemon=True) for _ in range(streams)]
     for t in threads:
         t.start()
-    time.sleep(0.5 if streams else 0.0)
-    before = scrape(url)
     client = []
-    for _ in range(requests):
-        time.sleep(0.15)
-        client.append(ttft_ms(url, 45, 8))
-    after = scrape(url)
+    with httpx.Client(timeout=120) as http:
+        ttft_ms(url, 45, 8, http)  # the connection opened before the measured requests
+        time.sleep(0.5 if streams else 0.0)
+        before = scrape(url)
+        for _ in range(requests):
+            time.sleep(0.15)
+            client.append(ttft_ms(url, 45, 8, http))
+        after = scrape(url)
     done.set()
     for t in threads:
         t.join(timeout=60)
