@@ -177,6 +177,28 @@ static inline void axpy_plain(float *acc, float p, const void *base, int64_t off
     const vec_t pv = VSET1(p);
     for (int d = 0; d < n; d += PD_VEC) VSTORE(acc + d, VFMA(pv, plain_vec(base, off + d, is_bf16), VLOAD(acc + d)));
 }
+
+/* An int8 page row (n values, then its float32 scale): q . row, and acc += p * row, the values
+ * converted in registers and the scale applied once. */
+static inline float dot_int8(const float *q, const uint8_t *row, int n) {
+    vec_t a0 = VZERO(), a1 = VZERO();
+    int d = 0;
+    for (; d + 2 * PD_VEC <= n; d += 2 * PD_VEC) {
+        a0 = VFMA(VLOAD(q + d), VLOAD_I8(row + d), a0);
+        a1 = VFMA(VLOAD(q + d + PD_VEC), VLOAD_I8(row + d + PD_VEC), a1);
+    }
+    if (d < n) a0 = VFMA(VLOAD(q + d), VLOAD_I8(row + d), a0);
+    float scale;
+    memcpy(&scale, row + n, 4);
+    return VHSUM(VADD(a0, a1)) * scale;
+}
+
+static inline void axpy_int8(float *acc, float p, const uint8_t *row, int hd, int n) {
+    float scale;
+    memcpy(&scale, row + hd, 4);
+    const vec_t pv = VSET1(p * scale);
+    for (int d = 0; d < n; d += PD_VEC) VSTORE(acc + d, VFMA(pv, VLOAD_I8(row + d), VLOAD(acc + d)));
+}
 #endif
 
 /* Sequence i, kv heads [h0, h1), query rows [g0, g1) of each: every token row of a block is read
@@ -199,6 +221,7 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
     const int64_t n = j->ctx[i], first = j->starts ? j->starts[i] : 0;
 #ifdef PD_VEC
     const int vec_rows = j->kv_format == KV_PLAIN && hd % PD_VEC == 0 && vd % PD_VEC == 0;
+    const int int8_rows = j->kv_format == KV_INT8 && hd % PD_VEC == 0 && vd % PD_VEC == 0;
 #endif
     const int64_t row = (int64_t)kvh * j->width;  /* elements between consecutive tokens of a block */
     for (int64_t start = first - first % bs; start < n; start += bs) {
@@ -212,6 +235,14 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
             for (int h = h0; h < h1; h++) {
                 const int64_t off = base + t * row + (int64_t)h * j->width;
 #ifdef PD_VEC
+                if (int8_rows) {
+                    for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
+                        const float x = dot_int8(qv[r], (const uint8_t *)j->k + off, hd);
+                        s[r][t] = x;
+                        if (x > bmax[r]) bmax[r] = x;
+                    }
+                    continue;
+                }
                 if (vec_rows) {
                     for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
                         const float x = dot_plain(qv[r], j->k, off, hd, j->is_bf16);
@@ -240,6 +271,11 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
         for (int t = t0; t < cnt; t++) {
             for (int h = h0; h < h1; h++) {
 #ifdef PD_VEC
+                if (int8_rows) {
+                    const uint8_t *vr = (const uint8_t *)j->v + base + t * row + (int64_t)h * j->width;
+                    for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) axpy_int8(acc[r], s[r][t], vr, hd, vd);
+                    continue;
+                }
                 if (vec_rows) {
                     const int64_t off = base + t * row + (int64_t)h * j->width;
                     for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++)

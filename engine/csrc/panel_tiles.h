@@ -29,6 +29,7 @@ typedef __m512 vec_t;
 #define VPOW2I(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 #define VHMAX(a) _mm512_reduce_max_ps(a)
 #define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define VHSUM(a) _mm512_reduce_add_ps(a)
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -63,6 +64,7 @@ static inline float pd_hsum8(__m256 a) {
 }
 #define VHMAX(a) pd_hmax8(a)
 #define VLOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VLOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define VHSUM(a) pd_hsum8(a)
 #endif
 
