@@ -51,7 +51,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, tiles: Any = None, panels: Any = None, gate_up: bool = False) -> None:
         """`tiles`: the native kernels, for a decode copy of a bfloat16 weight on AMX tiles; `panels`:
         the native kernels, to run every batch on the weight in the panel layout (no oneDNN copy);
-        `gate_up`: the layer is a SwiGLU MLP's gate rows then up rows (`swiglu` then serves it)."""
+        `gate_up`: the layer is a SwiGLU MLP's gate rows then up rows (`mlp_on_panels` then serves it)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -59,14 +59,13 @@ class PackedLinear(nn.Module):
         self.lib: Any = None
         self.tiles: torch.Tensor | None = None
         self.register_buffer("panels", None, persistent=False)
-        # paired gate/up panels: each panel's 64 columns are 32 gate and the same 32 up ones
-        self.paired = gate_up and self.bias is None and self.out_features % 64 == 0
+        self.paired = False  # gate/up panels: each panel's 64 columns are 32 gate and the same 32 up ones
         if tiles is None and linear_panels.served(panels, weight.dtype) \
                 and (weight.dtype != torch.bfloat16 or self.in_features % 2 == 0):
             self.lib = panels
+            self.paired = gate_up and self.bias is None and self.out_features % 64 == 0
             self.panels = linear_panels.pack_panels(linear_panels.pair_gate_up(weight) if self.paired else weight)
             return
-        self.paired = False
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, LAYOUT_HINT_ROWS),
                              persistent=False)
         if tiles is not None and weight.dtype == torch.bfloat16 and self.in_features % DEPTH == 0 \
@@ -86,30 +85,19 @@ class PackedLinear(nn.Module):
                 return out
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the kernels read it: (T, in_features), unit stride, rows back to back."""
+        return x.reshape(-1, self.in_features).contiguous()
+
     def _on_panels(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
-            rows = rows.contiguous()
+        rows = self.rows(x)
         out = linear_panels.linear(self.lib, rows, self.panels, self.bias, self.out_features)
         if out is None:  # another dtype than the weight's (a caller's mistake, kept working): torch's matmul
             weight = linear_panels.unpack_panels(self.panels, self.out_features, self.in_features)
             out = torch.nn.functional.linear(rows.to(weight.dtype), weight, self.bias)
         if self.paired:
             out = linear_panels.unpair_gate_up(out)
-        return out.view(*lead, self.out_features)
-
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of a gate/up layer in one native pass, (..., out_features / 2); None where
-        this layer is not packed for it (the caller then runs the linear and the activation)."""
-        if not self.paired or x.dtype != self.panels.dtype:
-            return None
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
-            rows = rows.contiguous()
-        out = linear_panels.linear(self.lib, rows, self.panels, None, self.out_features, swiglu=True)
-        return None if out is None else out.view(*lead, self.out_features // 2)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         kernel = "native panels" if self.panels is not None else "oneDNN"
@@ -117,18 +105,19 @@ class PackedLinear(nn.Module):
 
 
 def mlp_on_panels(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """A SwiGLU MLP's two linears (gate/up packed paired, down) in one native call
-    (engine/csrc/decode_layer.c pd_mlp_panels: the same kernels as `swiglu` then `down`), or None
-    where they are not both on panels or x is not a contiguous batch of their dtype."""
+    """A SwiGLU MLP, down(silu(gate) * up), in one native call (engine/csrc/decode_layer.c
+    pd_mlp_panels: gate/up packed paired, silu(gate) * up written from its sums, then down), or None
+    where the two linears are not both on panels in x's dtype (the caller runs the module path)."""
     if not (isinstance(gate_up, PackedLinear) and gate_up.paired and isinstance(down, PackedLinear)
-            and down.panels is not None and down.bias is None and x.dim() == 2 and x.is_contiguous()
+            and down.panels is not None and down.bias is None
             and x.dtype == gate_up.panels.dtype == down.panels.dtype):
         return None
-    out = torch.empty(x.shape[0], down.out_features, dtype=x.dtype)
-    rc = gate_up.lib.pd_mlp_panels(x.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), out.data_ptr(),
-                                   x.shape[0], gate_up.in_features, down.in_features, int(x.dtype == torch.bfloat16),
-                                   torch.get_num_threads())
-    return out if rc == 0 else None
+    rows = gate_up.rows(x)
+    out = torch.empty(rows.shape[0], down.out_features, dtype=x.dtype)
+    rc = gate_up.lib.pd_mlp_panels(rows.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), out.data_ptr(),
+                                   rows.shape[0], gate_up.in_features, down.in_features,
+                                   int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out.view(*x.shape[:-1], down.out_features) if rc == 0 else None
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -96,12 +96,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = mlp_on_panels(self.gate_up_proj, self.down_proj, x)  # one native call (engine/packed_linear.py)
         if out is None:
-            fused = getattr(self.gate_up_proj, "swiglu", None)  # silu(gate) * up in the linear's pass
-            h = fused(x) if fused is not None else None
-            if h is None:
-                gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-                h = F.silu(gate) * up
-            out = self.down_proj(h)
+            gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)
 
 

@@ -1,5 +1,6 @@
 """A layer's decode step in native calls (engine/models/decode_block.py) gives the module path's
-bits: the same tokens and the same logprobs, on every shape it serves."""
+bits: the same tokens and the same logprobs, on every shape it serves: on AMX tiles (bfloat16), and
+on the panel kernel (float32, and bfloat16 where the CPU has no AMX)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ import pytest
 import torch
 
 import engine.models.moe as moe_module
+from engine import linear_panels
 from engine.models.decode_block import AttentionBlock
 from engine.native import native_lib
 from engine.packed_linear import can_pack
 from pdcluster import LLM, SamplingParams
 
 LIB = native_lib()
-pytestmark = pytest.mark.skipif(
-    LIB is None or not LIB.pd_amx_ready() or not can_pack(torch.device("cpu"), torch.bfloat16),
-    reason="the native decode blocks need AMX tiles")
+AMX = LIB is not None and bool(LIB.pd_amx_ready()) and can_pack(torch.device("cpu"), torch.bfloat16)
+amx = pytest.mark.skipif(not AMX, reason="the native decode blocks on tiles need AMX")
+PANEL_DTYPES = [d for d in (torch.float32, torch.bfloat16)
+                if linear_panels.served(LIB, d) and can_pack(torch.device("cpu"), d) and not (AMX and d == torch.bfloat16)]
 
 PROMPTS = [[5, 9, 13, 2, 7, 11, 4], [8, 3, 6], [12, 14, 5, 9, 10, 3, 8, 7, 6, 4, 2, 11, 13, 9, 5, 3, 17, 21, 8, 6]]
 
@@ -26,10 +29,9 @@ def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize("shape", ["qwen3-moe", "qwen3-qknorm", "qwen2-bias", "qwen3-window-alternating",
-                                   "mixtral"])
-def test_native_decode_blocks_give_the_module_paths_bits(checkpoint, monkeypatch, shape):
-    llm = LLM(str(checkpoint(shape)), dtype="bfloat16", max_model_len=128, block_size=16)
+def _blocks_give_the_module_paths_bits(llm: LLM, monkeypatch) -> list[AttentionBlock]:
+    """Generates with the layers' decode blocks, then without them (and without the MoE block):
+    the same tokens and logprobs; decode steps took the blocks, prefill steps did not. Returns the blocks."""
     layers = llm.engine.runner.model.layers
     blocks = [layer.decode_block for layer in layers]
     assert all(b is not None for b in blocks)
@@ -48,8 +50,26 @@ def test_native_decode_blocks_give_the_module_paths_bits(checkpoint, monkeypatch
         layer.decode_block = None
     monkeypatch.setattr(moe_module, "moe_block", lambda moe, x: None)
     assert _generate(llm) == fused
+    return blocks
 
 
+@amx
+@pytest.mark.parametrize("shape", ["qwen3-moe", "qwen3-qknorm", "qwen2-bias", "qwen3-window-alternating",
+                                   "mixtral"])
+def test_native_decode_blocks_give_the_module_paths_bits(checkpoint, monkeypatch, shape):
+    llm = LLM(str(checkpoint(shape)), dtype="bfloat16", max_model_len=128, block_size=16)
+    assert not any(b.panels for b in _blocks_give_the_module_paths_bits(llm, monkeypatch))
+
+
+@pytest.mark.skipif(not PANEL_DTYPES, reason="the panel decode blocks need the panel kernel for a dtype")
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+@pytest.mark.parametrize("shape", ["llama-gqa", "qwen3-qknorm", "qwen2-bias", "qwen3-window-alternating"])
+def test_panel_decode_blocks_give_the_module_paths_bits(checkpoint, monkeypatch, shape, dtype):
+    llm = LLM(str(checkpoint(shape)), dtype=str(dtype).removeprefix("torch."), max_model_len=128, block_size=16)
+    assert all(b.panels for b in _blocks_give_the_module_paths_bits(llm, monkeypatch))
+
+
+@amx
 def test_latent_attentions_tile_projections_give_the_batched_matmuls_result(checkpoint):
     """DeepSeek's absorb and unfold (per-head W_uk, W_uv) on the tiles for decode batches: the same
     tokens as torch's batched matmul, logprobs within bfloat16's rounding."""

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine import linear_panels
 from engine.native import native_lib
-from engine.packed_linear import PackedLinear
+from engine.packed_linear import PackedLinear, mlp_on_panels
 
 LIB = native_lib()
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if linear_panels.served(LIB, d)]
@@ -73,14 +73,30 @@ def test_gate_up_pass_equals_silu_times_up(rows, dtype):
     x = torch.randn(rows, hidden).to(dtype)
     gate, up = ref(x).split([inter, inter], dim=-1)
     want = torch.nn.functional.silu(gate) * up
-    got = packed.swiglu(x)
+    got = linear_panels.linear(LIB, x, packed.panels, None, 2 * inter, swiglu=True)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)  # the plain output, unpaired
     else:  # each of torch's three roundings made in the same places: a bfloat16 ulp at most
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
         torch.testing.assert_close(packed(x).float(), ref(x).float(), atol=2e-2, rtol=2e-2)
-    assert PackedLinear(nn.Linear(hidden, 2 * 40, bias=False).to(dtype), panels=LIB, gate_up=True).swiglu(x) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mlp_on_panels_is_down_of_silu_times_up(dtype):
+    torch.manual_seed(0)
+    inter, hidden = 96, 64
+    gate_up, down = nn.Linear(hidden, 2 * inter, bias=False).to(dtype), nn.Linear(inter, hidden, bias=False).to(dtype)
+    fused_gate_up, fused_down = PackedLinear(gate_up, panels=LIB, gate_up=True), PackedLinear(down, panels=LIB)
+    x = torch.randn(2, 9, 2 * hidden).to(dtype)[..., ::2]  # any leading shape, strided
+    gate, up = gate_up(x).split([inter, inter], dim=-1)
+    want = down(torch.nn.functional.silu(gate) * up)
+    got = mlp_on_panels(fused_gate_up, fused_down, x)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(got, want, **tol)
+    odd = PackedLinear(nn.Linear(hidden, 2 * 40, bias=False).to(dtype), panels=LIB, gate_up=True)
+    assert not odd.paired and mlp_on_panels(odd, fused_down, x) is None  # 40 wide: not paired by 32
+    assert mlp_on_panels(fused_gate_up, down, x) is None  # down not on panels: the module path
 
 
 def test_mlp_runs_its_gate_up_fused_after_packing(checkpoint):
@@ -95,4 +111,5 @@ def test_mlp_runs_its_gate_up_fused_after_packing(checkpoint):
         pytest.skip("this checkpoint's MLP is not a multiple of 32 wide")
     assert mlp.gate_up_proj.paired
     x = torch.randn(9, cfg.hidden_size)
+    assert mlp_on_panels(mlp.gate_up_proj, mlp.down_proj, x) is not None  # the fused call serves this MLP
     torch.testing.assert_close(mlp(x), ref(x), atol=1e-5, rtol=1e-5)
