@@ -25,9 +25,6 @@
 #include "kernels.h"
 #include "panel_tiles.h"
 #include "parallel.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 #define MAX_HD 576 /* DeepSeek's latent + rope */
 #define MAX_BS 64
@@ -89,44 +86,19 @@ static inline float dot(const float *a, const float *b, int n) {
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) + tail;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* e^x for 8 floats, x <= 0 (scores minus their running max): x = n ln2 + f with |f| <= ln2 / 2 (ln2
- * split in two for exactness), e^f by a degree-6 polynomial (Cephes' expf coefficients), times 2^n
- * built in the exponent bits. Within 2 ulp of expf; below -87 it returns 0 (expf: a denormal or 0). */
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-#endif
-
 /* s[t] = e^(s[t] - mx) for t < n; returns their sum. */
 static inline float exp_shifted(float *s, int n, float mx) {
     int t = 0;
     float sum = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
-    for (; t + 8 <= n; t += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
-        _mm256_storeu_ps(s + t, e);
-        acc = _mm256_add_ps(acc, e);
+#ifdef PD_VEC
+    vec_t acc = VZERO();
+    const vec_t m = VSET1(mx);
+    for (; t + PD_VEC <= n; t += PD_VEC) {
+        const vec_t e = pd_vexp(VSUB(VLOAD(s + t), m));
+        VSTORE(s + t, e);
+        acc = VADD(acc, e);
     }
-    float part[8];
-    _mm256_storeu_ps(part, acc);
-    sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    sum = VHSUM(acc);
 #endif
     for (; t < n; t++) {
         s[t] = expf(s[t] - mx);
@@ -156,48 +128,37 @@ static inline const float *row_f32(const job_t *j, const void *base, int64_t off
 }
 
 #ifdef PD_VEC
-/* Plain rows (float32 or bfloat16) whose widths are whole vectors: read in vectors, converted in
- * registers, no copy of the row. */
-static inline vec_t plain_vec(const void *base, int64_t i, int is_bf16) {
-    return is_bf16 ? VLOAD_BF16((const uint16_t *)base + i) : VLOAD((const float *)base + i);
+/* Rows read in vectors (widths whole vectors), converted in registers, no copy of the row: float32,
+ * bfloat16, or int8 pages (offsets in bytes; the row's scale, after its hd values, is applied once
+ * by the caller: to the dot product, and to the probability the values are weighed by). */
+enum { VEC_F32 = 0, VEC_BF16 = 1, VEC_INT8 = 2, VEC_NONE = -1 };
+
+static inline vec_t row_vec(const void *base, int64_t i, int kind) {
+    if (kind == VEC_INT8) return VLOAD_I8((const uint8_t *)base + i);
+    return kind == VEC_BF16 ? VLOAD_BF16((const uint16_t *)base + i) : VLOAD((const float *)base + i);
 }
 
-static inline float dot_plain(const float *q, const void *base, int64_t off, int n, int is_bf16) {
+static inline float dot_vec(const float *q, const void *base, int64_t off, int n, int kind) {
     vec_t a0 = VZERO(), a1 = VZERO();
     int d = 0;
     for (; d + 2 * PD_VEC <= n; d += 2 * PD_VEC) {
-        a0 = VFMA(VLOAD(q + d), plain_vec(base, off + d, is_bf16), a0);
-        a1 = VFMA(VLOAD(q + d + PD_VEC), plain_vec(base, off + d + PD_VEC, is_bf16), a1);
+        a0 = VFMA(VLOAD(q + d), row_vec(base, off + d, kind), a0);
+        a1 = VFMA(VLOAD(q + d + PD_VEC), row_vec(base, off + d + PD_VEC, kind), a1);
     }
-    if (d < n) a0 = VFMA(VLOAD(q + d), plain_vec(base, off + d, is_bf16), a0);
+    if (d < n) a0 = VFMA(VLOAD(q + d), row_vec(base, off + d, kind), a0);
     return VHSUM(VADD(a0, a1));
 }
 
-static inline void axpy_plain(float *acc, float p, const void *base, int64_t off, int n, int is_bf16) {
+static inline void axpy_vec(float *acc, float p, const void *base, int64_t off, int n, int kind) {
     const vec_t pv = VSET1(p);
-    for (int d = 0; d < n; d += PD_VEC) VSTORE(acc + d, VFMA(pv, plain_vec(base, off + d, is_bf16), VLOAD(acc + d)));
+    for (int d = 0; d < n; d += PD_VEC) VSTORE(acc + d, VFMA(pv, row_vec(base, off + d, kind), VLOAD(acc + d)));
 }
 
-/* An int8 page row (n values, then its float32 scale): q . row, and acc += p * row, the values
- * converted in registers and the scale applied once. */
-static inline float dot_int8(const float *q, const uint8_t *row, int n) {
-    vec_t a0 = VZERO(), a1 = VZERO();
-    int d = 0;
-    for (; d + 2 * PD_VEC <= n; d += 2 * PD_VEC) {
-        a0 = VFMA(VLOAD(q + d), VLOAD_I8(row + d), a0);
-        a1 = VFMA(VLOAD(q + d + PD_VEC), VLOAD_I8(row + d + PD_VEC), a1);
-    }
-    if (d < n) a0 = VFMA(VLOAD(q + d), VLOAD_I8(row + d), a0);
-    float scale;
-    memcpy(&scale, row + n, 4);
-    return VHSUM(VADD(a0, a1)) * scale;
-}
-
-static inline void axpy_int8(float *acc, float p, const uint8_t *row, int hd, int n) {
-    float scale;
-    memcpy(&scale, row + hd, 4);
-    const vec_t pv = VSET1(p * scale);
-    for (int d = 0; d < n; d += PD_VEC) VSTORE(acc + d, VFMA(pv, VLOAD_I8(row + d), VLOAD(acc + d)));
+/* The scale of the int8 row at byte `off` (1 for plain rows). */
+static inline float row_scale(const job_t *j, const void *base, int64_t off, int kind) {
+    float scale = 1.0f;
+    if (kind == VEC_INT8) memcpy(&scale, (const uint8_t *)base + off + j->hd, 4);
+    return scale;
 }
 #endif
 
@@ -220,8 +181,9 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
     }
     const int64_t n = j->ctx[i], first = j->starts ? j->starts[i] : 0;
 #ifdef PD_VEC
-    const int vec_rows = j->kv_format == KV_PLAIN && hd % PD_VEC == 0 && vd % PD_VEC == 0;
-    const int int8_rows = j->kv_format == KV_INT8 && hd % PD_VEC == 0 && vd % PD_VEC == 0;
+    const int vec_kind = hd % PD_VEC || vd % PD_VEC ? VEC_NONE
+                         : j->kv_format == KV_PLAIN ? (j->is_bf16 ? VEC_BF16 : VEC_F32)
+                         : j->kv_format == KV_INT8 ? VEC_INT8 : VEC_NONE;
 #endif
     const int64_t row = (int64_t)kvh * j->width;  /* elements between consecutive tokens of a block */
     for (int64_t start = first - first % bs; start < n; start += bs) {
@@ -235,17 +197,10 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
             for (int h = h0; h < h1; h++) {
                 const int64_t off = base + t * row + (int64_t)h * j->width;
 #ifdef PD_VEC
-                if (int8_rows) {
+                if (vec_kind != VEC_NONE) {
+                    const float scale = row_scale(j, j->k, off, vec_kind);
                     for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
-                        const float x = dot_int8(qv[r], (const uint8_t *)j->k + off, hd);
-                        s[r][t] = x;
-                        if (x > bmax[r]) bmax[r] = x;
-                    }
-                    continue;
-                }
-                if (vec_rows) {
-                    for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) {
-                        const float x = dot_plain(qv[r], j->k, off, hd, j->is_bf16);
+                        const float x = dot_vec(qv[r], j->k, off, hd, vec_kind) * scale;
                         s[r][t] = x;
                         if (x > bmax[r]) bmax[r] = x;
                     }
@@ -271,15 +226,11 @@ static void one_unit(const job_t *j, int i, int h0, int h1, int g0, int g1) {
         for (int t = t0; t < cnt; t++) {
             for (int h = h0; h < h1; h++) {
 #ifdef PD_VEC
-                if (int8_rows) {
-                    const uint8_t *vr = (const uint8_t *)j->v + base + t * row + (int64_t)h * j->width;
-                    for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++) axpy_int8(acc[r], s[r][t], vr, hd, vd);
-                    continue;
-                }
-                if (vec_rows) {
+                if (vec_kind != VEC_NONE) {
                     const int64_t off = base + t * row + (int64_t)h * j->width;
+                    const float scale = row_scale(j, j->v, off, vec_kind);
                     for (int r = (h - h0) * g; r < (h - h0 + 1) * g; r++)
-                        axpy_plain(acc[r], s[r][t], j->v, off, vd, j->is_bf16);
+                        axpy_vec(acc[r], s[r][t] * scale, j->v, off, vd, vec_kind);
                     continue;
                 }
 #endif

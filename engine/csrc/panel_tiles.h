@@ -69,11 +69,14 @@ static inline float pd_hsum8(__m256 a) {
 #endif
 
 #ifdef PD_VEC
-/* exp(x) lane by lane: bf16_tiles.h's exp_f (Cephes' range reduction and polynomial) in vectors. */
+/* exp(x) lane by lane: bf16_tiles.h's exp_f (Cephes' range reduction and polynomial, within 2 ulp of
+ * expf) in vectors; below -87.3 (expf: a denormal or 0) and for -inf it is exactly 0, so masked
+ * scores (-inf) and underflows drop out of a softmax's sum. */
 static inline vec_t pd_vexp(vec_t x) {
-    x = VMIN(VMAX(x, VSET1(-87.3f)), VSET1(88.7f));
-    const vec_t n = VRINT(VMUL(x, VSET1(1.44269504088896341f)));
-    const vec_t r = VFMA(n, VSET1(2.12194440e-4f), VFMA(n, VSET1(-0.693359375f), x));
+    const vec_t lo = VSET1(-87.3f);
+    const vec_t c = VMIN(VMAX(x, lo), VSET1(88.7f));
+    const vec_t n = VRINT(VMUL(c, VSET1(1.44269504088896341f)));
+    const vec_t r = VFMA(n, VSET1(2.12194440e-4f), VFMA(n, VSET1(-0.693359375f), c));
     vec_t p = VSET1(1.9875691500e-4f);
     p = VFMA(p, r, VSET1(1.3981999507e-3f));
     p = VFMA(p, r, VSET1(8.3334519073e-3f));
@@ -81,7 +84,12 @@ static inline vec_t pd_vexp(vec_t x) {
     p = VFMA(p, r, VSET1(1.6666665459e-1f));
     p = VFMA(p, r, VSET1(5.0000001201e-1f));
     p = VADD(VFMA(VMUL(p, r), r, r), VSET1(1.0f));
-    return VMUL(p, VPOW2I(n));
+    const vec_t e = VMUL(p, VPOW2I(n));
+#if PD_VEC == 16
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), e);
+#else
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), e);
+#endif
 }
 #endif
 

@@ -110,7 +110,7 @@ static void unit(const attn_t *a, int g, int q0, int q1, float *scratch) {
                     if (a->bf16) memset(P + (int64_t)r * KB, 0, KB * 2);
                     continue;
                 }
-                for (int j = seen; j < KB; j++) s[j] = -INFINITY;
+                for (int j = seen; j < KB; j++) s[j] = -INFINITY; /* pd_vexp makes them exactly 0 */
                 const vec_t scale = VSET1(a->scale);
                 vec_t vm = VSET1(mx[r]);
                 for (int j = 0; j < KB; j += PD_VEC) vm = VMAX(vm, VMUL(VLOAD(s + j), scale));
@@ -122,7 +122,6 @@ static void unit(const attn_t *a, int g, int q0, int q1, float *scratch) {
                     VSTORE(s + j, p);
                     total_v = VADD(total_v, p);
                 }
-                for (int j = seen; j < KB; j++) s[j] = 0.0f; /* exp_f floors at ~1e-38, not zero (the sum keeps that) */
                 float total = VHSUM(total_v);
                 if (a->bf16)
                     for (int j = 0; j < KB; j++) P[(int64_t)r * KB + j] = f2bf(s[j]);
