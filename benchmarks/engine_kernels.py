@@ -20,17 +20,18 @@ a prefill-sized matmul) and memory read bandwidth. Then, interleaved per repeat 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.decode_steps import DecodeSteps
-from benchmarks.machine import gemm_tflops, git_commit, read_bandwidth_gbs
+from benchmarks.machine import gemm_tflops, git_commit, read_bandwidth_gbs, write_measurement
 from engine import linear_panels
 from engine.attention import prefill_attention
 from engine.builtin_model import resolve_model_path
@@ -55,25 +56,33 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
             (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
 
 
+@dataclass
 class Linears:
-    """Every layer's linears, weights random, in both layouts."""
+    """Linear weights in both layouts: oneDNN's and the panels."""
 
-    def __init__(self, shapes: list[tuple[int, int]], dtype: torch.dtype, lib) -> None:
-        self.shapes, self.lib, self.dtype = shapes, lib, dtype
+    shapes: list[tuple[int, int]]
+    onednn: list[torch.Tensor]
+    panels: list[torch.Tensor]
+    lib: Any
+    dtype: torch.dtype
+
+    @classmethod
+    def random(cls, shapes: list[tuple[int, int]], dtype: torch.dtype, lib: Any) -> Linears:
         weights = [torch.randn(n, k).to(dtype) for n, k in shapes]
-        self.onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-        self.panels = [linear_panels.pack_panels(w) for w in weights]
-        self.params = sum(n * k for n, k in shapes)
-        self.bytes = self.params * dtype.itemsize
+        return cls(shapes, [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights],
+                   [linear_panels.pack_panels(w) for w in weights], lib, dtype)
 
     def first(self, count: int) -> Linears:
         """The first `count` weights (one layer's), sharing these tensors."""
-        part = object.__new__(Linears)
-        part.shapes, part.lib, part.dtype = self.shapes[:count], self.lib, self.dtype
-        part.onednn, part.panels = self.onednn[:count], self.panels[:count]
-        part.params = sum(n * k for n, k in part.shapes)
-        part.bytes = part.params * self.dtype.itemsize
-        return part
+        return Linears(self.shapes[:count], self.onednn[:count], self.panels[:count], self.lib, self.dtype)
+
+    @property
+    def params(self) -> int:
+        return sum(n * k for n, k in self.shapes)
+
+    @property
+    def bytes(self) -> int:
+        return self.params * self.dtype.itemsize
 
     def inputs(self, rows: int) -> dict[int, torch.Tensor]:
         return {k: torch.randn(rows, k).to(self.dtype) for k in {k for _, k in self.shapes}}
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     prefill_rows = [int(r) for r in args.prefill_rows.split(",")]
     lens = [int(n) for n in args.prompt_lens.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    lin = Linears(layer_shapes(cfg) * cfg.num_layers, dtype, lib)
+    lin = Linears.random(layer_shapes(cfg) * cfg.num_layers, dtype, lib)
     one = lin.first(len(layer_shapes(cfg)))
 
     from pdcluster import LLM, SamplingParams
@@ -193,10 +202,5 @@ def main(argv: list[str] | None = None) -> int:
         bound = decode_step_roofline(weights, dtype.itemsize, ctx * kv_per_token, b, gemm, bw)
         report["decode_step"].append({"batch": b, "step_s": s, "roofline_s": bound, "context": ctx})
         print(f"  batch {b:3d}  {s * 1e3:7.2f} ms, roofline {bound * 1e3:6.2f} ms: {bound / s:4.0%} of it (goal 60%)")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"argv": vars(args) | {"out": str(args.out)}, "dtype": str(dtype),
-                                        "gemm_tflops": gemm, "read_gbs": bw, "commit": git_commit(),
-                                        "report": report, "times": t}, indent=1))
-        print(f"wrote {args.out}")
+    write_measurement(args, dtype, gemm, bw, report=report, times=t)
     return 0

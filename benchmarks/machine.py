@@ -3,6 +3,8 @@ processes' load, the GEMM rate of a dtype, memory read bandwidth; and the commit
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
 import time
@@ -65,6 +67,17 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 5) -> float:
     x.sum()
     best = min(_timed(x.sum) for _ in range(reps))
     return nbytes / best / 1e9
+
+
+def write_measurement(args: argparse.Namespace, dtype: torch.dtype, gemm: float, bw: float, **results: object) -> None:
+    """A benchmark's JSON (to `args.out`, when set): its arguments, the dtype, the machine's GEMM rate
+    and bandwidth measured in the run, the commit, then `results`."""
+    if args.out is None:
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"argv": vars(args) | {"out": str(args.out)}, "dtype": str(dtype),
+                                    "gemm_tflops": gemm, "read_gbs": bw, "commit": git_commit(), **results}, indent=1))
+    print(f"wrote {args.out}")
 
 
 def _timed(fn: Callable[[], object]) -> float:

@@ -15,14 +15,13 @@ in expectation E (1 - (1 - k/E)^batch) experts per layer (k of E each token, pic
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 import torch
 
 from benchmarks.decode_steps import DecodeSteps
-from benchmarks.machine import gemm_tflops, git_commit, read_bandwidth_gbs
+from benchmarks.machine import gemm_tflops, git_commit, read_bandwidth_gbs, write_measurement
 from engine.builtin_model import resolve_model_path
 from planner.models import ModelShape, from_checkpoint
 
@@ -103,10 +102,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {b:3d}  MoE step {moe * 1e3:7.2f} ms  dense {dense * 1e3:7.2f} ms  MoE/dense {moe / dense:.2f}x "
               f"(goal <= 1.3); weights read {mb / 1e6:.0f} MB vs {db / 1e6:.0f} MB ({mb / db:.2f}x): "
               f"MoE {mb / moe / 1e9:.1f} GB/s, dense {db / dense / 1e9:.1f} GB/s")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"argv": vars(args) | {"out": str(args.out)}, "dtype": str(dtype),
-                                        "gemm_tflops": gemm, "read_gbs": bw, "commit": git_commit(),
-                                        "rows": rows, "times": times}, indent=1))
-        print(f"wrote {args.out}")
+    write_measurement(args, dtype, gemm, bw, rows=rows, times=times)
     return 0
