@@ -142,8 +142,7 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
         if opening and not stream.local and stream.committed_at is not None and seq.output_token_ids:
             first = 1  # the first token came with the prefill worker's reply: the router has it, it crosses once
         new = seq.output_token_ids[first:]
-        stream.sent = first
-        stream.sent += len(new)
+        stream.sent = first + len(new)
         lps = seq.logprobs[first : first + len(new)] if seq.logprobs else []
         decode_queue_ms = 0.0
         if opening and stream.local:  # queued until the prompt was first scheduled

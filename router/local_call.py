@@ -61,9 +61,6 @@ class LocalContext:
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise LocalAbort(code, details, self._trailing)
 
-    def is_active(self) -> bool:
-        return not self.cancelled.is_set() and not self._ended
-
     def add_callback(self, callback: Callable[[], None]) -> bool:
         with self._lock:
             if self._ended:

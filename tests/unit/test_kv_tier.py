@@ -155,15 +155,20 @@ def _seq(rid: str, ids: list[int], **params: object) -> Sequence:
     return Sequence(rid, list(ids), len(ids), SamplingParams(**params), frozenset(), 1024)
 
 
+def _prefilled(bm: BlockManager, rid: str, ids: list[int]) -> Sequence:
+    """A sequence allocated and computed, its full blocks in the prefix cache (not freed yet)."""
+    seq = _seq(rid, ids)
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(ids)
+    bm.cache_full_blocks(seq)
+    return seq
+
+
 def test_the_block_manager_evicts_to_the_tier_and_recalls_from_it() -> None:
     tier = _Recorder()
     bm = BlockManager(10, BS, tier=tier)
     first = list(range(1, 4 * BS + 2))  # 4 full blocks and one token
-    a = _seq("a", first)
-    bm.allocate(a)
-    a.num_computed_tokens = len(first)
-    bm.cache_full_blocks(a)
-    bm.free(a)
+    bm.free(_prefilled(bm, "a", first))
     other = _seq("b", [7] * (10 * BS))  # takes every block: the 4 cached ones are evicted, to the tier
     bm.allocate(other)
     hashes = block_hashes(first, BS)
@@ -307,10 +312,7 @@ def test_a_recall_counts_each_block_it_looked_up_as_a_hit_or_a_miss(tmp_path: Pa
     link = TierLink(_tier(tmp_path), lambda: caches)
     bm = BlockManager(10, BS, tier=link)
     ids = list(range(1, 5 * BS + 2))  # 5 full blocks and one token
-    a = _seq("a", ids)
-    bm.allocate(a)
-    a.num_computed_tokens = len(ids)
-    bm.cache_full_blocks(a)
+    a = _prefilled(bm, "a", ids)
     want = [caches[1][:, b].clone() for b in a.block_table[:5]]
     bm.free(a)
     bm.allocate(_seq("x", [7] * (10 * BS)))  # evicts a's five blocks into the tier

@@ -49,16 +49,29 @@ def test_unserved_shapes_answer_none():
     assert prefill_attention(LIB, torch.randn(4, 3, 16), k, k, 0, 0.25) is None  # heads not a multiple
 
 
-def test_engine_prefill_through_the_kernel_equals_torch(checkpoint):
+def test_engine_prefill_through_the_kernel_equals_torch(checkpoint, monkeypatch):
+    from engine import attention
     from pdcluster import LLM, SamplingParams
 
+    served: list[int] = []  # the causal offset of each span the kernel answered
+    kernel = attention.prefill_attention
+
+    def counted(lib, q, k, v, offset, scale):
+        out = kernel(lib, q, k, v, offset, scale)
+        if out is not None:
+            served.append(offset)
+        return out
+
+    monkeypatch.setattr(attention, "prefill_attention", counted)
     path = str(checkpoint("llama-gqa"))
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 70, 130)]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     fast_llm = LLM(path, num_blocks=64, max_model_len=256)
-    assert fast_llm.engines[0].runner.native_decode  # the same library serves prefill attention
     eager_llm = LLM(path, num_blocks=64, max_model_len=256, enforce_eager=True)
     for batch in (prompts, [p + [7] * 40 for p in prompts]):  # again after cached prefixes: keys offset
+        served.clear()
         fast, eager = fast_llm.generate(batch, sp), eager_llm.generate(batch, sp)
         assert [o.token_ids for o in fast] == [o.token_ids for o in eager]
+        assert served  # the kernel took the prompts (the eager engine never calls it)
+        assert any(o > 0 for o in served) == (batch is not prompts)  # the second time after cached keys
