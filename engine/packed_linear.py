@@ -86,8 +86,12 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x as the kernels read it: (T, in_features), unit stride, rows back to back."""
-        return x.reshape(-1, self.in_features).contiguous()
+        """x as the panel kernel reads it: (T, in_features) of unit stride, rows at least
+        in_features apart (a slice of a wider tensor is read in place)."""
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
+            rows = rows.contiguous()
+        return rows
 
     def _on_panels(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.rows(x)
@@ -112,7 +116,7 @@ def mlp_on_panels(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch
             and down.panels is not None and down.bias is None
             and x.dtype == gate_up.panels.dtype == down.panels.dtype):
         return None
-    rows = gate_up.rows(x)
+    rows = gate_up.rows(x).contiguous()  # pd_mlp_panels reads rows back to back
     out = torch.empty(rows.shape[0], down.out_features, dtype=x.dtype)
     rc = gate_up.lib.pd_mlp_panels(rows.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), out.data_ptr(),
                                    rows.shape[0], gate_up.in_features, down.in_features,
