@@ -61,12 +61,9 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
     return histogram_sums(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
-def ttft_ms(url: str, words: int, max_tokens: int, client: httpx.Client | None = None) -> float:
+def ttft_ms(url: str, words: int, max_tokens: int, client: httpx.Client) -> float:
     """One streamed completion; the client's time to its first token, ms. `client`: a kept one (a
     new httpx client builds its TLS context, ~20 ms, even for plain HTTP: it would be counted)."""
-    if client is None:
-        with httpx.Client(timeout=120) as own:
-            return ttft_ms(url, words, max_tokens, own)
     t0 = time.perf_counter()
     first = None
     with client.stream("POST", f"{url}/v1/completions", timeout=120, json={
