@@ -122,6 +122,9 @@ class RouterConfig:
     # disaggregated: a prompt whose part not cached on its decode worker is at most this long is
     # prefilled there and no KV moves (conditional disaggregation); 0: always a prefill worker
     local_prefill_uncached_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    # disaggregated: a prompt up to this long is sent to its prefill worker while its decode worker
+    # reserves KV blocks (the ticket follows; the K/V computed before it came is held); 0: never
+    reserve_overlap_max_tokens: Annotated[StrictInt, Field(ge=0)] = 0
 
     @model_validator(mode="after")
     def _pairs(self) -> RouterConfig:

@@ -119,6 +119,7 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
             local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
             prefix_aware=cfg.router.prefix_aware,
             local_prefill_uncached_tokens=cfg.router.local_prefill_uncached_tokens,
+            reserve_overlap_max_tokens=cfg.router.reserve_overlap_max_tokens,
         ), log_level, dict(host=cfg.router.host, port=cfg.router.http_port), log_format)
         actors.append(router)
         try:

@@ -2,7 +2,8 @@
 
 `Prefill` is unary: the handler queues the request for the engine thread and waits (bounded) for
 its result, which arrives after the KV has been pushed and committed to the decode worker named
-in the ticket. The engine thread batches whatever is queued at each step.
+in the ticket. The engine thread batches whatever is queued at each step. A Prefill with
+`ticket_follows` gets its ticket in `AttachTicket` (queued for the engine thread as well).
 
 `Stats` also reports cumulative counts (prompt tokens prefilled, prefix-cache hits, KV bytes sent
 per backend) that the router exposes as metrics; lines logged about a request carry its id.
@@ -51,10 +52,16 @@ class _Pending:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
-    ticket: TransferTicket
+    ticket: TransferTicket | None  # None: it follows (AttachTicket)
     output_offset: int = 0  # a resumed request's completion tokens generated before
     done: threading.Event = field(default_factory=threading.Event)
     result: PrefillResult | None = None
+
+
+@dataclass
+class _Attach:
+    request_id: str
+    ticket: TransferTicket
 
 
 class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
@@ -79,7 +86,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         # blocks of another node's offload tier, read into this node's before a prompt is queued
         self.tier_fetcher = (TierFetcher(self.engine.tier, cluster_secret, kv_timeout_s)
                              if self.engine.tier is not None else None)
-        self._inbox: queue.Queue[_Pending | str] = queue.Queue()  # requests, or request ids to abort
+        self._inbox: queue.Queue[_Pending | _Attach | str] = queue.Queue()  # requests, tickets, ids to abort
         self._pending: dict[str, _Pending] = {}
         self._queued_tokens = 0
         self._prompt_tokens = 0  # cumulative, successful prefills (engine thread)
@@ -119,6 +126,8 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             if isinstance(item, str):
                 if self.prefill.abort(item, "aborted by the router"):
                     self._finish(item, None)
+            elif isinstance(item, _Attach):
+                self._attach(item)
             else:
                 try:
                     self.prefill.add(item.request_id, item.token_ids, item.params, item.ticket, item.output_offset)
@@ -130,6 +139,15 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _attach(self, item: _Attach) -> None:
+        try:
+            result = self.prefill.attach(item.request_id, item.ticket)
+        except Exception as e:  # a ticket that does not fit the prompt: that request fails
+            self.prefill.abort(item.request_id, f"ticket refused: {e}")
+            result = PrefillResult(item.request_id, 0, None, None, 0, error=f"ticket refused: {e}")
+        if result is not None:
+            self._finish(item.request_id, result)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -197,10 +215,11 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.HasField("tier_source") and self.tier_fetcher is not None:
             self._fetch_tier_blocks(request.tier_source, ids)
-        pending = _Pending(rid, ids, params, TransferTicket.from_proto(request.ticket), request.resume_offset)
+        ticket = None if request.ticket_follows else TransferTicket.from_proto(request.ticket)
+        pending = _Pending(rid, ids, params, ticket, request.resume_offset)
         context.add_callback(lambda: None if pending.done.is_set() else self._inbox.put(rid))
         self._inbox.put(pending)
-        log.debug("queued: %d prompt tokens, KV to %s", len(ids), pending.ticket.kv_endpoint)
+        log.debug("queued: %d prompt tokens, KV to %s", len(ids), ticket.kv_endpoint if ticket else "(ticket follows)")
         remaining = context.time_remaining()
         timeout = self.request_timeout_s if remaining is None else min(remaining, self.request_timeout_s)
         if not pending.done.wait(timeout):
@@ -238,6 +257,11 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
 
     def ReadTier(self, request: wk.ReadTierRequest, context: grpc.ServicerContext) -> Iterator[wk.TierBlock]:
         return serve_blocks(self.engine.tier, request)
+
+    def AttachTicket(self, request: wk.AttachTicketRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
+        found = request.request_id in self._pending
+        self._inbox.put(_Attach(request.request_id, TransferTicket.from_proto(request.ticket)))
+        return gen.AbortResponse(found=found)
 
     def Abort(self, request: gen.AbortRequest, context: grpc.ServicerContext) -> gen.AbortResponse:
         found = request.request_id in self._pending

@@ -66,20 +66,30 @@ class TierBlock(_message.Message):
     def __init__(self, hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "ticket", "resume_offset", "tier_source")
+    __slots__ = ("request_id", "token_ids", "sampling", "ticket", "resume_offset", "tier_source", "ticket_follows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     TIER_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     ticket: TransferTicket
     resume_offset: int
     tier_source: TierSource
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., resume_offset: _Optional[int] = ..., tier_source: _Optional[_Union[TierSource, _Mapping]] = ...) -> None: ...
+    ticket_follows: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., resume_offset: _Optional[int] = ..., tier_source: _Optional[_Union[TierSource, _Mapping]] = ..., ticket_follows: _Optional[bool] = ...) -> None: ...
+
+class AttachTicketRequest(_message.Message):
+    __slots__ = ("request_id", "ticket")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    ticket: TransferTicket
+    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token", "first_token_logprob", "num_prompt_tokens", "num_cached_tokens", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "finish_reason", "prompt_logprobs")

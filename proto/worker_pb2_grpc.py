@@ -41,6 +41,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.AttachTicket = channel.unary_unary(
+                '/pdcluster.v1.PrefillWorker/AttachTicket',
+                request_serializer=proto_dot_worker__pb2.AttachTicketRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdcluster.v1.PrefillWorker/Abort',
                 request_serializer=proto_dot_generate__pb2.AbortRequest.SerializeToString,
@@ -70,6 +75,14 @@ class PrefillWorkerServicer:
     def Prefill(self, request, context):
         """Computes the prompt's KV, pushes it layer by layer to ticket.kv_endpoint, samples the
         first token and commits. Returns once the commit has been acknowledged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachTicket(self, request, context):
+        """The ticket of a Prefill sent with ticket_follows (the router reserved on the decode worker
+        while the prompt was computed). Answered at once; a refused ticket fails that Prefill.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +120,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'AttachTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachTicket,
+                    request_deserializer=proto_dot_worker__pb2.AttachTicketRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -157,6 +175,33 @@ class PrefillWorker:
             '/pdcluster.v1.PrefillWorker/Prefill',
             proto_dot_worker__pb2.PrefillRequest.SerializeToString,
             proto_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.PrefillWorker/AttachTicket',
+            proto_dot_worker__pb2.AttachTicketRequest.SerializeToString,
+            proto_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,10 @@ Disaggregated mode, one attempt:
     is full)  ->  open D.Stream  ->  pick prefill P, P.Prefill(ticket): P pushes KV into D's blocks
     and returns the first token  ->  relay D's tokens
 
+A prompt of at most `reserve_overlap_max_tokens` tokens overlaps the two: P.Prefill(ticket_follows)
+goes out just before D.Reserve, and P.AttachTicket(ticket) once D answered; P computes meanwhile and
+holds the K/V it computed before the ticket came.
+
 Colocated mode: D.Reserve(run_prefill=True) and relay D.Stream (the worker does both phases).
 Disaggregated with a `LocalPrefillPolicy` on: a short prompt that would queue behind more prompt
 tokens at the prefill workers goes the colocated way on its decode worker (router/local_prefill.py).
@@ -69,9 +73,12 @@ class DecodeStub(Protocol):
 
 
 class PrefillStub(Protocol):
-    """The RPCs the router calls on a prefill worker; each raises grpc.RpcError."""
+    """The RPCs the router calls on a prefill worker; each raises grpc.RpcError. `Prefill.future`
+    (as gRPC's stubs have it) sends a prefill whose ticket follows."""
 
-    def Prefill(self, request: wk.PrefillRequest, timeout: float) -> wk.PrefillResponse: ...
+    Prefill: Any  # (request: wk.PrefillRequest, timeout: float) -> wk.PrefillResponse; and .future
+
+    def AttachTicket(self, request: wk.AttachTicketRequest, timeout: float) -> Any: ...
 
     def Abort(self, request: gen.AbortRequest, timeout: float) -> Any: ...
 
@@ -125,6 +132,15 @@ class Progress:
     local: bool = False  # the first token came from a prefill on the decode worker (or a colocated one)
 
 
+@dataclass
+class _Early:
+    """A prefill sent before its ticket: the worker, and the call in flight (a grpc.Future)."""
+
+    worker: WorkerHandle
+    call: Any
+    sent_at: float
+
+
 def worker_request_id(rid: str, attempt: int) -> str:
     """The request's id on the workers for `attempt` (0: the first)."""
     return rid if attempt == 0 else f"{rid}#retry{attempt}"
@@ -136,8 +152,11 @@ def _cancelled(active: ActiveRequest) -> RequestError:
 
 class Orchestrator:
     def __init__(self, pool: WorkerPool, mode: str, max_model_len: int, max_retries: int,
-                 local_prefill: LocalPrefillPolicy, metrics: RouterMetrics) -> None:
+                 local_prefill: LocalPrefillPolicy, metrics: RouterMetrics, reserve_overlap_max_tokens: int = 0,
+                 ) -> None:
         self.pool, self.mode, self.max_model_len = pool, mode, max_model_len
+        # disaggregated: prompts up to this long are prefilled while their decode worker reserves
+        self.reserve_overlap_max_tokens = reserve_overlap_max_tokens if mode == "disaggregated" else 0
         self.max_retries = max_retries  # attempts after the first, per request, on a worker failure
         self.local_prefill = local_prefill
         self.metrics = metrics
@@ -211,12 +230,14 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ one attempt
     def _reserve(self, active: ActiveRequest, rid: str, blocks: PromptBlocks, params: SamplingParams,
-                 offset: int, deadline: float, avoid: set[str]) -> tuple[WorkerHandle, wk.TransferTicket | None, int]:
+                 offset: int, deadline: float, avoid: set[str], before_remote: Callable[[], None] = lambda: None,
+                 ) -> tuple[WorkerHandle, wk.TransferTicket | None, int]:
         """Reserve on the decode worker the routing policy picks (the longest cached prefix among
         the nearly least loaded), those in `avoid` last; wait (bounded) while all are full. `rid` is
         the request's id on the worker (a retry's differs). The ticket is None when the worker
         prefills the prompt itself (colocated, conditional disaggregation, or a local prefill); then
-        the last item is the prompt tokens it computes (those its prefix cache is not expected to hold)."""
+        the last item is the prompt tokens it computes (those its prefix cache is not expected to hold).
+        `before_remote` runs before each Reserve whose prompt goes to a prefill worker."""
         ids = blocks.token_ids
         role = "colocated" if self.mode == "colocated" else "decode"
         req = wk.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
@@ -239,6 +260,13 @@ class Orchestrator:
                     if not req.run_prefill:
                         pending = len(ids)
                         self.pool.add_pending_prefill(pending)  # seen by requests arriving meanwhile
+                if pending:
+                    try:
+                        before_remote()
+                    except BaseException:
+                        self.pool.release(w)
+                        self.pool.add_pending_prefill(-pending)
+                        raise
                 try:
                     resp = w.stub.Reserve(req, timeout=max(0.1, min(deadline - time.monotonic(), 30.0)))
                     self.metrics.routed(role, len(ids), cached)
@@ -283,8 +311,20 @@ class Orchestrator:
         params = run.params if not offset else dataclasses.replace(run.params, max_tokens=run.params.max_tokens - offset,
                                                                    prompt_logprobs=None)
         blocks = PromptBlocks(prompt)
-        decode, ticket, computed = self._reserve(active, wrid, blocks, params, offset, deadline, avoid)  # counted on decode
+        early: _Early | None = None
+
+        def prefill_early() -> None:  # the prompt is short: prefill it while the decode worker reserves
+            nonlocal early
+            if early is None and len(prompt) <= self.reserve_overlap_max_tokens:
+                early = self._prefill_early(active, wrid, blocks, params, offset, deadline, avoid)
+
+        decode, ticket, computed = self._reserve(active, wrid, blocks, params, offset, deadline, avoid,
+                                                 prefill_early)  # counted on decode; a failure aborts `early` too
         local = ticket is None  # the decode worker prefills (colocated, or a local prefill)
+        if early is not None and local:  # another decode worker took it to prefill after all
+            self.abort_on([(early.worker, wrid)], timeout_s=1.0)
+            active.reached.remove((early.worker, wrid))
+            early = None
         # prompt tokens this attempt has counted in the pool until they are handed on: bound for a
         # prefill worker (counted by _reserve) until _prefill takes one; a local prefill's on the
         # decode worker until its first token
@@ -299,8 +339,8 @@ class Orchestrator:
             active.metrics.running()
             log.debug("reserved KV on %s", decode.worker_id)
             self._reached(active, decode, wrid)
-            if not run.attempts:
-                run.timing.router_queue_ms = (time.monotonic() - arrival) * 1e3
+            if not run.attempts:  # until the prompt went to the worker that computes it
+                run.timing.router_queue_ms = ((early.sent_at if early is not None else time.monotonic()) - arrival) * 1e3
             stream = decode.stub.Stream(wk.StreamRequest(request_id=wrid), timeout=max(0.1, deadline - time.monotonic()))
             seen = 0  # tokens of this attempt's sequence handled
             if not run.tokens:
@@ -308,7 +348,7 @@ class Orchestrator:
             if not local:
                 self.pool.add_pending_prefill(-pending)
                 pending = 0
-                first = self._prefill(active, wrid, blocks, params, offset, ticket, deadline, avoid, decode)
+                first = self._prefill(active, wrid, blocks, params, offset, ticket, deadline, avoid, decode, early)
                 if not run.tokens:
                     run.timing.prefill_queue_ms = first.prefill_queue_ms
                     run.timing.prefill_compute_ms = first.prefill_compute_ms
@@ -372,31 +412,65 @@ class Orchestrator:
                 self.pool.add_local(decode, -local_tokens)
             self.pool.release(decode)
 
-    def _prefill(self, active: ActiveRequest, rid: str, blocks: PromptBlocks, params: SamplingParams, offset: int,
-                 ticket: wk.TransferTicket, deadline: float, avoid: set[str], decode: WorkerHandle,
-                 ) -> wk.PrefillResponse:
+    def _prefill_request(self, prefill: WorkerHandle, taken: Any, rid: str, blocks: PromptBlocks,
+                         params: SamplingParams, offset: int, ticket: wk.TransferTicket | None) -> wk.PrefillRequest:
+        """The prefill worker `taken` names counts as reached by the caller; None: the ticket follows."""
+        self.metrics.routed("prefill", len(blocks.token_ids), taken.cached_tokens)
+        log.debug("prefill on %s (%d prompt tokens expected cached there, %s)", prefill.worker_id,
+                  taken.cached_tokens, "ticket follows" if ticket is None else
+                  f"{ticket.cached_tokens} on the decode worker")
+        source = self.pool.tier_source(prefill, blocks, taken.cached_tokens)
+        self.pool.index.expect(prefill.worker_id, blocks)
+        return wk.PrefillRequest(request_id=rid, token_ids=blocks.token_ids, sampling=sampling_to_proto(params),
+                                 ticket=ticket, resume_offset=offset, tier_source=source,
+                                 ticket_follows=ticket is None)
+
+    def _prefill_early(self, active: ActiveRequest, rid: str, blocks: PromptBlocks, params: SamplingParams,
+                       offset: int, deadline: float, avoid: set[str]) -> _Early | None:
+        """Send the prefill now, its ticket to follow (AttachTicket); None when no prefill worker is
+        there (the usual path finds out once the decode worker reserved)."""
         taken = self.pool.take_for("prefill", blocks, avoid=avoid)
         if taken is None:
-            raise AttemptFailed("no healthy prefill worker", [])
-        prefill, ids = taken.worker, blocks.token_ids
-        self.metrics.routed("prefill", len(ids), taken.cached_tokens)
+            return None
+        prefill = taken.worker
         try:
             self._reached(active, prefill, rid)
-            log.debug("prefill on %s (%d prompt tokens expected cached there, %d on the decode worker)",
-                      prefill.worker_id, taken.cached_tokens, ticket.cached_tokens)
-            source = self.pool.tier_source(prefill, blocks, taken.cached_tokens)
-            self.pool.index.expect(prefill.worker_id, blocks)
-            return prefill.stub.Prefill(
-                wk.PrefillRequest(request_id=rid, token_ids=ids, sampling=sampling_to_proto(params), ticket=ticket,
-                                  resume_offset=offset, tier_source=source),
-                timeout=max(0.1, deadline - time.monotonic()),
-            )
+            request = self._prefill_request(prefill, taken, rid, blocks, params, offset, None)
+            sent_at = time.monotonic()
+            call = prefill.stub.Prefill.future(request, timeout=max(0.1, deadline - sent_at))
+        except BaseException:
+            self.pool.release(prefill, taken.counted_tokens)
+            raise
+        call.add_done_callback(lambda _: self.pool.release(prefill, taken.counted_tokens))
+        return _Early(prefill, call, sent_at)
+
+    def _prefill(self, active: ActiveRequest, rid: str, blocks: PromptBlocks, params: SamplingParams, offset: int,
+                 ticket: wk.TransferTicket, deadline: float, avoid: set[str], decode: WorkerHandle,
+                 early: _Early | None = None) -> wk.PrefillResponse:
+        """The prefill's answer: from the worker `early` sent it to (given its ticket now), or sent here."""
+        taken = None
+        if early is None:
+            taken = self.pool.take_for("prefill", blocks, avoid=avoid)
+            if taken is None:
+                raise AttemptFailed("no healthy prefill worker", [])
+        prefill = early.worker if early is not None else taken.worker
+        timeout = max(0.1, deadline - time.monotonic())
+        try:
+            if early is not None:
+                prefill.stub.AttachTicket(wk.AttachTicketRequest(request_id=rid, ticket=ticket), timeout=timeout)
+                return early.call.result()  # bounded by the call's deadline; raises its RpcError
+            self._reached(active, prefill, rid)
+            return prefill.stub.Prefill(self._prefill_request(prefill, taken, rid, blocks, params, offset, ticket),
+                                        timeout=timeout)
         except grpc.RpcError as e:
             # the prefill worker, the decode worker (KV receiver) or the link between them
             raise self._failure(active, f"prefill on {prefill.worker_id} (KV to {decode.worker_id})", e,
                                 [prefill, decode], deadline) from None
+        except grpc.FutureCancelledError:
+            raise _cancelled(active) from None
         finally:
-            self.pool.release(prefill, taken.counted_tokens)
+            if taken is not None:
+                self.pool.release(prefill, taken.counted_tokens)
 
     @staticmethod
     def _failure(active: ActiveRequest, what: str, e: grpc.RpcError, suspects: list[WorkerHandle],

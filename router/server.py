@@ -77,6 +77,7 @@ class RouterServer(gen_grpc.PDClusterServicer):
         local_prefill_max_tokens: int = 0,
         prefix_aware: bool = True,
         local_prefill_uncached_tokens: int = 0,
+        reserve_overlap_max_tokens: int = 0,
     ) -> None:
         """`tls_cert` / `tls_key`: PEM files; with both, the public port serves TLS only, and a second,
         plaintext port on 127.0.0.1 (`local_address`) serves the HTTP API in this process.
@@ -85,7 +86,9 @@ class RouterServer(gen_grpc.PDClusterServicer):
         `prefix_aware`: pick workers by what their prefix caches hold as well as by load, and let a
         decode worker share the blocks of a prompt it holds (False: by load only, all KV moves);
         `local_prefill_uncached_tokens` (disaggregated): a prompt whose part its decode worker does
-        not hold is at most this long is prefilled there (router/prefix_policy.py); 0: never."""
+        not hold is at most this long is prefilled there (router/prefix_policy.py); 0: never.
+        `reserve_overlap_max_tokens` (disaggregated): a prompt up to this long goes to its prefill
+        worker while its decode worker reserves, the ticket following (router/orchestrator.py); 0: never."""
         path = resolve_model_path(model)
         self.model_name = model_name or model
         self.model_cfg = ModelConfig.from_pretrained(path)
@@ -106,7 +109,8 @@ class RouterServer(gen_grpc.PDClusterServicer):
         router_metrics.set_current(self.metrics.registry)  # what router.metrics.render() serves
         self.orchestrator = Orchestrator(
             self.pool, mode, self.max_model_len, max_retries,
-            LocalPrefillPolicy(local_prefill_max_tokens if mode == "disaggregated" else 0), self.metrics)
+            LocalPrefillPolicy(local_prefill_max_tokens if mode == "disaggregated" else 0), self.metrics,
+            reserve_overlap_max_tokens)
         self._active: dict[str, list[ActiveRequest]] = {}  # client request id -> its choices' requests
         self._lock = threading.Lock()
         tls = read_tls(tls_cert, tls_key)

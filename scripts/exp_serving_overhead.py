@@ -4,13 +4,15 @@
     python scripts/exp_serving_overhead.py --model builtin:llama-200m --prompt-tokens 64,512
 
 For each mode (`disaggregated`: a prefill worker on CPU 0 and a decode worker on CPU 1, one thread
-each; `colocated`: one worker with two threads on both) and prompt length it measures, one request
-at a time on an otherwise idle cluster:
+each; `disaggregated-serial`: the same with router.reserve_overlap_max_tokens 0, so the Reserve on the
+decode worker precedes the prefill instead of overlapping it; `colocated`: one worker with two
+threads on both) and prompt length it measures, one request at a time on an otherwise idle cluster:
 
   engine         the worker's engine in this process, same config, threads and cores: the prefill
                  step (prompt -> first token) and one decode step; no server
   worker         what the workers report in the reply's timing: prefill queue + compute + KV
-                 transfer (disaggregated), the router's queue (its Reserve RPC) and the decode queue
+                 transfer (disaggregated; a ticket that followed: its wait too), the router's queue
+                 (until the prompt went to its prefill worker) and the decode queue
   router         the router's own TTFT (arrival to the first token leaving it) and mean TPOT
   grpc client    TTFT and inter-token gap seen by a gRPC client of the router (pdcluster.client)
   http client    the same through the OpenAI HTTP API, streamed (SSE): the HTTP front end, its
@@ -23,6 +25,7 @@ The table gives each hop's share of TTFT (medians over --requests) and the per-t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -32,11 +35,12 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.local_clusters import REPO, start, stop, warm_up
+from benchmarks.local_clusters import REPO, start, stop, warm_up, write_cluster_files
 from benchmarks.serving_vs_vllm import cluster_files
 from pdcluster.client import Client
+from pdcluster.cluster_config import load_cluster_config
 
-MODES = ("disaggregated", "colocated")
+MODES = ("disaggregated", "colocated")  # also: disaggregated-serial (no Reserve/prefill overlap)
 
 
 def engine_reference(model: str, max_model_len: int, threads: int, cpus: set[int], prompt_tokens: int,
@@ -125,7 +129,8 @@ def breakdown(eng: dict[str, float], grpc_rows: list[dict], http_rows: list[dict
     worker = {k: med(grpc_rows, f"router_{k}") for k in
               ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "decode_queue_ms")}
     # disaggregated: the first token is the prefill worker's, sent before any decode step
-    inside = sum(v for k, v in worker.items() if k != "decode_queue_ms") if mode == "disaggregated" else router_ttft
+    inside = (sum(v for k, v in worker.items() if k != "decode_queue_ms") if mode.startswith("disaggregated")
+              else router_ttft)
     out = {
         "engine_prefill_ms": eng["prefill_ms"], "engine_decode_step_ms": eng["decode_step_ms"],
         **{f"worker_{k}": v for k, v in worker.items()},
@@ -143,9 +148,10 @@ def breakdown(eng: dict[str, float], grpc_rows: list[dict], http_rows: list[dict
     return out
 
 
-HOPS = [("engine prefill step (alone)", "engine_prefill_ms"), ("router queue (Reserve on the decode worker)",
+HOPS = [("engine prefill step (alone)", "engine_prefill_ms"), ("router queue (to the prefill worker)",
         "worker_router_queue_ms"), ("prefill queue", "worker_prefill_queue_ms"),
-        ("prefill compute (worker)", "worker_prefill_compute_ms"), ("KV transfer + commit", "worker_kv_transfer_ms"),
+        ("prefill compute (worker)", "worker_prefill_compute_ms"),
+        ("KV transfer + commit (+ the ticket's wait)", "worker_kv_transfer_ms"),
         ("decode queue (to the first decode step)", "worker_decode_queue_ms"),
         ("router: relay + detokenize", "router_other_ms"), ("router TTFT", "router_ttft_ms"),
         ("gRPC hop to the client", "grpc_hop_ms"), ("HTTP front end + its gRPC hop + SSE", "http_hop_ms"),
@@ -181,13 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     cpus = (usable[0], usable[1])
     lengths = [int(x) for x in args.prompt_tokens.split(",")]
     files = cluster_files(args.out, args.model, args.max_model_len, cpus)
+    serial = load_cluster_config(files["disaggregated"])
+    files.update(write_cluster_files(args.out, {"disaggregated-serial": dataclasses.replace(
+        serial, router=dataclasses.replace(serial.router, reserve_overlap_max_tokens=0))}))
     from engine.builtin_model import resolve_model_path
     from engine.config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(resolve_model_path(args.model)).vocab_size
     results: dict[str, dict[int, dict]] = {}
     for mode in args.modes.split(","):
-        threads, cores = (1, {cpus[0]}) if mode == "disaggregated" else (2, set(cpus))
+        threads, cores = (1, {cpus[0]}) if mode.startswith("disaggregated") else (2, set(cpus))
         engine = {p: engine_reference(args.model, args.max_model_len, threads, cores, p, args.requests)
                   for p in lengths}
         proc, url = start(mode, files[mode], args.out)

@@ -27,6 +27,8 @@ MAX_TOKENS = 12
 
 def _config(mode: str) -> ClusterConfig:
     mode, *transfer = mode.split("+")  # e.g. "disaggregated+grpc+int8", "disaggregated+shm+segments"
+    overlap = "overlap" in transfer  # the router reserves while the prompt is prefilled, the ticket following
+    transfer = [t for t in transfer if t != "overlap"]
     cfg = load_cluster_config("cluster.yaml")
     if transfer:
         option = transfer[1] if len(transfer) > 1 else "none"
@@ -34,7 +36,7 @@ def _config(mode: str) -> ClusterConfig:
                                  compression=option if option in ("none", "int8") else "none",
                                  shm_in_place=option != "segments")
         cfg = dataclasses.replace(cfg, kv_transfer=kv)
-    router = dataclasses.replace(cfg.router, grpc_port=0, http_port=0)
+    router = dataclasses.replace(cfg.router, grpc_port=0, http_port=0, reserve_overlap_max_tokens=256 * overlap)
     kv = dataclasses.replace(cfg.kv_cache, memory_mb=64)
     model = dataclasses.replace(cfg.model, path="builtin:tiny-llama", max_model_len=1024)
     usable = sorted(os.sched_getaffinity(0))
@@ -60,7 +62,7 @@ def reference(builtin_path):
 
 @pytest.fixture(scope="module", params=["disaggregated", "disaggregated+grpc", "disaggregated+torch_distributed",
                                         "disaggregated+tcp", "disaggregated+grpc+int8", "disaggregated+shm+segments",
-                                        "colocated"])
+                                        "disaggregated+tcp+overlap", "colocated"])
 def cluster(request, builtin_path):
     handle = up(_config(request.param), say=lambda _: None)
     yield request.param.partition("+")[0], handle

@@ -135,11 +135,13 @@ def test_offline_disaggregated_between_degrees_equals_transformers(checkpoint, p
 
 
 # ------------------------------------------------------------------ a cluster of tensor-parallel workers
-def _cluster(path: str, backend: str, p_tp: int, d_tp: int, direct: tuple[bool, bool] = (True, True)) -> LocalCluster:
+def _cluster(path: str, backend: str, p_tp: int, d_tp: int, direct: tuple[bool, bool] = (True, True),
+             overlap: int = 0) -> LocalCluster:
     base = EngineConfig(model=path, dtype="float32", num_blocks=64, max_model_len=128, num_threads=1)
     kv = {"kv_backend": backend}
     return LocalCluster(base, 1, 1, prefill={"kv_timeout_s": 10.0, "direct_kv": direct[0], **kv},
-                        decode={"direct_kv": direct[1], **kv}, router={"request_timeout_s": 60},
+                        decode={"direct_kv": direct[1], **kv},
+                        router={"request_timeout_s": 60, "reserve_overlap_max_tokens": overlap},
                         prefill_engine=dataclasses.replace(base, tensor_parallel_size=p_tp),
                         decode_engine=dataclasses.replace(base, tensor_parallel_size=d_tp))
 
@@ -173,6 +175,24 @@ def test_cluster_between_tensor_parallel_degrees_equals_transformers(checkpoint,
         assert _all_ranks_sent(c) == total  # every KV head sent once, by the rank holding it
     assert got == [ref(p, N) for p in PROMPTS[:4]]
     assert sent == total // p_tp  # prefill rank 0 sent its own heads only: 2 of the 4 KV heads with 2 ranks
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+def test_a_ticket_that_follows_reaches_every_rank(checkpoint, monkeypatch, p_tp, d_tp):
+    """router.reserve_overlap_max_tokens on: a tensor-parallel prefill worker parks the prompt until
+    its ticket comes (its ranks send their own heads as computed); a prefill worker of one rank holds
+    the K/V it computed before the ticket and sends each decode rank its heads from what it held."""
+    from prefill_worker import prefill_engine
+
+    held, send_held = [], prefill_engine.send_held
+    monkeypatch.setattr(prefill_engine, "send_held", lambda *a: (held.append(a[-1]), send_held(*a)))
+    path = str(checkpoint("llama-gqa", num_attention_heads=8, num_key_value_heads=4))
+    ref = hf_greedy(path)
+    with _cluster(path, "shm", p_tp, d_tp, overlap=128) as c:
+        got, sent, total = _serve(c, PROMPTS[:3])
+        assert _all_ranks_sent(c) == total
+    assert got == [ref(p, N) for p in PROMPTS[:3]] and sent == total // p_tp
+    assert held == ([] if p_tp > 1 else [True] * len(held)) and (p_tp > 1 or held)  # held, sent in parts
 
 
 def test_a_transfer_is_refused_until_every_decode_rank_has_its_heads(checkpoint, monkeypatch):

@@ -48,6 +48,47 @@ class FakeStream:
         return True
 
 
+class FakeCall:
+    """A prefill sent with its ticket to follow (`Prefill.future`): answered at AttachTicket,
+    cancelled by Abort."""
+
+    def __init__(self) -> None:
+        self.done: list = []
+        self.outcome: wk.PrefillResponse | grpc.RpcError | None = None
+
+    def add_done_callback(self, fn) -> None:
+        self.done.append(fn)
+
+    def settle(self, outcome: wk.PrefillResponse | grpc.RpcError) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            for fn in self.done:
+                fn(self)
+
+    def result(self) -> wk.PrefillResponse:
+        assert self.outcome is not None, "no AttachTicket or Abort settled the prefill"
+        if isinstance(self.outcome, grpc.RpcError):
+            raise self.outcome
+        return self.outcome
+
+
+class FakePrefill:
+    """A fake worker's Prefill: called (its ticket given) or `.future` (its ticket follows)."""
+
+    def __init__(self, worker: FakeWorker) -> None:
+        self.worker = worker
+
+    def __call__(self, request: wk.PrefillRequest, timeout: float) -> wk.PrefillResponse:
+        self.worker._call("Prefill", request, request.request_id)
+        return wk.PrefillResponse(first_token=FIRST + request.resume_offset)
+
+    def future(self, request: wk.PrefillRequest, timeout: float) -> FakeCall:
+        self.worker._call("Prefill", request, request.request_id)
+        call = self.worker.calls[request.request_id] = FakeCall()
+        call.request = request
+        return call
+
+
 class FakeWorker:
     """A worker's RPCs. Script it with `errors[rpc]` (status codes raised by the next calls),
     `break_after` (the decode stream fails after that many tokens of the attempt, the finish reason
@@ -62,6 +103,8 @@ class FakeWorker:
         self.hang_at: int | None = None
         self.during_reserve = lambda: None
         self.dead = False
+        self.Prefill = FakePrefill(self)
+        self.calls: dict[str, FakeCall] = {}  # prefills whose ticket follows, by request id
 
     def _call(self, rpc: str, request, rid: str = "") -> None:
         self.log.append((self.wid, rpc, rid))
@@ -100,12 +143,16 @@ class FakeWorker:
             yield wk.TokenChunk(request_id=rid, start_index=i, token_ids=[FIRST + res.resume_offset + i],
                                 finish_reason="length" if last else "")
 
-    def Prefill(self, request: wk.PrefillRequest, timeout: float) -> wk.PrefillResponse:
-        self._call("Prefill", request, request.request_id)
-        return wk.PrefillResponse(first_token=FIRST + request.resume_offset)
+    def AttachTicket(self, request: wk.AttachTicketRequest, timeout: float) -> gen.AbortResponse:
+        self._call("AttachTicket", request, request.request_id)
+        call = self.calls[request.request_id]
+        call.settle(wk.PrefillResponse(first_token=FIRST + call.request.resume_offset))
+        return gen.AbortResponse(found=True)
 
     def Abort(self, request: gen.AbortRequest, timeout: float) -> gen.AbortResponse:
         self._call("Abort", request, request.request_id)
+        if request.request_id in self.calls:
+            self.calls[request.request_id].settle(RpcFailure(grpc.StatusCode.CANCELLED, "aborted"))
         return gen.AbortResponse(found=self.reserved.pop(request.request_id, None) is not None)
 
     def Stats(self, request: wk.StatsRequest, timeout: float) -> wk.WorkerStats:
@@ -120,7 +167,7 @@ class Cluster:
     """An orchestrator over a `WorkerPool` of fake workers (worker id = address)."""
 
     def __init__(self, mode: str = "disaggregated", workers: tuple[str, ...] = ("d1", "d2", "p1", "p2"),
-                 max_retries: int = 2, local_prefill_max_tokens: int = 0) -> None:
+                 max_retries: int = 2, local_prefill_max_tokens: int = 0, reserve_overlap_max_tokens: int = 0) -> None:
         self.log: list[tuple[str, str, str]] = []
         self.fakes = {wid: FakeWorker(wid, self.log) for wid in workers}
         self.pool = WorkerPool(stats_interval_s=3600.0, connect=lambda role, address: (self.fakes[address],) * 2)
@@ -128,7 +175,7 @@ class Cluster:
         self.pool.set_workers([(wid, role[wid[0]], wid) for wid in workers])
         self.metrics = RouterMetrics()
         self.orch = Orchestrator(self.pool, mode, 1024, max_retries, LocalPrefillPolicy(local_prefill_max_tokens),
-                                 self.metrics)
+                                 self.metrics, reserve_overlap_max_tokens)
         self.admission = Admission()
 
     def __getitem__(self, wid: str) -> FakeWorker:
@@ -207,6 +254,55 @@ def test_disaggregated_reserve_stream_prefill_then_relay(cluster):
     assert run.tokens == [FIRST + i for i in range(4)] and run.attempts == 0 and not run.local
     assert c.calls() == [("d1", "cancel", "r")] and c.idle() and active.reached == [
         (c.pool.workers("decode")[0], "r"), (c.pool.workers("prefill")[0], "r")]
+
+
+def test_a_short_prompt_is_prefilled_while_its_decode_worker_reserves(cluster):
+    """reserve_overlap_max_tokens: the prefill goes out before Reserve with its ticket to follow,
+    the ticket follows once the decode worker answered; a longer prompt goes the usual way."""
+    c = cluster(reserve_overlap_max_tokens=3)
+    g, active, run = c.start(max_tokens=2)
+    assert list(next(g).token_ids) == [FIRST]
+    assert c.calls() == [("p1", "Prefill", "r"), ("d1", "Reserve", "r"), ("d1", "Stream", "r"),
+                         ("p1", "AttachTicket", "r")]
+    prefill, attach = c["p1"].requests["Prefill"][0], c["p1"].requests["AttachTicket"][0]
+    assert prefill.ticket_follows and not prefill.HasField("ticket")
+    assert attach.ticket.transfer_id == c["d1"].requests["Reserve"][0].transfer_id
+    assert finish(g)[1] == "length" and run.tokens == [FIRST, FIRST + 1] and c.idle()
+    g, _, _ = c.start(max_tokens=2, prompt=(5, 6, 7, 8))
+    assert finish(g)[1] == "length"
+    assert c.calls("Prefill", "Reserve", "AttachTicket") == [("d1", "Reserve", "r"), ("p1", "Prefill", "r")]
+    assert not c["p1"].requests["Prefill"][1].ticket_follows and c.idle()
+
+
+def test_a_prefill_sent_before_a_reservation_that_failed_is_aborted(cluster):
+    """Every decode worker fails to reserve: the early prefill is aborted with the attempt, and the
+    retry prefills early again (on the same prefill worker: not a suspect)."""
+    c = cluster(reserve_overlap_max_tokens=16, max_retries=1)
+    c["d1"].errors["Reserve"] = [grpc.StatusCode.UNAVAILABLE]
+    c["d2"].errors["Reserve"] = [grpc.StatusCode.UNAVAILABLE]
+    g, _, run = c.start(max_tokens=2)
+    assert finish(g)[1] == "length" and run.attempts == 1
+    assert c.calls("Prefill", "Abort", "AttachTicket") == [("p1", "Prefill", "r"), ("p1", "Abort", "r"),
+                                                           ("p1", "Prefill", "r#retry1"),
+                                                           ("p1", "AttachTicket", "r#retry1")]
+    assert c["p1"].calls["r"].outcome.code() == grpc.StatusCode.CANCELLED and c.idle()
+
+
+def test_an_early_prefill_is_aborted_when_the_decode_worker_prefills_after_all(cluster):
+    """The first decode worker is full; the next one takes the prompt to prefill itself (local
+    prefill): the prefill sent early is aborted and no ticket follows."""
+    class AfterD1(LocalPrefillPolicy):  # local once d1 was tried
+        def local(self, prompt_tokens: int, prefill_queued: int | None, local_queued: int) -> bool:
+            return ("d1", "Reserve", "r") in c.log
+
+    c = cluster(reserve_overlap_max_tokens=16)
+    c.orch.local_prefill = AfterD1(16)
+    c["d1"].errors["Reserve"] = [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    g, _, run = c.start(max_tokens=2)
+    assert finish(g)[1] == "length" and run.local
+    assert c.calls("Prefill", "Abort", "AttachTicket", "Reserve") == [
+        ("p1", "Prefill", "r"), ("d1", "Reserve", "r"), ("d2", "Reserve", "r"), ("p1", "Abort", "r")]
+    assert c["d2"].requests["Reserve"][0].run_prefill and c.idle()
 
 
 def test_colocated_reserves_with_run_prefill_and_relays_every_token(cluster):
