@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # floor -> packages; the same table as docs/architecture.md
 FLOORS: dict[int, tuple[str, ...]] = {
-    0: ("common",),
+    0: ("common", "scaling"),
     1: ("engine",),
     2: ("proto",),
     3: ("kv_transfer",),
