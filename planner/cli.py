@@ -283,6 +283,7 @@ def _pool_arg(s: str):
 
 def _simulate(argv: list[str]) -> int:
     from loadgen.metrics import Dist
+    from planner.workload import load_plan_workload
     from planner.plan import Plan, build_cluster
     from planner.reuse import reuse_lines
     from planner.simulator import Simulator
@@ -293,12 +294,18 @@ def _simulate(argv: list[str]) -> int:
                    help="HARDWARE[:COUNT[:N|tpN|epN]] (disaggregated; N devices per worker, epN: expert parallel)")
     p.add_argument("--decode", type=_pool_arg, default=None, help="HARDWARE[:COUNT[:N|tpN|epN]] (disaggregated)")
     p.add_argument("--colocated", type=_pool_arg, default=None, help="HARDWARE[:COUNT[:N|tpN|epN]] (colocated mode)")
-    p.add_argument("--rate", type=float, required=True, help="requests/s")
+    p.add_argument("--rate", type=float, default=None, help="requests/s (required but with --controller)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     add_routing_args(p, auto=False)
     p.add_argument("--compare-routing", action="store_true", help="also simulate them routed by load only")
+    from planner.controlled_cli import add_args
+    from planner.controlled_cli import run as run_controlled
+
+    add_args(p)
     args = p.parse_args(argv)
+    if args.rate is None and not args.controller:
+        p.error("--rate is required (or --controller with --phases)")
     if args.colocated is not None:
         plan = Plan("colocated", None, args.colocated, args.max_num_batched_tokens, args.max_num_seqs, **routing_of(args))
     elif args.prefill is not None and args.decode is not None:
@@ -309,6 +316,14 @@ def _simulate(argv: list[str]) -> int:
     ctx = _context(args, [x.hardware for x in plan.pools])
     plan = replace(plan, prefill=default_layout(plan.prefill, ctx) if plan.prefill else None,
                    decode=default_layout(plan.decode, ctx))
+    if args.controller:
+        if plan.mode != "disaggregated":
+            raise ValueError("--controller moves workers between prefill and decode: give --prefill and --decode")
+        spec = build_cluster(plan, ctx)
+        print("\n".join(model_lines(ctx.model, ctx.kv_context)))
+        return run_controlled(args, spec, spec.decode[0], lambda name, n: load_plan_workload(
+            name, n, args.max_context, args.scale_lengths, args.max_output, args.sample_seed, args.arrival,
+            args.burstiness, args.seed, args.synthetic_input, args.synthetic_output))
     workload = _workload(args)
     ctx.kv_context = typical_context(workload)
     print("\n".join(workload.describe()))

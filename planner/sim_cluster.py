@@ -18,7 +18,7 @@ from planner.sim_worker import SimWorker
 if TYPE_CHECKING:
     from planner.simulator import ClusterSpec
 
-STEP, COMMIT = 0, 1  # events: a worker's step ends; a request's KV commit reaches its decode worker
+STEP, COMMIT, CALL = 0, 1, 2  # events: a worker's step ends; a KV commit reaches its decode worker; a call
 
 
 class SimCluster:
@@ -41,6 +41,11 @@ class SimCluster:
         """`s`'s KV has all arrived at its decode worker at `t`; the commit reaches it."""
         self.tie += 1
         heapq.heappush(self.heap, (t, self.tie, COMMIT, s))
+
+    def at(self, t: float, fn: Any) -> None:
+        """Call `fn(t)` at `t` (the controller's ticks, planner/sim_controller.py)."""
+        self.tie += 1
+        heapq.heappush(self.heap, (t, self.tie, CALL, fn))
 
     def host_slowdown(self, w: SimWorker) -> float:
         """The factor `w`'s step starting now is stretched by: processor sharing on the host, the
@@ -72,8 +77,10 @@ class SimCluster:
                 t_prev = t
                 if kind == STEP:
                     obj.end_step(t)
-                else:
+                elif kind == COMMIT:
                     obj.d.commit(obj, t)
+                else:
+                    obj(t)
             elif nxt < len(order):
                 s = requests[order[nxt]]
                 nxt += 1

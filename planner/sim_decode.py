@@ -228,7 +228,9 @@ class SimDecodeWorker(SimWorker):
         out = self.cluster.out
         out.decode_steps += 1
         out.decode_seqs += b
-        return self.cost.decode_time(b, self.sum_ctx_term + b * self.k)
+        dt = self.cost.decode_time(b, self.sum_ctx_term + b * self.k)
+        out.decode_token_s += dt * b
+        return dt
 
     def end_step(self, now: float) -> None:
         if self.batch is None:  # decode step

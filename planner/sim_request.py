@@ -80,6 +80,8 @@ class Outcomes:
         self.local_uncached = 0  # of the local prefills, those by conditional disaggregation
         self.kv_bytes_sent = self.kv_bytes_held = 0  # KV transferred; not sent: its decode worker held it
         self.decode_step_s = self.prefill_step_s = 0.0
+        self.decode_token_s = 0.0  # decode steps' time x the sequences each advanced (the gaps' sum)
+        self.ttft_log: list[float] | None = None  # when a list: every TTFT, in the order they happen
         self.last = 0.0  # the last finish
         self.in_system = 0  # requests arrived and not finished
         self.area = 0.0  # the integral of in_system over time
@@ -88,6 +90,8 @@ class Outcomes:
         """`s`'s first token is sampled (committed) at `t`; it reaches the client first_token_out_s later."""
         s.first_t = t + self.first_token_out_s
         self.ttft[s.i] = s.first_t - s.arrival
+        if self.ttft_log is not None:
+            self.ttft_log.append(self.ttft[s.i])
         if self.slo_ttft_s is not None and self.ttft[s.i] > self.slo_ttft_s and s.i >= self.count_from:
             self.ttft_miss += 1
             if self.max_misses is not None and self.ttft_miss > self.max_misses:

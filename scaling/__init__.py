@@ -1,5 +1,5 @@
 """The SLO controller's decision function (torch-free): signals in, workers per role out."""
 
-from scaling.policy import ACTIONS, HOLD, Bounds, ControllerConfig, Decision, Signals, State, decide
+from scaling.policy import HOLD, Bounds, ControllerConfig, Decision, Signals, State, decide, pressures
 
-__all__ = ["ACTIONS", "HOLD", "Bounds", "ControllerConfig", "Decision", "Signals", "State", "decide"]
+__all__ = ["HOLD", "pressures", "Bounds", "ControllerConfig", "Decision", "Signals", "State", "decide"]

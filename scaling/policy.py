@@ -3,25 +3,28 @@
 One pure function, `decide(config, bounds, signals, state)`, called every `interval_s` by the
 controller in a running cluster and by the planner's simulator alike (the same code in both worlds).
 
-Each role's pressure is its signal over its SLO, the worse of what was seen and what is coming:
+Each role's pressure is how close it runs to its limit, 1.0 at the limit:
 
-    prefill  max(TTFT p90 / SLO TTFT, queued prompt tokens / the prefill workers' tokens per second
-             / SLO TTFT)                          (the queue is the TTFT of the next prompts)
-    decode   max(TPOT p90 / SLO TPOT, KV blocks used / kv_high)   (a full cache makes prompts wait)
+    prefill  max(prompt tokens arriving per second / what the prefill workers compute per second,
+             queued prompt tokens / that rate / SLO TTFT), and at least `scale_up_at` while the
+             TTFT p90 is at `scale_up_at` of its SLO or more (first tokens late: grow)
+    decode   max(tokens generated per second / what the decode workers generate per second at the
+             TPOT SLO, KV blocks used / kv_high), and at least `scale_up_at` while the TPOT p90 is
+             at `scale_up_at` of its SLO or more
 
-A role at `scale_up_at` or more is pressed; both roles under `scale_down_at` are idle. Then:
+taken as inversely proportional to a role's workers (workers starting or flipping into it count as
+there), as demand over capacity and KV use are. TTFT and TPOT themselves are not (at low load they
+are one prompt's compute, one step's time), which is why they only trigger. A role at `scale_up_at` or more is pressed and grows to the count that brings it to the
+middle of the band [scale_down_at, scale_up_at]; the other role gives it workers in place (flips)
+as long as it stays under the middle itself, and new workers make up the rest within the bounds.
+With neither pressed, a role under `scale_down_at` shrinks to the same middle. So one decision
+answers one change of the traffic, sized to it.
 
-    one role pressed, the other idle enough that it stays under `scale_up_at` x `margin` with one
-        worker fewer (pressure taken as inversely proportional to the workers): a worker moves
-        from it to the pressed role (a flip, when the pools allow); else the pressed role gets a
-        new worker, within its bound
-    both pressed: the more pressed role gets a new worker, within the bounds
-    both idle: the less pressed role gives one back, if the other would stay under the same margin
-
-A proposal becomes a decision only after `settle_intervals` intervals in a row proposed it
-(hysteresis), never within `cooldown_s` of the last decision, and never while a worker younger than
-`warmup_s` is serving (its first samples are a cold start: compilation, empty caches). One worker
-moves per decision.
+A proposal becomes a decision only after `settle_intervals` intervals in a row proposed the same
+direction (hysteresis; the latest sizing is taken), never within `cooldown_s` of the last decision,
+and never while a worker younger than `warmup_s` serves (its first samples are a cold start:
+compilation, empty caches), unless a role is at `urgent_at` or more counting the workers on their
+way (the traffic changed under it: a backlog grows every second the decision waits).
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import math
+
 HOLD = "hold"
-ACTIONS = (HOLD, "flip_to_prefill", "flip_to_decode", "add_prefill", "add_decode", "remove_prefill",
-           "remove_decode")
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,8 @@ class ControllerConfig:
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 50.0
     scale_up_at: float = 0.8  # a role whose pressure (signal / SLO) reaches this is pressed
-    scale_down_at: float = 0.3  # both roles under this: one worker may go
-    margin: float = 0.8  # a worker leaves a role only if its pressure stays under scale_up_at x margin
+    scale_down_at: float = 0.3  # a role under this (the other not pressed) gives workers back
+    urgent_at: float = 1.5  # a role this pressed (its pending workers counted) grows at once
     kv_high: float = 0.9  # KV blocks used at this share press decode as its SLO does
     settle_intervals: int = 2  # intervals in a row a proposal must hold (hysteresis)
     cooldown_s: float = 30.0  # no decision within this long of the last one
@@ -49,10 +52,9 @@ class ControllerConfig:
     flips: bool = True  # workers may change role in place (their pools serve both roles)
 
     def __post_init__(self) -> None:
-        if not 0 < self.scale_down_at < self.scale_up_at:
-            raise ValueError(f"need 0 < scale_down_at < scale_up_at, got {self.scale_down_at}, {self.scale_up_at}")
-        if not 0 < self.margin <= 1:
-            raise ValueError(f"margin must be in (0, 1], got {self.margin}")
+        if not 0 < self.scale_down_at < self.scale_up_at <= self.urgent_at:
+            raise ValueError("need 0 < scale_down_at < scale_up_at <= urgent_at, got "
+                             f"{self.scale_down_at}, {self.scale_up_at}, {self.urgent_at}")
         if self.interval_s <= 0 or self.settle_intervals < 1 or self.cooldown_s < 0 or self.warmup_s < 0:
             raise ValueError("interval_s > 0, settle_intervals >= 1, cooldown_s >= 0 and warmup_s >= 0")
 
@@ -78,100 +80,131 @@ class Signals:
     ttft_p90_ms: float | None = None  # of first tokens in the interval
     tpot_p90_ms: float | None = None  # of inter-token gaps in the interval
     queued_prompt_tokens: int = 0  # waiting at the prefill workers now
-    prefill_tokens_per_s: float = 0.0  # what the prefill workers compute per second when busy (all)
+    prefill_tokens_per_s: float = 0.0  # what the serving prefill workers compute per second when busy
+    prefill_demand_tokens_s: float = 0.0  # prompt tokens that arrived per second in the interval
+    decode_tokens_per_s: float = 0.0  # what the serving decode workers generate per second at the TPOT SLO
+    decode_demand_tokens_s: float = 0.0  # tokens generated per second in the interval
     kv_used: float = 0.0  # share of the decode workers' KV blocks in use (the fullest worker)
     youngest_worker_s: float = float("inf")  # age of the newest worker in its role
+    pending_prefill: int = 0  # workers starting, or flipping, into each role
+    pending_decode: int = 0
 
 
 @dataclass(frozen=True)
 class State:
     """What `decide` remembers between calls (start with `State()`)."""
 
-    proposal: str = HOLD
+    proposal: str = HOLD  # the direction proposed last, e.g. "prefill+1 decode-1"
     streak: int = 0
     last_decision_s: float = float("-inf")
 
 
 @dataclass(frozen=True)
 class Decision:
-    action: str
-    prefill: int  # the target: workers per role once the action is done
+    action: str  # HOLD, or what changes: "flip 2 to prefill, add 1 prefill", "remove 1 decode"
+    prefill: int  # the target: workers per role once it is done (pending ones counted)
     decode: int
     reason: str
     prefill_pressure: float = 0.0
     decode_pressure: float = 0.0
+    flips: int = 0  # workers moving role in place: > 0 to prefill, < 0 to decode
+    add_prefill: int = 0  # new workers (< 0: workers given back)
+    add_decode: int = 0
 
 
 def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
     """(prefill, decode) pressure: each role's signal over its SLO (see the module's doc)."""
-    p = (s.ttft_p90_ms or 0.0) / cfg.slo_ttft_ms
-    if s.queued_prompt_tokens and s.prefill_tokens_per_s > 0:
-        p = max(p, s.queued_prompt_tokens / s.prefill_tokens_per_s * 1e3 / cfg.slo_ttft_ms)
-    d = max((s.tpot_p90_ms or 0.0) / cfg.slo_tpot_ms, s.kv_used / cfg.kv_high)
+    p = 0.0
+    if s.prefill_tokens_per_s > 0:
+        p = max(s.prefill_demand_tokens_s, s.queued_prompt_tokens * 1e3 / cfg.slo_ttft_ms) / s.prefill_tokens_per_s
+    if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:
+        p = max(p, cfg.scale_up_at)
+    d = s.kv_used / cfg.kv_high
+    if s.decode_tokens_per_s > 0:
+        d = max(d, s.decode_demand_tokens_s / s.decode_tokens_per_s)
+    if (s.tpot_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_tpot_ms:
+        d = max(d, cfg.scale_up_at)
     return p, d
 
 
-def _without_one(pressure: float, workers: int) -> float:
-    return pressure * workers / (workers - 1) if workers > 1 else float("inf")
+def _sized(level: float, n: int, mid: float) -> int:
+    """Workers that bring a role at `level` with `n` workers to `mid` (pressure ~ 1 / workers)."""
+    return math.ceil(n * level / mid - 1e-9) if n else 1
 
 
-def propose(cfg: ControllerConfig, b: Bounds, s: Signals) -> tuple[str, str, float, float]:
-    """(action, reason, prefill pressure, decode pressure) for this interval alone."""
+def plan(cfg: ControllerConfig, b: Bounds, s: Signals) -> tuple[Decision, str]:
+    """This interval's proposal alone, and its direction (HOLD, or e.g. "prefill+ decode-")."""
     p, d = pressures(cfg, s)
-    up, keep = cfg.scale_up_at, cfg.scale_up_at * cfg.margin
-    total = s.prefill + s.decode
-    can_add = {"prefill": s.prefill < b.max_prefill and total < b.max_total,
-               "decode": s.decode < b.max_decode and total < b.max_total}
-    can_give = {"prefill": s.prefill > b.min_prefill, "decode": s.decode > b.min_decode}
-    count = {"prefill": s.prefill, "decode": s.decode}
-    level = {"prefill": p, "decode": d}
-    pressed = [r for r in ("prefill", "decode") if level[r] >= up]
-    if len(pressed) == 1:
-        role = pressed[0]
-        other = "decode" if role == "prefill" else "prefill"
-        why = f"{role} pressure {level[role]:.2f} >= {up}"
-        if (cfg.flips and can_give[other] and count[role] < getattr(b, f"max_{role}")
-                and _without_one(level[other], count[other]) < keep):
-            return f"flip_to_{role}", f"{why}, {other} {level[other]:.2f} has room", p, d
-        if can_add[role]:
-            return f"add_{role}", why, p, d
-        return HOLD, f"{why}, no worker to move or add", p, d
-    if len(pressed) == 2:
-        role = "prefill" if p >= d else "decode"
-        if can_add[role]:
-            return f"add_{role}", f"both pressed ({p:.2f}, {d:.2f})", p, d
-        return HOLD, f"both pressed ({p:.2f}, {d:.2f}), at the bounds", p, d
-    if p < cfg.scale_down_at and d < cfg.scale_down_at:
-        for role in sorted(("prefill", "decode"), key=lambda r: level[r]):  # the less pressed first
-            if can_give[role] and _without_one(level[role], count[role]) < keep:
-                return f"remove_{role}", f"both idle ({p:.2f}, {d:.2f})", p, d
-    return HOLD, f"within the band ({p:.2f}, {d:.2f})", p, d
-
-
-def target(action: str, prefill: int, decode: int) -> tuple[int, int]:
-    """Workers per role once `action` is done."""
-    change = {"flip_to_prefill": (1, -1), "flip_to_decode": (-1, 1), "add_prefill": (1, 0), "add_decode": (0, 1),
-              "remove_prefill": (-1, 0), "remove_decode": (0, -1)}.get(action, (0, 0))
-    return prefill + change[0], decode + change[1]
+    have = {"prefill": s.prefill + s.pending_prefill, "decode": s.decode + s.pending_decode}
+    # the pressure with the pending workers serving
+    level = {"prefill": p * s.prefill / have["prefill"] if have["prefill"] else p,
+             "decode": d * s.decode / have["decode"] if have["decode"] else d}
+    lo = {"prefill": b.min_prefill, "decode": b.min_decode}
+    hi = {"prefill": b.max_prefill, "decode": b.max_decode}
+    mid = (cfg.scale_down_at + cfg.scale_up_at) / 2
+    want = dict(have)
+    pressed = [r for r in want if level[r] >= cfg.scale_up_at]
+    for r in want:
+        if r in pressed or (not pressed and level[r] < cfg.scale_down_at):
+            want[r] = min(hi[r], max(lo[r], _sized(level[r], have[r], mid)))
+    grow = [r for r in want if want[r] > have[r]]
+    flips = 0  # workers moving in place into the growing role
+    if len(grow) == 1:
+        r = grow[0]
+        o = "decode" if r == "prefill" else "prefill"
+        if level[o] < mid:  # the other role keeps what brings it to the middle; the rest may move
+            want[o] = min(want[o], max(lo[o], _sized(level[o], have[o], mid)))
+        if cfg.flips:
+            flips = min(want[r] - have[r], max(0, have[o] - want[o]))
+    add = dict.fromkeys(want, 0)
+    for r in want:
+        moved = flips if r in grow else -flips if grow else 0
+        add[r] = want[r] - have[r] - moved
+    room = b.max_total - have["prefill"] - have["decode"]
+    for r in sorted(want, key=lambda r: -level[r]):  # new workers within the room, the more pressed first
+        if add[r] > 0:
+            add[r] = min(add[r], max(0, room))
+            room -= add[r]
+    if grow and grow[0] == "decode":
+        flips = -flips
+    parts = []
+    if flips:
+        parts.append(f"flip {abs(flips)} to {'prefill' if flips > 0 else 'decode'}")
+    for r in ("prefill", "decode"):
+        if add[r]:
+            parts.append(f"{'add' if add[r] > 0 else 'remove'} {abs(add[r])} {r}")
+    prefill = s.prefill + s.pending_prefill + flips + add["prefill"]
+    decode = s.decode + s.pending_decode - flips + add["decode"]
+    if not parts:
+        why = (f"{', '.join(pressed)} pressed, at the bounds" if pressed else "within the band")
+        return Decision(HOLD, have["prefill"], have["decode"], f"{why} ({p:.2f}, {d:.2f})", p, d), HOLD
+    direction = " ".join(f"{r}{'+' if n > have[r] else '-'}" for r, n in (("prefill", prefill), ("decode", decode))
+                         if n != have[r])
+    why = (f"{' and '.join(pressed)} pressed" if pressed else "idle") + f" ({p:.2f}, {d:.2f})"
+    urgent = max(level.values()) >= cfg.urgent_at and (prefill > have["prefill"] or decode > have["decode"])
+    return (Decision(", ".join(parts), prefill, decode, why, p, d, flips, add["prefill"], add["decode"]),
+            "urgent" if urgent else direction)
 
 
 def decide(cfg: ControllerConfig, b: Bounds, s: Signals, state: State) -> tuple[Decision, State]:
     """This interval's decision and the state to pass next time."""
-    action, reason, p, d = propose(cfg, b, s)
-    streak = state.streak + 1 if action == state.proposal else 1
-    state = dataclasses.replace(state, proposal=action, streak=streak)
+    proposal, direction = plan(cfg, b, s)
+    streak = state.streak + 1 if direction == state.proposal else 1
+    state = dataclasses.replace(state, proposal=direction, streak=streak)
 
     def hold(why: str) -> tuple[Decision, State]:
-        return Decision(HOLD, s.prefill, s.decode, why, p, d), state
+        return dataclasses.replace(proposal, action=HOLD, prefill=s.prefill + s.pending_prefill,
+                                   decode=s.decode + s.pending_decode, reason=why, flips=0, add_prefill=0,
+                                   add_decode=0), state
 
-    if action == HOLD:
-        return hold(reason)
+    if direction == HOLD:
+        return hold(proposal.reason)
+    if direction == "urgent":
+        return proposal, State(proposal=HOLD, streak=0, last_decision_s=s.now_s)
     if s.now_s - state.last_decision_s < cfg.cooldown_s:
-        return hold(f"cooldown ({reason})")
+        return hold(f"cooldown: {proposal.action} ({proposal.reason})")
     if s.youngest_worker_s < cfg.warmup_s:
-        return hold(f"a worker is warming up ({reason})")
+        return hold(f"a worker is warming up: {proposal.action} ({proposal.reason})")
     if streak < cfg.settle_intervals:
-        return hold(f"settling {streak}/{cfg.settle_intervals} ({reason})")
-    prefill, decode = target(action, s.prefill, s.decode)
-    return (Decision(action, prefill, decode, reason, p, d),
-            State(proposal=HOLD, streak=0, last_decision_s=s.now_s))
+        return hold(f"settling {streak}/{cfg.settle_intervals}: {proposal.action} ({proposal.reason})")
+    return proposal, State(proposal=HOLD, streak=0, last_decision_s=s.now_s)

@@ -1,19 +1,22 @@
 """The SLO controller's decision function (scaling/policy.py) on synthetic signals: which role is
-pressed, flips against new workers, hysteresis, cooldown, warm-up, bounds, and scaling down."""
+pressed and by how much, flips before new workers, sizing to the middle of the band, hysteresis,
+cooldown, warm-up, urgency, bounds, and giving workers back."""
 
 from __future__ import annotations
 
 import pytest
 
-from scaling import HOLD, Bounds, ControllerConfig, Signals, State, decide
+from scaling import HOLD, Bounds, ControllerConfig, Signals, State, decide, pressures
 
-CFG = ControllerConfig(settle_intervals=2, cooldown_s=30.0, warmup_s=10.0)
-ROOM = Bounds(min_prefill=1, max_prefill=3, min_decode=1, max_decode=3, max_total=4)
+CFG = ControllerConfig(settle_intervals=2, cooldown_s=30.0, warmup_s=10.0)  # band 0.3..0.8, middle 0.55
+ROOM = Bounds(min_prefill=1, max_prefill=4, min_decode=1, max_decode=4, max_total=5)
 
 
-def sig(t: float, prefill: int = 1, decode: int = 2, ttft: float | None = 200.0, tpot: float | None = 10.0,
-        **kw) -> Signals:
-    return Signals(now_s=t, prefill=prefill, decode=decode, ttft_p90_ms=ttft, tpot_p90_ms=tpot, **kw)
+def sig(t: float, prefill: int = 1, decode: int = 2, p: float = 0.5, d: float = 0.4, **kw) -> Signals:
+    """Prefill at `p` of its capacity (1000 tokens/s per worker), decode at `d` (100 tokens/s per worker)."""
+    return Signals(now_s=t, prefill=prefill, decode=decode, prefill_tokens_per_s=1000.0 * prefill,
+                   prefill_demand_tokens_s=1000.0 * prefill * p, decode_tokens_per_s=100.0 * decode,
+                   decode_demand_tokens_s=100.0 * decode * d, **kw)
 
 
 def run(signals: list[Signals], cfg: ControllerConfig = CFG, bounds: Bounds = ROOM) -> list:
@@ -24,78 +27,86 @@ def run(signals: list[Signals], cfg: ControllerConfig = CFG, bounds: Bounds = RO
     return out
 
 
-def test_slow_first_tokens_move_an_idle_decode_worker_to_prefill_after_settling():
-    d = run([sig(0, ttft=900), sig(5, ttft=900)])
-    assert [x.action for x in d] == [HOLD, "flip_to_prefill"]
-    assert "settling 1/2" in d[0].reason and (d[1].prefill, d[1].decode) == (2, 1)
-    assert d[1].prefill_pressure == pytest.approx(0.9)
+def test_pressures_are_demand_over_capacity_and_late_tokens_trigger():
+    assert pressures(CFG, sig(0, p=0.5, d=0.4)) == pytest.approx((0.5, 0.4))
+    queued = sig(0, p=0.1, queued_prompt_tokens=2000)  # 2 s of one worker's compute against a 1 s SLO
+    assert pressures(CFG, queued)[0] == pytest.approx(2.0)
+    assert pressures(CFG, sig(0, p=0.1, ttft_p90_ms=900))[0] == pytest.approx(CFG.scale_up_at)
+    assert pressures(CFG, sig(0, d=0.1, tpot_p90_ms=45))[1] == pytest.approx(CFG.scale_up_at)
+    assert pressures(CFG, sig(0, d=0.1, kv_used=0.81))[1] == pytest.approx(0.9)
 
 
-def test_queued_prompt_tokens_press_prefill_before_any_first_token_is_late():
-    """4000 tokens queued at 2000 tokens/s: the next first tokens come 2 s late, over a 1 s SLO."""
-    d = run([sig(t, ttft=100, queued_prompt_tokens=4000, prefill_tokens_per_s=2000) for t in (0, 5)])
-    assert d[-1].action == "flip_to_prefill" and d[-1].prefill_pressure == pytest.approx(2.0)
+def test_a_pressed_prefill_takes_an_idle_decode_worker_after_settling():
+    d = run([sig(0, p=0.9, d=0.2), sig(5, p=0.9, d=0.2)])
+    assert [x.action for x in d] == [HOLD, "flip 1 to prefill"]
+    assert "settling 1/2" in d[0].reason and (d[1].prefill, d[1].decode, d[1].flips) == (2, 1, 1)
 
 
-def test_a_busy_decode_side_gets_a_new_worker_not_a_flip():
-    """Decode at 0.5 of its SLO with 2 workers would be at 1.0 with one: no flip, a new prefill worker."""
-    d = run([sig(t, ttft=900, tpot=25) for t in (0, 5)])
-    assert d[-1].action == "add_prefill" and (d[-1].prefill, d[-1].decode) == (2, 2)
+def test_the_decision_is_sized_to_the_middle_of_the_band_flips_first_then_new_workers():
+    """Prefill at 1.4 with one worker needs ceil(1.4 / 0.55) = 3; decode at 0.2 with 2 workers
+    needs 1, so one flips and one is new."""
+    d = run([sig(t, p=1.4, d=0.2) for t in (0, 5)])[-1]
+    assert (d.prefill, d.decode, d.flips, d.add_prefill, d.add_decode) == (3, 1, 1, 1, 0)
+    assert d.action == "flip 1 to prefill, add 1 prefill"
 
 
-def test_slow_tokens_or_a_full_cache_move_a_worker_to_decode():
-    assert run([sig(t, prefill=2, decode=1, tpot=45) for t in (0, 5)])[-1].action == "flip_to_decode"
-    full = run([sig(t, prefill=2, decode=1, tpot=5, kv_used=0.85) for t in (0, 5)])
-    assert full[-1].action == "flip_to_decode" and full[-1].decode_pressure == pytest.approx(0.85 / 0.9)
+def test_a_busy_decode_side_keeps_its_workers():
+    """Decode at 0.5 (under the band's middle with 2, over it with 1): a new prefill worker, no flip."""
+    d = run([sig(t, p=0.9, d=0.5) for t in (0, 5)])[-1]
+    assert d.action == "add 1 prefill" and (d.prefill, d.decode) == (2, 2)
 
 
-def test_hysteresis_a_proposal_that_changes_starts_its_count_again():
-    d = run([sig(0, ttft=900), sig(5, ttft=500), sig(10, ttft=900), sig(15, ttft=900)])
-    assert [x.action for x in d] == [HOLD, HOLD, HOLD, "flip_to_prefill"]
+def test_slow_tokens_or_a_full_cache_grow_decode():
+    assert run([sig(t, prefill=2, decode=1, p=0.2, d=1.0) for t in (0, 5)])[-1].flips == -1
+    full = run([sig(t, prefill=2, decode=1, p=0.2, d=0.1, kv_used=0.8) for t in (0, 5)])[-1]
+    assert full.action == "flip 1 to decode"
 
 
-def test_cooldown_and_warm_up_hold_decisions():
-    d = run([sig(0, ttft=900), sig(5, ttft=900), sig(10, prefill=2, decode=1, ttft=2000),
-             sig(15, prefill=2, decode=1, ttft=2000), sig(40, prefill=2, decode=1, ttft=2000)])
-    assert [x.action for x in d] == [HOLD, "flip_to_prefill", HOLD, HOLD, "add_prefill"]
+def test_hysteresis_a_proposal_that_changes_direction_starts_its_count_again():
+    d = run([sig(0, p=0.9, d=0.2), sig(5, p=0.5), sig(10, p=0.9, d=0.2), sig(15, p=0.9, d=0.2)])
+    assert [x.action != HOLD for x in d] == [False, False, False, True]
+
+
+def test_cooldown_and_warm_up_hold_and_urgency_does_not_wait():
+    d = run([sig(0, p=0.9, d=0.2), sig(5, p=0.9, d=0.2), sig(10, prefill=2, decode=1, p=0.9, d=0.4),
+             sig(15, prefill=2, decode=1, p=0.9, d=0.4), sig(40, prefill=2, decode=1, p=0.9, d=0.4)])
+    assert [x.action != HOLD for x in d] == [False, True, False, False, True]
     assert "cooldown" in d[3].reason
-    warm = run([sig(t, ttft=900, youngest_worker_s=t) for t in (0, 5, 10)])
-    assert [x.action for x in warm] == [HOLD, HOLD, "flip_to_prefill"] and "warming up" in warm[1].reason
+    warm = run([sig(t, p=0.9, d=0.2, youngest_worker_s=t) for t in (0, 5, 10)])
+    assert [x.action != HOLD for x in warm] == [False, False, True] and "warming up" in warm[1].reason
+    urgent = run([sig(0, p=3.0, d=0.2, youngest_worker_s=0.0)])[0]  # at once: no settling, no warm-up wait
+    assert urgent.action != HOLD and urgent.prefill == 4
+
+
+def test_workers_on_their_way_count_as_there():
+    """Two prefill workers are starting: the one serving at 1.2 is at 0.4 with them, inside the band."""
+    assert run([sig(t, p=1.2, d=0.4, pending_prefill=2) for t in (0, 5)])[-1].action == HOLD
 
 
 def test_bounds_are_kept():
-    at_max = Bounds(min_prefill=1, max_prefill=1, min_decode=1, max_decode=3, max_total=4)
-    d = run([sig(t, ttft=900) for t in (0, 5)], bounds=at_max)
-    assert d[-1].action == HOLD and "no worker to move or add" in d[-1].reason
-    full = Bounds(min_prefill=1, max_prefill=3, min_decode=2, max_decode=3, max_total=3)
-    d = run([sig(t, ttft=900) for t in (0, 5)], bounds=full)  # decode at its minimum, no room for a third
-    assert d[-1].action == HOLD
-    no_flips = run([sig(t, ttft=900) for t in (0, 5)], cfg=ControllerConfig(flips=False, settle_intervals=2))
-    assert no_flips[-1].action == "add_prefill"
+    d = run([sig(t, p=0.9, d=0.5) for t in (0, 5)], bounds=Bounds(1, 1, 1, 4, 5))
+    assert d[-1].action == HOLD and "at the bounds" in d[-1].reason
+    d = run([sig(t, p=3.0, d=0.2) for t in (0, 5)], bounds=Bounds(1, 4, 2, 4, 3))  # decode at its minimum
+    assert d[-1].action == HOLD and "at the bounds" in d[-1].reason
+    no_flips = run([sig(t, p=0.9, d=0.2) for t in (0, 5)], cfg=ControllerConfig(flips=False, settle_intervals=2))
+    assert no_flips[-1].action == "add 1 prefill, remove 1 decode"
 
 
-def test_both_pressed_adds_to_the_more_pressed_role():
-    assert run([sig(t, ttft=900, tpot=48) for t in (0, 5)])[-1].action == "add_decode"
-    assert run([sig(t, prefill=2, decode=2, ttft=900, tpot=48) for t in (0, 5)], bounds=Bounds(
-        1, 2, 1, 2, 4))[-1].action == HOLD
+def test_idle_roles_give_workers_back_never_below_their_minimum():
+    d = run([sig(t, prefill=3, decode=2, p=0.1, d=0.4) for t in (0, 5)])[-1]
+    assert d.action == "remove 2 prefill" and (d.prefill, d.decode) == (1, 2)
+    no_traffic = run([sig(t, prefill=1, decode=2, p=0.0, d=0.0) for t in (0, 5)])[-1]
+    assert no_traffic.action == "remove 1 decode"
+    assert run([sig(t, prefill=1, decode=1, p=0.0, d=0.0) for t in (0, 5)])[-1].action == HOLD
 
 
-def test_idle_gives_back_the_least_pressed_role_and_never_below_the_minimum():
-    d = run([sig(t, prefill=2, decode=2, ttft=100, tpot=5) for t in (0, 5)])
-    assert d[-1].action == "remove_prefill" and (d[-1].prefill, d[-1].decode) == (1, 2)
-    no_traffic = run([sig(t, prefill=1, decode=2, ttft=None, tpot=None) for t in (0, 5)])
-    assert no_traffic[-1].action == "remove_decode"
-    assert run([sig(t, prefill=1, decode=1, ttft=None, tpot=None) for t in (0, 5)])[-1].action == HOLD
-
-
-def test_no_oscillation_a_flip_is_not_undone_by_the_load_it_moved():
-    """After a flip to prefill, decode carries the same tokens on one worker fewer: its pressure
-    doubles, but the flip was allowed only if that stays under the band, so nothing flips back."""
-    before = sig(0, ttft=900, tpot=12)
-    after_tpot = 12 * 2  # one decode worker of two left
-    d = run([before, sig(5, ttft=900, tpot=12), *(sig(t, prefill=2, decode=1, ttft=300, tpot=after_tpot)
-                                                   for t in range(10, 120, 5))])
-    assert [x.action for x in d].count(HOLD) == len(d) - 1
+def test_no_oscillation_a_sized_decision_lands_inside_the_band():
+    """After a flip to prefill the load it moved does not flip it back: demand over capacity with
+    the new counts sits in the band, and nothing more is decided."""
+    before = [sig(0, p=1.4, d=0.2), sig(5, p=1.4, d=0.2)]
+    after = [sig(t, prefill=3, decode=1, p=1.4 / 3, d=0.4) for t in range(10, 300, 5)]
+    d = run(before + after)
+    assert sum(x.action != HOLD for x in d) == 1
 
 
 def test_bad_config_is_refused():
