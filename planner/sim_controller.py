@@ -130,7 +130,6 @@ class ControlledSimulator:
                 running = sum(len(w.running) for w in cluster.decode)
                 context = sum(w.sum_ctx_term + len(w.running) * w.k for w in cluster.decode) / running if running else 1024
                 gap = (out.decode_token_s - mark["gap"]) / seqs if seqs else None
-                t_last = mark["t"]
                 arrived = bisect.bisect_right(times, t)
                 demand = (cum[arrived] - cum[mark["arrived"]]) / max(t - mark["t"], 1e-9)
                 mark.update(t=t, gap=out.decode_token_s, seqs=out.decode_seqs, arrived=arrived)
@@ -141,8 +140,7 @@ class ControlledSimulator:
                     tpot_p90_ms=gap * 1e3 if gap is not None else None,
                     queued_prompt_tokens=sum(w.inflight_tokens for w in cluster.prefill),
                     prefill_tokens_per_s=per_worker_tps * len(cluster.prefill), prefill_demand_tokens_s=demand,
-                    decode_tokens_per_s=self._decode_rate(context) * len(cluster.decode),
-                    decode_demand_tokens_s=seqs / max(t - t_last, 1e-9),
+                    decode_slots=self._decode_slots(context) * len(cluster.decode), in_flight=out.in_system,
                     kv_used=max((w.used_blocks() / max(w.num_blocks, 1) for w in cluster.decode), default=0.0),
                     youngest_worker_s=min((t - s.since for s in serving), default=math.inf),
                     pending_prefill=sum(1 for s in slots if s.role is None and s.next == "prefill"),
@@ -169,15 +167,15 @@ class ControlledSimulator:
                                  for s in slots)
         return res
 
-    def _decode_rate(self, context: float) -> float:
-        """Tokens per second one decode worker generates at the largest batch whose step meets the
-        TPOT SLO, sequences of `context` tokens (the cost model's decode step)."""
+    def _decode_slots(self, context: float) -> int:
+        """Sequences of `context` tokens one decode worker runs at once with its step within the TPOT
+        SLO and their KV in its cache (the cost model's decode step)."""
         cost, slo = self.worker.cost, self.cfg.slo_tpot_ms / 1e3
         lo, hi = 1, max(1, min(self.worker.max_num_seqs, cost.kv_capacity_tokens // max(1, int(context))))
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if cost.decode_time(mid, int(mid * context)) <= slo else (lo, mid - 1)
-        return lo / cost.decode_time(lo, int(lo * context))
+        return lo
 
     # ------------------------------------------------------------------ decisions, as a cluster makes them
     def _serve(self, cluster: SimCluster, slot: _Slot, role: str, t: float) -> None:

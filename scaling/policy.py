@@ -8,9 +8,11 @@ Each role's pressure is how close it runs to its limit, 1.0 at the limit:
     prefill  max(prompt tokens arriving per second / what the prefill workers compute per second,
              queued prompt tokens / that rate / SLO TTFT), and at least `scale_up_at` while the
              TTFT p90 is at `scale_up_at` of its SLO or more (first tokens late: grow)
-    decode   max(tokens generated per second / what the decode workers generate per second at the
-             TPOT SLO, KV blocks used / kv_high), and at least `scale_up_at` while the TPOT p90 is
-             at `scale_up_at` of its SLO or more
+    decode   max(requests in flight (each will need a decode slot: running, waiting for blocks or
+             being prefilled) / the sequences the decode workers run at the TPOT SLO, KV blocks
+             used / kv_high), and at least `scale_up_at` while the TPOT p90 is at `scale_up_at` of
+             its SLO or more (counting requests, not tokens generated: a decode side starved by a
+             slow prefill side generates little and is not idle)
 
 taken as inversely proportional to a role's workers (workers starting or flipping into it count as
 there), as demand over capacity and KV use are. TTFT and TPOT themselves are not (at low load they
@@ -82,8 +84,8 @@ class Signals:
     queued_prompt_tokens: int = 0  # waiting at the prefill workers now
     prefill_tokens_per_s: float = 0.0  # what the serving prefill workers compute per second when busy
     prefill_demand_tokens_s: float = 0.0  # prompt tokens that arrived per second in the interval
-    decode_tokens_per_s: float = 0.0  # what the serving decode workers generate per second at the TPOT SLO
-    decode_demand_tokens_s: float = 0.0  # tokens generated per second in the interval
+    decode_slots: float = 0.0  # sequences the serving decode workers run at once within the TPOT SLO
+    in_flight: int = 0  # requests admitted and not finished (each needs a decode slot)
     kv_used: float = 0.0  # share of the decode workers' KV blocks in use (the fullest worker)
     youngest_worker_s: float = float("inf")  # age of the newest worker in its role
     pending_prefill: int = 0  # workers starting, or flipping, into each role
@@ -120,8 +122,8 @@ def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
     if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:
         p = max(p, cfg.scale_up_at)
     d = s.kv_used / cfg.kv_high
-    if s.decode_tokens_per_s > 0:
-        d = max(d, s.decode_demand_tokens_s / s.decode_tokens_per_s)
+    if s.decode_slots > 0:
+        d = max(d, s.in_flight / s.decode_slots)
     if (s.tpot_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_tpot_ms:
         d = max(d, cfg.scale_up_at)
     return p, d

@@ -13,10 +13,10 @@ ROOM = Bounds(min_prefill=1, max_prefill=4, min_decode=1, max_decode=4, max_tota
 
 
 def sig(t: float, prefill: int = 1, decode: int = 2, p: float = 0.5, d: float = 0.4, **kw) -> Signals:
-    """Prefill at `p` of its capacity (1000 tokens/s per worker), decode at `d` (100 tokens/s per worker)."""
+    """Prefill at `p` of its capacity (1000 tokens/s per worker), decode at `d` (100 slots per worker)."""
     return Signals(now_s=t, prefill=prefill, decode=decode, prefill_tokens_per_s=1000.0 * prefill,
-                   prefill_demand_tokens_s=1000.0 * prefill * p, decode_tokens_per_s=100.0 * decode,
-                   decode_demand_tokens_s=100.0 * decode * d, **kw)
+                   prefill_demand_tokens_s=1000.0 * prefill * p, decode_slots=100.0 * decode,
+                   in_flight=round(100 * decode * d), **kw)
 
 
 def run(signals: list[Signals], cfg: ControllerConfig = CFG, bounds: Bounds = ROOM) -> list:
