@@ -102,7 +102,8 @@ class ControlledSimulator:
     def run(self, arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int]) -> ControlledResult:
         n = len(arrivals)
         out = Outcomes(n, self.spec.first_token_out_s, None, None, None, 0, None)
-        out.ttft_log = []
+        out.ttft_log, out.finish_log = [], []
+        recent: list[list[tuple[int, int]]] = []  # the finishes of the last intervals
         cluster = SimCluster(self.spec, out)
         slots = [_Slot(i, cluster) for i in range(self.bounds.max_total)]
         cluster.prefill, cluster.decode = [], []  # what the router sees: slots serving a role
@@ -127,9 +128,14 @@ class ControlledSimulator:
                 ttfts = sorted(out.ttft_log)
                 out.ttft_log.clear()
                 seqs = out.decode_seqs - mark["seqs"]
-                running = sum(len(w.running) for w in cluster.decode)
-                context = sum(w.sum_ctx_term + len(w.running) * w.k for w in cluster.decode) / running if running else 1024
+                recent.append(list(out.finish_log))
+                out.finish_log.clear()
+                del recent[:-6]
+                done = [x for batch in recent for x in batch]
+                mean_out = sum(o for _, o in done) / len(done) if done else 0.0
+                context = sum(p + o / 2 for p, o in done) / len(done) if done else 1024.0
                 gap = (out.decode_token_s - mark["gap"]) / seqs if seqs else None
+                t_last, mark_arrived = mark["t"], mark["arrived"]
                 arrived = bisect.bisect_right(times, t)
                 demand = (cum[arrived] - cum[mark["arrived"]]) / max(t - mark["t"], 1e-9)
                 mark.update(t=t, gap=out.decode_token_s, seqs=out.decode_seqs, arrived=arrived)
@@ -140,7 +146,8 @@ class ControlledSimulator:
                     tpot_p90_ms=gap * 1e3 if gap is not None else None,
                     queued_prompt_tokens=sum(w.inflight_tokens for w in cluster.prefill),
                     prefill_tokens_per_s=per_worker_tps * len(cluster.prefill), prefill_demand_tokens_s=demand,
-                    decode_slots=self._decode_slots(context) * len(cluster.decode), in_flight=out.in_system,
+                    decode_tokens_per_s=self._decode_rate(context) * len(cluster.decode),
+                    arrival_rate=(arrived - mark_arrived) / max(t - t_last, 1e-9), mean_output_tokens=mean_out,
                     kv_used=max((w.used_blocks() / max(w.num_blocks, 1) for w in cluster.decode), default=0.0),
                     youngest_worker_s=min((t - s.since for s in serving), default=math.inf),
                     pending_prefill=sum(1 for s in slots if s.role is None and s.next == "prefill"),
@@ -167,15 +174,16 @@ class ControlledSimulator:
                                  for s in slots)
         return res
 
-    def _decode_slots(self, context: float) -> int:
-        """Sequences of `context` tokens one decode worker runs at once with its step within the TPOT
-        SLO and their KV in its cache (the cost model's decode step)."""
-        cost, slo = self.worker.cost, self.cfg.slo_tpot_ms / 1e3
+    def _decode_rate(self, context: float) -> float:
+        """Tokens per second one decode worker generates running sequences of `context` tokens at
+        the largest batch whose step stays under the TPOT trigger (scale_up_at of the SLO: nearer
+        it the step's time would press decode by itself) and whose KV fits (the cost model)."""
+        cost, slo = self.worker.cost, self.cfg.slo_tpot_ms / 1e3 * self.cfg.scale_up_at
         lo, hi = 1, max(1, min(self.worker.max_num_seqs, cost.kv_capacity_tokens // max(1, int(context))))
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if cost.decode_time(mid, int(mid * context)) <= slo else (lo, mid - 1)
-        return lo
+        return lo / cost.decode_time(lo, int(lo * context))
 
     # ------------------------------------------------------------------ decisions, as a cluster makes them
     def _serve(self, cluster: SimCluster, slot: _Slot, role: str, t: float) -> None:

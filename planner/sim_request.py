@@ -82,6 +82,7 @@ class Outcomes:
         self.decode_step_s = self.prefill_step_s = 0.0
         self.decode_token_s = 0.0  # decode steps' time x the sequences each advanced (the gaps' sum)
         self.ttft_log: list[float] | None = None  # when a list: every TTFT, in the order they happen
+        self.finish_log: list[tuple[int, int]] | None = None  # when a list: (prompt, output) of each finish
         self.last = 0.0  # the last finish
         self.in_system = 0  # requests arrived and not finished
         self.area = 0.0  # the integral of in_system over time
@@ -108,6 +109,8 @@ class Outcomes:
                     self.stop = True
         self.finished += 1
         self.in_system -= 1
+        if self.finish_log is not None:
+            self.finish_log.append((s.prompt, s.out))
         self.last = max(self.last, t)
         if self.on_progress is not None:
             self.on_progress(1)

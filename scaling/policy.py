@@ -8,19 +8,22 @@ Each role's pressure is how close it runs to its limit, 1.0 at the limit:
     prefill  max(prompt tokens arriving per second / what the prefill workers compute per second,
              queued prompt tokens / that rate / SLO TTFT), and at least `scale_up_at` while the
              TTFT p90 is at `scale_up_at` of its SLO or more (first tokens late: grow)
-    decode   max(requests in flight (each will need a decode slot: running, waiting for blocks or
-             being prefilled) / the sequences the decode workers run at the TPOT SLO, KV blocks
-             used / kv_high), and at least `scale_up_at` while the TPOT p90 is at `scale_up_at` of
-             its SLO or more (counting requests, not tokens generated: a decode side starved by a
-             slow prefill side generates little and is not idle)
+    decode   max(requests arriving per second x the mean output of those finished lately / what
+             the decode workers generate per second with steps at `scale_up_at` of the TPOT SLO
+             (nearer it a step's time presses by itself), KV blocks used / kv_high), and
+             at least `scale_up_at` while the TPOT p90 is at `scale_up_at` of its SLO or more
+             (demand from arrivals, not tokens generated: a decode side starved by a slow prefill
+             side, or flooded by its backlog, is neither idle nor needed for good)
 
 taken as inversely proportional to a role's workers (workers starting or flipping into it count as
 there), as demand over capacity and KV use are. TTFT and TPOT themselves are not (at low load they
-are one prompt's compute, one step's time), which is why they only trigger. A role at `scale_up_at` or more is pressed and grows to the count that brings it to the
-middle of the band [scale_down_at, scale_up_at]; the other role gives it workers in place (flips)
-as long as it stays under the middle itself, and new workers make up the rest within the bounds.
-With neither pressed, a role under `scale_down_at` shrinks to the same middle. So one decision
-answers one change of the traffic, sized to it.
+are one prompt's compute, one step's time), which is why they only trigger.
+
+A role at `scale_up_at` or more is pressed and grows to the count that brings it to the middle of
+the band [scale_down_at, scale_up_at]; the other role gives it workers in place (flips) as long as
+it stays at `shrink_to` or under, and new workers make up the rest within the bounds. With neither
+pressed, a role under `scale_down_at` shrinks to `shrink_to`. So one decision answers one change
+of the traffic, sized to it.
 
 A proposal becomes a decision only after `settle_intervals` intervals in a row proposed the same
 direction (hysteresis; the latest sizing is taken), never within `cooldown_s` of the last decision,
@@ -47,6 +50,10 @@ class ControllerConfig:
     scale_up_at: float = 0.8  # a role whose pressure (signal / SLO) reaches this is pressed
     scale_down_at: float = 0.3  # a role under this (the other not pressed) gives workers back
     urgent_at: float = 1.5  # a role this pressed (its pending workers counted) grows at once
+    # a role giving workers away (back, or to the other role) keeps enough to stay at this: under the
+    # band's middle, as a role's pressure grows faster than 1 / workers when it loses some (its steps
+    # slow down, so its sequences stay longer and hold more KV)
+    shrink_to: float = 0.4
     kv_high: float = 0.9  # KV blocks used at this share press decode as its SLO does
     settle_intervals: int = 2  # intervals in a row a proposal must hold (hysteresis)
     cooldown_s: float = 30.0  # no decision within this long of the last one
@@ -54,9 +61,9 @@ class ControllerConfig:
     flips: bool = True  # workers may change role in place (their pools serve both roles)
 
     def __post_init__(self) -> None:
-        if not 0 < self.scale_down_at < self.scale_up_at <= self.urgent_at:
-            raise ValueError("need 0 < scale_down_at < scale_up_at <= urgent_at, got "
-                             f"{self.scale_down_at}, {self.scale_up_at}, {self.urgent_at}")
+        if not 0 < self.scale_down_at < self.shrink_to < self.scale_up_at <= self.urgent_at:
+            raise ValueError("need 0 < scale_down_at < shrink_to < scale_up_at <= urgent_at, got "
+                             f"{self.scale_down_at}, {self.shrink_to}, {self.scale_up_at}, {self.urgent_at}")
         if self.interval_s <= 0 or self.settle_intervals < 1 or self.cooldown_s < 0 or self.warmup_s < 0:
             raise ValueError("interval_s > 0, settle_intervals >= 1, cooldown_s >= 0 and warmup_s >= 0")
 
@@ -84,8 +91,10 @@ class Signals:
     queued_prompt_tokens: int = 0  # waiting at the prefill workers now
     prefill_tokens_per_s: float = 0.0  # what the serving prefill workers compute per second when busy
     prefill_demand_tokens_s: float = 0.0  # prompt tokens that arrived per second in the interval
-    decode_slots: float = 0.0  # sequences the serving decode workers run at once within the TPOT SLO
-    in_flight: int = 0  # requests admitted and not finished (each needs a decode slot)
+    # what the serving decode workers generate per second with steps at scale_up_at of the TPOT SLO
+    decode_tokens_per_s: float = 0.0
+    arrival_rate: float = 0.0  # requests that arrived per second in the interval
+    mean_output_tokens: float = 0.0  # of the requests that finished lately
     kv_used: float = 0.0  # share of the decode workers' KV blocks in use (the fullest worker)
     youngest_worker_s: float = float("inf")  # age of the newest worker in its role
     pending_prefill: int = 0  # workers starting, or flipping, into each role
@@ -122,8 +131,8 @@ def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
     if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:
         p = max(p, cfg.scale_up_at)
     d = s.kv_used / cfg.kv_high
-    if s.decode_slots > 0:
-        d = max(d, s.in_flight / s.decode_slots)
+    if s.decode_tokens_per_s > 0:
+        d = max(d, s.arrival_rate * s.mean_output_tokens / s.decode_tokens_per_s)
     if (s.tpot_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_tpot_ms:
         d = max(d, cfg.scale_up_at)
     return p, d
@@ -147,15 +156,17 @@ def plan(cfg: ControllerConfig, b: Bounds, s: Signals) -> tuple[Decision, str]:
     want = dict(have)
     pressed = [r for r in want if level[r] >= cfg.scale_up_at]
     for r in want:
-        if r in pressed or (not pressed and level[r] < cfg.scale_down_at):
+        if r in pressed:
             want[r] = min(hi[r], max(lo[r], _sized(level[r], have[r], mid)))
+        elif not pressed and level[r] < cfg.scale_down_at:
+            want[r] = min(have[r], max(lo[r], _sized(level[r], have[r], cfg.shrink_to)))
     grow = [r for r in want if want[r] > have[r]]
     flips = 0  # workers moving in place into the growing role
     if len(grow) == 1:
         r = grow[0]
         o = "decode" if r == "prefill" else "prefill"
-        if level[o] < mid:  # the other role keeps what brings it to the middle; the rest may move
-            want[o] = min(want[o], max(lo[o], _sized(level[o], have[o], mid)))
+        if level[o] < cfg.shrink_to:  # the other role keeps what brings it to shrink_to; the rest may move
+            want[o] = min(want[o], max(lo[o], _sized(level[o], have[o], cfg.shrink_to)))
         if cfg.flips:
             flips = min(want[r] - have[r], max(0, have[o] - want[o]))
     add = dict.fromkeys(want, 0)

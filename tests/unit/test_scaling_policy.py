@@ -13,10 +13,10 @@ ROOM = Bounds(min_prefill=1, max_prefill=4, min_decode=1, max_decode=4, max_tota
 
 
 def sig(t: float, prefill: int = 1, decode: int = 2, p: float = 0.5, d: float = 0.4, **kw) -> Signals:
-    """Prefill at `p` of its capacity (1000 tokens/s per worker), decode at `d` (100 slots per worker)."""
+    """Prefill at `p` of its capacity (1000 tokens/s per worker), decode at `d` (100 tokens/s per worker)."""
     return Signals(now_s=t, prefill=prefill, decode=decode, prefill_tokens_per_s=1000.0 * prefill,
-                   prefill_demand_tokens_s=1000.0 * prefill * p, decode_slots=100.0 * decode,
-                   in_flight=round(100 * decode * d), **kw)
+                   prefill_demand_tokens_s=1000.0 * prefill * p, decode_tokens_per_s=100.0 * decode,
+                   arrival_rate=decode * d, mean_output_tokens=100.0, **kw)
 
 
 def run(signals: list[Signals], cfg: ControllerConfig = CFG, bounds: Bounds = ROOM) -> list:
@@ -110,5 +110,5 @@ def test_no_oscillation_a_sized_decision_lands_inside_the_band():
 
 
 def test_bad_config_is_refused():
-    with pytest.raises(ValueError, match="scale_down_at < scale_up_at"):
+    with pytest.raises(ValueError, match="scale_down_at < shrink_to < scale_up_at"):
         ControllerConfig(scale_down_at=0.9, scale_up_at=0.8)
