@@ -81,6 +81,10 @@ class DecodeWorkerService(wk_grpc.DecodeWorkerServicer):
         self.step_totals = StepTotals()
         self.on_fatal: Callable[[str], None] | None = None  # the engine broke for good (see _fatal)
 
+    def in_flight(self) -> int:
+        """Requests this worker holds: streaming, running, or reserved and not yet committed."""
+        return len(self._streams) + self.engine.load().running + self.locked.num_reserved
+
     def _start(self, engine: LockedEngine, services: list[str]) -> None:
         """Serve `services` (this one and the role's own) and start the engine thread."""
         self.locked = engine

@@ -22,6 +22,7 @@ from decode_worker.colocated import ColocatedWorkerServer
 from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
+from pdcluster.role_flip import Flip, flip_role
 from prefill_worker.server import PrefillWorkerServer
 from router.http_api import HttpApi, router_metrics, router_readiness
 from router.server import RouterServer
@@ -47,6 +48,8 @@ class LocalCluster:
         self.engine_cfg = engine  # every worker's
         self.decode_role = "colocated" if mode == "colocated" else "decode"
         secret = {} if cluster_secret is None else {"cluster_secret": cluster_secret}
+        # each role's server options, for a worker that changes role (pdcluster/role_flip.py)
+        self.options = {"prefill": {**secret, **(prefill or {})}, "decode": {**secret, **(decode or {})}}
         certs = {} if tls is None else {"tls_cert": tls[0], "tls_key": tls[1]}
         self.prefill_workers: list[PrefillWorkerServer] = []
         self.decode_workers: list[DecodeWorkerServer | ColocatedWorkerServer] = []
@@ -95,6 +98,10 @@ class LocalCluster:
         """(worker id, role, address) of every worker, as the router's `set_workers` takes them."""
         return [(w.worker_id, "prefill", w.address) for w in self.prefill_workers] + [
             (w.worker_id, self.decode_role, w.address) for w in self.decode_workers]
+
+    def flip(self, worker_id: str, role: str, timeout_s: float = 60.0) -> Flip:
+        """Move a worker to `role` in place, on the weights it holds (pdcluster/role_flip.py)."""
+        return flip_role(self, worker_id, role, timeout_s)
 
     def client(self, **options: Any) -> Client:
         return Client(self.address, **options)

@@ -70,8 +70,10 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
     def __init__(self, engine_cfg: EngineConfig, worker_id: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, kv_backend: str = "grpc", kv_timeout_s: float = 30.0,
                  request_timeout_s: float = 600.0, kv_compression: str = "none", kv_faults: str | None = None,
-                 cluster_secret: str | None = None, kv_options: dict | None = None, direct_kv: bool = True) -> None:
-        """`kv_faults`: a fault-injection spec for this worker's KV sender (kv_transfer/faults.py;
+                 cluster_secret: str | None = None, kv_options: dict | None = None, direct_kv: bool = True,
+                 model: object | None = None) -> None:
+        """`model`: weights already loaded in this process (a worker that changes role keeps its own).
+        `kv_faults`: a fault-injection spec for this worker's KV sender (kv_transfer/faults.py;
         None: off, unless $PDCLUSTER_KV_FAULTS is set). `kv_options`: more keyword arguments of the
         backend's sender (shm/auto: in_place, verify_in_place). `cluster_secret`: required of every RPC to
         this worker, and sent with every KV transfer (proto/cluster_auth.py; None: none). `direct_kv`: with
@@ -81,7 +83,8 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         settings = SenderSettings(kv_backend, kv_timeout_s, kv_compression, kv_faults, cluster_secret,
                                   dict(kv_options or {}))
         # with tensor parallelism each rank has a KV sender of its own (the direct path) unless direct_kv=False
-        self.engine = Engine(engine_cfg, "prefill", rank_kv=PrefillRankKV(settings) if direct_kv else None)
+        self.engine = Engine(engine_cfg, "prefill", model=model,
+                             rank_kv=PrefillRankKV(settings) if direct_kv else None)
         self.prefill = PrefillEngine(self.engine, settings.make(self.engine.compat_hash))
         # blocks of another node's offload tier, read into this node's before a prompt is queued
         self.tier_fetcher = (TierFetcher(self.engine.tier, cluster_secret, kv_timeout_s)
@@ -102,6 +105,10 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         self.health.serving()
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-engine", daemon=True)
         self._thread.start()
+
+    def in_flight(self) -> int:
+        """Requests this worker holds: queued, computing, or waiting for their ticket."""
+        return len(self._pending) + self._inbox.qsize()
 
     def connect_kv(self, endpoints: list[str], timeout_s: float) -> dict[str, str]:
         """Handshake with each decode worker's KV receiver now (at start-up); returns endpoint ->
