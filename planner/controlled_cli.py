@@ -6,7 +6,8 @@ style of Dynamo's load mode and with static clusters (planner/sim_controller.py)
         --phases azure-conv:40:3600,azure-code:20:3600,azure-conv:40:3600 --max-workers 32 --static 10+4
 
 Each phase is WORKLOAD:RATE:SECONDS (Poisson arrivals at RATE for SECONDS, lengths from the workload
-as `--workload` reads it). Printed per policy: SLO attainment (requests meeting TTFT and TPOT), per
+as `--workload` reads it); RATE may be A-B, a rate moving linearly from A to B over the phase (as a
+day's traffic ramps). Printed per policy: SLO attainment (requests meeting TTFT and TPOT), per
 phase, the share of `--window-s` windows in which at least 90% of the requests finishing there met
 it, worker-hours, and the decisions made.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 from dataclasses import dataclass
 
 from planner.sim_controller import ControlledResult, ControlledSimulator, load_rule
@@ -33,7 +35,8 @@ class Phased:
 def add_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("controller (with --controller)")
     c.add_argument("--controller", action="store_true", help="let the SLO controller move and add workers")
-    c.add_argument("--phases", default=None, help="WORKLOAD:RATE:SECONDS,... the traffic, phase by phase")
+    c.add_argument("--phases", default=None, help="WORKLOAD:RATE:SECONDS,... the traffic, phase by phase "
+                   "(RATE: a number, or A-B ramping linearly)")
     c.add_argument("--max-workers", type=int, default=16, help="workers in all, at most")
     c.add_argument("--interval-s", type=float, default=10.0)
     c.add_argument("--start-s", type=float, default=60.0, help="a new worker serves this long after it is asked for")
@@ -51,20 +54,25 @@ def phased(args: argparse.Namespace, load) -> Phased:
     for k, item in enumerate(args.phases.split(",")):
         try:
             name, rate, seconds = item.rsplit(":", 2)
-            rate_f, seconds_f = float(rate), float(seconds)
+            first, _, last = rate.partition("-")
+            a, b, seconds_f = float(first), float(last or first), float(seconds)
         except ValueError:
-            raise ValueError(f"--phases: {item!r} is not WORKLOAD:RATE:SECONDS") from None
-        if rate_f <= 0 or seconds_f <= 0:
-            raise ValueError(f"--phases: {item!r} needs a rate and seconds above 0")
-        w = load(name, max(1, math.ceil(rate_f * seconds_f * 1.3) + 20))
-        for t, p, o in zip(w.arrivals(rate_f), w.prompts, w.outputs):
+            raise ValueError(f"--phases: {item!r} is not WORKLOAD:RATE:SECONDS (RATE: R or A-B)") from None
+        if min(a, b) <= 0 or seconds_f <= 0:
+            raise ValueError(f"--phases: {item!r} needs rates and seconds above 0")
+        top = max(a, b)
+        w = load(name, max(1, math.ceil(top * seconds_f * 1.3) + 20))
+        keep = random.Random(f"{args.seed}:{k}")  # thinning: Poisson at the top rate, kept at rate(t) / top
+        for t, p, o in zip(w.arrivals(top), w.prompts, w.outputs):
             if t >= seconds_f:
                 break
+            if keep.random() * top > a + (b - a) * t / seconds_f:
+                continue
             out.arrivals.append(t0 + t)
             out.prompts.append(p)
             out.outputs.append(o)
             out.phase.append(k)
-        out.spans.append((f"{name} {rate_f:g}/s", t0, t0 + seconds_f))
+        out.spans.append((f"{name} {rate}/s", t0, t0 + seconds_f))
         t0 += seconds_f
     return out
 

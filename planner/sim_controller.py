@@ -140,13 +140,16 @@ class ControlledSimulator:
                 demand = (cum[arrived] - cum[mark["arrived"]]) / max(t - mark["t"], 1e-9)
                 mark.update(t=t, gap=out.decode_token_s, seqs=out.decode_seqs, arrived=arrived)
                 serving = [s for s in slots if s.role is not None]
+                per_worker, step = self._decode_slots(context)
                 signals = Signals(
                     now_s=t, prefill=len(cluster.prefill), decode=len(cluster.decode),
                     ttft_p90_ms=ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3 if ttfts else None,
                     tpot_p90_ms=gap * 1e3 if gap is not None else None,
                     queued_prompt_tokens=sum(w.inflight_tokens for w in cluster.prefill),
                     prefill_tokens_per_s=per_worker_tps * len(cluster.prefill), prefill_demand_tokens_s=demand,
-                    decode_tokens_per_s=self._decode_rate(context) * len(cluster.decode),
+                    decode_tokens_per_s=per_worker / step * len(cluster.decode),
+                    decode_slots=per_worker * len(cluster.decode),
+                    decode_sequences=sum(len(w.running) for w in cluster.decode) + len(cluster.router.waiting),
                     arrival_rate=(arrived - mark_arrived) / max(t - t_last, 1e-9), mean_output_tokens=mean_out,
                     kv_used=max((w.used_blocks() / max(w.num_blocks, 1) for w in cluster.decode), default=0.0),
                     youngest_worker_s=min((t - s.since for s in serving), default=math.inf),
@@ -174,8 +177,8 @@ class ControlledSimulator:
                                  for s in slots)
         return res
 
-    def _decode_rate(self, context: float) -> float:
-        """Tokens per second one decode worker generates running sequences of `context` tokens at
+    def _decode_slots(self, context: float) -> tuple[int, float]:
+        """(sequences, step seconds) of one decode worker running sequences of `context` tokens at
         the largest batch whose step stays under the TPOT trigger (scale_up_at of the SLO: nearer
         it the step's time would press decode by itself) and whose KV fits (the cost model)."""
         cost, slo = self.worker.cost, self.cfg.slo_tpot_ms / 1e3 * self.cfg.scale_up_at
@@ -183,7 +186,7 @@ class ControlledSimulator:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if cost.decode_time(mid, int(mid * context)) <= slo else (lo, mid - 1)
-        return lo / cost.decode_time(lo, int(lo * context))
+        return lo, cost.decode_time(lo, int(lo * context))
 
     # ------------------------------------------------------------------ decisions, as a cluster makes them
     def _serve(self, cluster: SimCluster, slot: _Slot, role: str, t: float) -> None:

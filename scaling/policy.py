@@ -5,15 +5,18 @@ controller in a running cluster and by the planner's simulator alike (the same c
 
 Each role's pressure is how close it runs to its limit, 1.0 at the limit:
 
-    prefill  max(prompt tokens arriving per second / what the prefill workers compute per second,
-             queued prompt tokens / that rate / SLO TTFT), and at least `scale_up_at` while the
-             TTFT p90 is at `scale_up_at` of its SLO or more (first tokens late: grow)
+    prefill  (prompt tokens arriving per second + queued prompt tokens / `backlog_drain_s`) / what
+             the prefill workers compute per second, and at least `scale_up_at` while the TTFT p90
+             is at `scale_up_at` of its SLO or more (first tokens late: grow)
     decode   max(requests arriving per second x the mean output of those finished lately / what
              the decode workers generate per second with steps at `scale_up_at` of the TPOT SLO
-             (nearer it a step's time presses by itself), KV blocks used / kv_high), and
+             (nearer it a step's time presses by itself), sequences on the decode workers or
+             waiting for their blocks / the sequences they run at that step time, KV blocks used /
+             kv_high), and
              at least `scale_up_at` while the TPOT p90 is at `scale_up_at` of its SLO or more
              (demand from arrivals, not tokens generated: a decode side starved by a slow prefill
-             side, or flooded by its backlog, is neither idle nor needed for good)
+             side is not idle; the sequences there now: recent outputs lag when the traffic's
+             output lengths change)
 
 taken as inversely proportional to a role's workers (workers starting or flipping into it count as
 there), as demand over capacity and KV use are. TTFT and TPOT themselves are not (at low load they
@@ -50,6 +53,7 @@ class ControllerConfig:
     scale_up_at: float = 0.8  # a role whose pressure (signal / SLO) reaches this is pressed
     scale_down_at: float = 0.3  # a role under this (the other not pressed) gives workers back
     urgent_at: float = 1.5  # a role this pressed (its pending workers counted) grows at once
+    backlog_drain_s: float = 30.0  # queued prompt tokens count as demand spread over this long
     # a role giving workers away (back, or to the other role) keeps enough to stay at this: under the
     # band's middle, as a role's pressure grows faster than 1 / workers when it loses some (its steps
     # slow down, so its sequences stay longer and hold more KV)
@@ -95,6 +99,8 @@ class Signals:
     decode_tokens_per_s: float = 0.0
     arrival_rate: float = 0.0  # requests that arrived per second in the interval
     mean_output_tokens: float = 0.0  # of the requests that finished lately
+    decode_sequences: int = 0  # running on the decode workers or waiting for their KV blocks
+    decode_slots: float = 0.0  # sequences the serving decode workers run with steps at scale_up_at of the SLO
     kv_used: float = 0.0  # share of the decode workers' KV blocks in use (the fullest worker)
     youngest_worker_s: float = float("inf")  # age of the newest worker in its role
     pending_prefill: int = 0  # workers starting, or flipping, into each role
@@ -127,12 +133,14 @@ def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
     """(prefill, decode) pressure: each role's signal over its SLO (see the module's doc)."""
     p = 0.0
     if s.prefill_tokens_per_s > 0:
-        p = max(s.prefill_demand_tokens_s, s.queued_prompt_tokens * 1e3 / cfg.slo_ttft_ms) / s.prefill_tokens_per_s
+        p = (s.prefill_demand_tokens_s + s.queued_prompt_tokens / cfg.backlog_drain_s) / s.prefill_tokens_per_s
     if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:
         p = max(p, cfg.scale_up_at)
     d = s.kv_used / cfg.kv_high
     if s.decode_tokens_per_s > 0:
         d = max(d, s.arrival_rate * s.mean_output_tokens / s.decode_tokens_per_s)
+    if s.decode_slots > 0:
+        d = max(d, s.decode_sequences / s.decode_slots)
     if (s.tpot_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_tpot_ms:
         d = max(d, cfg.scale_up_at)
     return p, d

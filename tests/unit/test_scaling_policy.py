@@ -29,8 +29,10 @@ def run(signals: list[Signals], cfg: ControllerConfig = CFG, bounds: Bounds = RO
 
 def test_pressures_are_demand_over_capacity_and_late_tokens_trigger():
     assert pressures(CFG, sig(0, p=0.5, d=0.4)) == pytest.approx((0.5, 0.4))
-    queued = sig(0, p=0.1, queued_prompt_tokens=2000)  # 2 s of one worker's compute against a 1 s SLO
-    assert pressures(CFG, queued)[0] == pytest.approx(2.0)
+    queued = sig(0, p=0.1, queued_prompt_tokens=60000)  # drained over backlog_drain_s (30 s): 2000 tokens/s more
+    assert pressures(CFG, queued)[0] == pytest.approx(2.1)
+    waiting = sig(0, d=0.1, decode_sequences=90, decode_slots=100.0)  # the sequences there now
+    assert pressures(CFG, waiting)[1] == pytest.approx(0.9)
     assert pressures(CFG, sig(0, p=0.1, ttft_p90_ms=900))[0] == pytest.approx(CFG.scale_up_at)
     assert pressures(CFG, sig(0, d=0.1, tpot_p90_ms=45))[1] == pytest.approx(CFG.scale_up_at)
     assert pressures(CFG, sig(0, d=0.1, kv_used=0.81))[1] == pytest.approx(0.9)
