@@ -43,6 +43,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--flip-s", type=float, default=1.0, help="a drained worker serves its new role this long after")
     c.add_argument("--static", action="append", default=[], metavar="P+D", help="also a static cluster of P+D workers")
     c.add_argument("--window-s", type=float, default=60.0)
+    c.add_argument("--scale-up-at", type=float, default=ControllerConfig.scale_up_at,
+                   help="a role this close to its limit grows (the controller's band; docs/controller.md)")
+    c.add_argument("--scale-down-at", type=float, default=ControllerConfig.scale_down_at)
+    c.add_argument("--shrink-to", type=float, default=ControllerConfig.shrink_to)
     c.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     c.add_argument("--slo-tpot-ms", type=float, default=50.0)
 
@@ -100,7 +104,8 @@ def run(args: argparse.Namespace, spec, worker, load) -> int:
     if not args.phases:
         raise ValueError("--controller needs --phases WORKLOAD:RATE:SECONDS,...")
     slo = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
-    cfg = ControllerConfig(interval_s=args.interval_s, **slo)
+    cfg = ControllerConfig(interval_s=args.interval_s, scale_up_at=args.scale_up_at, scale_down_at=args.scale_down_at,
+                           shrink_to=args.shrink_to, urgent_at=max(ControllerConfig.urgent_at, args.scale_up_at), **slo)
     start = (len(spec.prefill), len(spec.decode))
     n = args.max_workers
     if sum(start) > n:

@@ -88,3 +88,20 @@ def test_the_cli_prints_the_policies_side_by_side(capsys):
     with pytest.raises(ValueError, match="WORKLOAD:RATE:SECONDS"):
         plan_main(["simulate", "--controller", "--model", "Llama-3-8B", "--prefill", "H100-SXM:1", "--decode",
                    "H100-SXM:1", "--phases", "azure-conv:5"])
+
+
+def test_a_phase_may_ramp_its_rate():
+    """`A-B`: arrivals thinned from Poisson at the top rate to a rate moving linearly from A to B."""
+    import argparse
+
+    from planner.controlled_cli import phased
+    from planner.workload import load_plan_workload
+
+    args = argparse.Namespace(phases="synthetic:10-50:200,synthetic:5:100", seed=0)
+    work = phased(args, lambda name, n: load_plan_workload(name, n))
+    first = [a for a, k in zip(work.arrivals, work.phase) if k == 0]
+    early, late = sum(a < 50 for a in first), sum(a >= 150 for a in first)
+    assert 650 < early < 850 and 2100 < late < 2400  # expected 750 (10 -> 20/s) and 2250 (40 -> 50/s)
+    second = [a for a, k in zip(work.arrivals, work.phase) if k == 1]
+    assert all(200 <= a < 300 for a in second) and 420 < len(second) < 580
+    assert [label for label, _, _ in work.spans] == ["synthetic 10-50/s", "synthetic 5/s"]
