@@ -43,6 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--flip-s", type=float, default=1.0, help="a drained worker serves its new role this long after")
     c.add_argument("--static", action="append", default=[], metavar="P+D", help="also a static cluster of P+D workers")
     c.add_argument("--window-s", type=float, default=60.0)
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--scale-up-at", type=float, default=ControllerConfig.scale_up_at,
                    help="a role this close to its limit grows (the controller's band; docs/controller.md)")
     c.add_argument("--scale-down-at", type=float, default=ControllerConfig.scale_down_at)
@@ -123,12 +124,16 @@ def run(args: argparse.Namespace, spec, worker, load) -> int:
     for s in args.static:
         p, _, d = s.partition("+")
         policies.append((f"static {s}", static_rule, (int(p), int(d))))
+    from tqdm import tqdm
+
     timeline = []
     for name, rule, first in policies:
         kw = {} if rule is None else {"rule": rule}
         sim = ControlledSimulator(spec, worker, Bounds(1, n - 1, 1, n - 1, max(n, sum(first))), first, cfg,
                                   flip_s=args.flip_s, start_s=args.start_s, **kw)
-        r = sim.run(work.arrivals, work.prompts, work.outputs)
+        with tqdm(total=len(work.arrivals), desc=name, unit="req", unit_scale=True, leave=False,
+                  disable=args.no_progress, mininterval=0.5) as bar:
+            r = sim.run(work.arrivals, work.prompts, work.outputs, on_progress=bar.update)
         print(summary(name, r, work, cfg, args.window_s))
         if rule is None:
             timeline = [i for i in r.intervals if i.decision != HOLD]

@@ -99,9 +99,11 @@ class ControlledSimulator:
         self.worker, self.bounds, self.start, self.cfg, self.rule = worker, bounds, start, cfg, rule
         self.flip_s, self.start_s = flip_s, start_s
 
-    def run(self, arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int]) -> ControlledResult:
+    def run(self, arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int],
+            on_progress: Callable[[int], None] | None = None) -> ControlledResult:
+        """`on_progress(k)`: k more requests finished."""
         n = len(arrivals)
-        out = Outcomes(n, self.spec.first_token_out_s, None, None, None, 0, None)
+        out = Outcomes(n, self.spec.first_token_out_s, None, None, None, 0, on_progress)
         out.ttft_log, out.finish_log = [], []
         recent: list[list[tuple[int, int]]] = []  # the finishes of the last intervals
         cluster = SimCluster(self.spec, out)
