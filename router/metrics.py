@@ -207,6 +207,10 @@ class RouterMetrics:
         self.routed_prompt_tokens = Counter(
             "pdcluster_routed_prompt_tokens", "Prompt tokens of the requests the router sent to a worker of each role "
             "(retries included).", ["role"], registry=r)
+        self.routed_requests = Counter(
+            "pdcluster_routed_requests", "Requests the router sent to a worker of each role (retries included; "
+            "a disaggregated request counts once as decode, where it reserves, and once as prefill).", ["role"],
+            registry=r)
         self.routed_cached_tokens = Counter(
             "pdcluster_routed_cached_tokens", "Of those, the tokens the router's prefix index expected the chosen "
             "worker to hold in its prefix cache (router/prefix_index.py).", ["role"], registry=r)
@@ -222,6 +226,7 @@ class RouterMetrics:
     def routed(self, role: str, prompt_tokens: int, cached_tokens: int) -> None:
         """A routing decision: a prompt sent to a worker of `role` expected to hold `cached_tokens`."""
         self.routed_prompt_tokens.labels(role).inc(prompt_tokens)
+        self.routed_requests.labels(role).inc()
         self.routed_cached_tokens.labels(role).inc(cached_tokens)
 
     def watch_admission(self, admission: object) -> None:

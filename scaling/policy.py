@@ -81,6 +81,7 @@ class Bounds:
     min_decode: int = 1
     max_decode: int = 1
     max_total: int = 2
+    min_total: int = 0  # = max_total: no worker starts or stops, they only move (an in-process cluster)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,11 @@ def plan(cfg: ControllerConfig, b: Bounds, s: Signals) -> tuple[Decision, str]:
         if add[r] > 0:
             add[r] = min(add[r], max(0, room))
             room -= add[r]
+    give = sum(have.values()) - b.min_total  # workers that may stop
+    for r in sorted(want, key=lambda r: level[r]):  # the less pressed role gives back first
+        if add[r] < 0:
+            add[r] = max(add[r], -max(0, give))
+            give += add[r]
     if grow and grow[0] == "decode":
         flips = -flips
     parts = []

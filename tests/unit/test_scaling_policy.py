@@ -114,3 +114,10 @@ def test_no_oscillation_a_sized_decision_lands_inside_the_band():
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="scale_down_at < shrink_to < scale_up_at"):
         ControllerConfig(scale_down_at=0.9, scale_up_at=0.8)
+
+
+def test_with_a_fixed_number_of_workers_they_only_move():
+    fixed = Bounds(1, 3, 1, 3, 4, min_total=4)
+    assert run([sig(t, prefill=2, decode=2, p=0.0, d=0.0) for t in (0, 5)], bounds=fixed)[-1].action == HOLD
+    d = run([sig(t, prefill=1, decode=3, p=1.2, d=0.1) for t in (0, 5)], bounds=fixed)[-1]
+    assert (d.flips, d.add_prefill, d.add_decode) == (2, 0, 0)
