@@ -14,7 +14,9 @@ sim_controller.py) -> role flips (`LocalCluster.flip`). Here the signals are mea
     KV used                the fullest decode worker's share of blocks in use
 
 An in-process cluster starts no workers, so only flips are applied (`Bounds.max_total` is its
-size). Every decision is logged ("pdcluster.controller") and kept in `decisions`.
+size). Every decision is logged ("pdcluster.controller"), kept in `decisions` and counted in the
+router's /metrics (`pdcluster_controller_decisions_total{change, cause}`, and the target per role in
+`pdcluster_controller_target_workers`).
 """
 
 from __future__ import annotations
@@ -139,10 +141,16 @@ class LiveController:
         c = self.cluster
         total = len(c.prefill_workers) + len(c.decode_workers)
         bounds = Bounds(1, total - 1, 1, total - 1, total, min_total=total)  # flips only
-        decision, self.state = decide(self.cfg, bounds, self.signals(), self.state)
+        signals = self.signals()
+        decision, self.state = decide(self.cfg, bounds, signals, self.state)
         if decision.action == HOLD:
             return decision
         self.decisions.append(decision)
+        change = " ".join(f"{role}{n - have:+d}" for role, n, have in (
+            ("prefill", decision.prefill, signals.prefill), ("decode", decision.decode, signals.decode)) if n != have)
+        self.metrics.controller_decisions.labels(change, decision.reason.split(" (")[0]).inc()
+        self.metrics.controller_target.labels("prefill").set(decision.prefill)
+        self.metrics.controller_target.labels("decode").set(decision.decode)
         log.info("decision: %s (%s); pressures prefill %.2f decode %.2f", decision.action, decision.reason,
                  decision.prefill_pressure, decision.decode_pressure)
         for _ in range(abs(decision.flips)):

@@ -216,6 +216,12 @@ class RouterMetrics:
             "worker to hold in its prefix cache (router/prefix_index.py).", ["role"], registry=r)
         self.generation_tokens = Counter("pdcluster_generation_tokens", "Tokens generated for finished requests.",
                                          registry=r)
+        self.controller_decisions = Counter(
+            "pdcluster_controller_decisions", "The SLO controller's decisions (docs/controller.md): the change of "
+            "workers per role (e.g. 'prefill+1 decode-1') and its cause ('prefill pressed', 'idle', ...).",
+            ["change", "cause"], registry=r)
+        self.controller_target = Gauge("pdcluster_controller_target_workers",
+                                       "Workers per role the SLO controller last decided on.", ["role"], registry=r)
         for reason in FINISH_REASONS:
             self.finished.labels(reason)
         for phase in self.phases:

@@ -42,6 +42,10 @@ def test_prefill_heavy_traffic_moves_a_decode_worker_to_prefill(checkpoint):
         first = controller.decisions[0]
         assert first.flips > 0 and first.prefill_pressure >= control.scale_up_at, first
         assert len(c.prefill_workers) == 2 and len(c.decode_workers) == 1  # decode-x serves prefill now
+        r = c.router.metrics.registry
+        assert r.get_sample_value("pdcluster_controller_decisions_total",
+                                  {"change": "prefill+1 decode-1", "cause": "prefill pressed"}) == 1
+        assert r.get_sample_value("pdcluster_controller_target_workers", {"role": "prefill"}) == 2
         assert got == [ref(p, 2) for p in PROMPTS]
         assert client.complete(PROMPTS[0], params).token_ids == got[0]  # the new shape serves
         assert c.wait_blocks_free()
