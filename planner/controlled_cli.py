@@ -111,7 +111,6 @@ def run(args: argparse.Namespace, spec, worker, load) -> int:
     n = args.max_workers
     if sum(start) > n:
         raise ValueError(f"--max-workers {n} is fewer than the {sum(start)} workers the cluster starts with")
-    bounds = Bounds(1, n - 1, 1, n - 1, n)
     work = phased(args, load)
     print(f"phases     {', '.join(f'{label} ({end - begin:g} s)' for label, begin, end in work.spans)}: "
           f"{len(work.arrivals)} requests")
