@@ -8,8 +8,8 @@ sim_controller.py) -> role flips (`LocalCluster.flip`). Here the signals are mea
     prefill capacity       the prefill workers' prefill steps: tokens per second of step time
     decode capacity        the decode workers' steps by batch bucket, a line through (sequences, step
                            time): the batch whose step reaches scale_up_at of the TPOT SLO (within
-                           max_num_seqs and the KV blocks), its sequences per step time; one bucket
-                           seen: the step taken as proportional to the batch (it is less)
+                           max_num_seqs), its sequences per step time, averaged over the workers with
+                           two buckets seen or more (none: decode is judged by KV use and TPOT alone)
     mean output            tokens generated / requests finished over the last intervals
     KV used                the fullest decode worker's share of blocks in use
 
@@ -73,9 +73,7 @@ def _batch_at(by_batch: dict, limit_s: float, max_seqs: int) -> tuple[float, flo
             base = my - slope * mx
             b = max(1.0, min(float(max_seqs), (limit_s - base) / slope))
             return b, base + slope * b
-    x, y = max(points)
-    b = max(1.0, min(float(max_seqs), x * limit_s / y))  # the step taken as proportional to the batch
-    return b, y * b / x
+    return None  # one bucket seen (or no growth with the batch): no line, no estimate
 
 
 class LiveController:
@@ -117,14 +115,17 @@ class LiveController:
         for w in c.prefill_workers:
             totals = w.step_totals.snapshots()[0]["prefill"]
             prefill_tps += totals.tokens / totals.seconds if totals.seconds else 0.0
-        slots, decode_tps, kv = 0.0, 0.0, 0.0
+        kv, seen = 0.0, []
         limit = self.cfg.slo_tpot_ms / 1e3 * self.cfg.scale_up_at
         for w in c.decode_workers:
-            load = w.engine.load()
             b = _batch_at(w.step_totals.snapshots()[1], limit, w.engine.cfg.max_num_seqs)
             if b is not None:
-                slots += b[0]
-                decode_tps += b[0] / b[1]
+                seen.append(b)
+        n = len(c.decode_workers)
+        slots = sum(b for b, _ in seen) / len(seen) * n if seen else 0.0
+        decode_tps = sum(b / s for b, s in seen) / len(seen) * n if seen else 0.0
+        for w in c.decode_workers:
+            load = w.engine.load()
             kv = max(kv, load.blocks_used / max(1, load.blocks_used + load.blocks_free))
         ttft, tpot = _p90(now["ttft"], last["ttft"]), _p90(now["tpot"], last["tpot"])
         return Signals(

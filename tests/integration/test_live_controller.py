@@ -27,7 +27,7 @@ def test_prefill_heavy_traffic_moves_a_decode_worker_to_prefill(checkpoint):
     cfg = EngineConfig(model=path, dtype="float32", num_blocks=512, max_model_len=256, num_threads=1)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     control = ControllerConfig(interval_s=0.3, settle_intervals=2, cooldown_s=1.0, warmup_s=0.0,
-                               slo_ttft_ms=200.0, slo_tpot_ms=50.0)
+                               slo_ttft_ms=50.0, slo_tpot_ms=50.0)  # first tokens late: prefill pressed for sure
     with LocalCluster(cfg, 1, 2, prefill={"kv_backend": "shm"}, decode={"kv_backend": "shm"},
                       router={"request_timeout_s": 120}) as c, c.client() as client:
         controller = LiveController(c, control).start()
