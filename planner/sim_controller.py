@@ -19,7 +19,10 @@ decode worker's share of KV blocks used; the age of the newest worker.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -87,6 +90,51 @@ class _Slot:
                 and d.inflight == 0 and not d.running and not d.busy)
 
 
+class _Meter:
+    """The signals of the interval since the last reading, as a router shows them (the module's doc)."""
+
+    def __init__(self, sim: ControlledSimulator, arrivals: Sequence[float], prompts: Sequence[int]) -> None:
+        self.sim = sim
+        order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
+        self.times = [arrivals[i] for i in order]
+        self.prompt_sums = list(itertools.accumulate((prompts[i] for i in order), initial=0))
+        w = sim.worker
+        budget = w.max_num_batched_tokens
+        self.prefill_rate = budget / max(w.cost.prefill_time(budget, budget * budget // 2), 1e-9)  # one worker
+        self.t, self.token_s, self.seqs, self.arrived = 0.0, 0.0, 0, 0
+        self.recent: deque[list[tuple[int, int]]] = deque(maxlen=6)  # (prompt, output) of the last intervals' finishes
+
+    def signals(self, t: float, cluster: SimCluster, slots: list[_Slot]) -> Signals:
+        out = cluster.out
+        ttfts = sorted(out.ttft_log)
+        out.ttft_log.clear()
+        self.recent.append(list(out.finish_log))
+        out.finish_log.clear()
+        done = [x for batch in self.recent for x in batch]
+        context = sum(p + o / 2 for p, o in done) / len(done) if done else 1024.0
+        seqs = out.decode_seqs - self.seqs
+        arrived = bisect.bisect_right(self.times, t)
+        dt = max(t - self.t, 1e-9)
+        per_worker, step = self.sim._decode_slots(context)
+        s = Signals(
+            now_s=t, prefill=len(cluster.prefill), decode=len(cluster.decode),
+            ttft_p90_ms=ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3 if ttfts else None,
+            tpot_p90_ms=(out.decode_token_s - self.token_s) / seqs * 1e3 if seqs else None,
+            queued_prompt_tokens=sum(w.inflight_tokens for w in cluster.prefill),
+            prefill_tokens_per_s=self.prefill_rate * len(cluster.prefill),
+            prefill_demand_tokens_s=(self.prompt_sums[arrived] - self.prompt_sums[self.arrived]) / dt,
+            decode_tokens_per_s=per_worker / step * len(cluster.decode), decode_slots=per_worker * len(cluster.decode),
+            decode_sequences=sum(len(w.running) for w in cluster.decode) + len(cluster.router.waiting),
+            arrival_rate=(arrived - self.arrived) / dt,
+            mean_output_tokens=sum(o for _, o in done) / len(done) if done else 0.0,
+            kv_used=max((w.used_blocks() / max(w.num_blocks, 1) for w in cluster.decode), default=0.0),
+            youngest_worker_s=min((t - s.since for s in slots if s.role is not None), default=math.inf),
+            pending_prefill=sum(1 for s in slots if s.role is None and s.next == "prefill"),
+            pending_decode=sum(1 for s in slots if s.role is None and s.next == "decode"))
+        self.t, self.token_s, self.seqs, self.arrived = t, out.decode_token_s, out.decode_seqs, arrived
+        return s
+
+
 class ControlledSimulator:
     """`ControlledSimulator(worker, bounds, start).run(arrivals, prompts, outputs)`: one worker spec
     for every slot, `bounds` (at most `bounds.max_total` slots), `start` = (prefill, decode)."""
@@ -94,8 +142,7 @@ class ControlledSimulator:
     def __init__(self, spec: ClusterSpec, worker: WorkerSpec, bounds: Bounds, start: tuple[int, int],
                  cfg: ControllerConfig, rule: Rule = decide, flip_s: float = 1.0, start_s: float = 60.0) -> None:
         n = bounds.max_total
-        self.spec = ClusterSpec(**{**spec.__dict__, "mode": "disaggregated", "prefill": [worker] * n,
-                                   "decode": [worker] * n})
+        self.spec = dataclasses.replace(spec, mode="disaggregated", prefill=[worker] * n, decode=[worker] * n)
         self.worker, self.bounds, self.start, self.cfg, self.rule = worker, bounds, start, cfg, rule
         self.flip_s, self.start_s = flip_s, start_s
 
@@ -105,7 +152,6 @@ class ControlledSimulator:
         n = len(arrivals)
         out = Outcomes(n, self.spec.first_token_out_s, None, None, None, 0, on_progress)
         out.ttft_log, out.finish_log = [], []
-        recent: list[list[tuple[int, int]]] = []  # the finishes of the last intervals
         cluster = SimCluster(self.spec, out)
         slots = [_Slot(i, cluster) for i in range(self.bounds.max_total)]
         cluster.prefill, cluster.decode = [], []  # what the router sees: slots serving a role
@@ -113,51 +159,14 @@ class ControlledSimulator:
             self._serve(cluster, slots[i], role, -math.inf)
             slots[i].started = 0.0
         res = ControlledResult(out.ttft, out.tpot)
-        memory = {"state": State()}
-        cfg, bs = self.cfg, self.worker.block_size
-        budget = self.worker.max_num_batched_tokens
-        per_worker_tps = budget / max(self.worker.cost.prefill_time(budget, budget * budget // 2), 1e-9)
-        mark = {"t": 0.0, "gap": 0.0, "seqs": 0, "arrived": 0}
-        order = sorted(range(n), key=lambda i: arrivals[i])
-        cum = [0]
-        for i in order:
-            cum.append(cum[-1] + prompts[i])
-        times = [arrivals[i] for i in order]
+        meter = _Meter(self, arrivals, prompts)
+        state = State()
 
         def tick(t: float) -> None:
+            nonlocal state
             self._transitions(cluster, slots, t)
-            if t - mark["t"] >= cfg.interval_s - 1e-9:
-                ttfts = sorted(out.ttft_log)
-                out.ttft_log.clear()
-                seqs = out.decode_seqs - mark["seqs"]
-                recent.append(list(out.finish_log))
-                out.finish_log.clear()
-                del recent[:-6]
-                done = [x for batch in recent for x in batch]
-                mean_out = sum(o for _, o in done) / len(done) if done else 0.0
-                context = sum(p + o / 2 for p, o in done) / len(done) if done else 1024.0
-                gap = (out.decode_token_s - mark["gap"]) / seqs if seqs else None
-                t_last, mark_arrived = mark["t"], mark["arrived"]
-                arrived = bisect.bisect_right(times, t)
-                demand = (cum[arrived] - cum[mark["arrived"]]) / max(t - mark["t"], 1e-9)
-                mark.update(t=t, gap=out.decode_token_s, seqs=out.decode_seqs, arrived=arrived)
-                serving = [s for s in slots if s.role is not None]
-                per_worker, step = self._decode_slots(context)
-                signals = Signals(
-                    now_s=t, prefill=len(cluster.prefill), decode=len(cluster.decode),
-                    ttft_p90_ms=ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3 if ttfts else None,
-                    tpot_p90_ms=gap * 1e3 if gap is not None else None,
-                    queued_prompt_tokens=sum(w.inflight_tokens for w in cluster.prefill),
-                    prefill_tokens_per_s=per_worker_tps * len(cluster.prefill), prefill_demand_tokens_s=demand,
-                    decode_tokens_per_s=per_worker / step * len(cluster.decode),
-                    decode_slots=per_worker * len(cluster.decode),
-                    decode_sequences=sum(len(w.running) for w in cluster.decode) + len(cluster.router.waiting),
-                    arrival_rate=(arrived - mark_arrived) / max(t - t_last, 1e-9), mean_output_tokens=mean_out,
-                    kv_used=max((w.used_blocks() / max(w.num_blocks, 1) for w in cluster.decode), default=0.0),
-                    youngest_worker_s=min((t - s.since for s in serving), default=math.inf),
-                    pending_prefill=sum(1 for s in slots if s.role is None and s.next == "prefill"),
-                    pending_decode=sum(1 for s in slots if s.role is None and s.next == "decode"))
-                decision, memory["state"] = self.rule(cfg, self.bounds, signals, memory["state"])
+            if t - meter.t >= self.cfg.interval_s - 1e-9:
+                decision, state = self.rule(self.cfg, self.bounds, meter.signals(t, cluster, slots), state)
                 if decision.action != HOLD:
                     self._apply(cluster, slots, decision, t)
                     res.decisions += 1
@@ -165,11 +174,11 @@ class ControlledSimulator:
                                               sum(1 for s in slots if s.started <= t), decision.action,
                                               decision.reason, decision.prefill_pressure, decision.decode_pressure))
             if out.finished < n and not out.stop:
-                cluster.at(t + min(1.0, cfg.interval_s), tick)
+                cluster.at(t + min(1.0, self.cfg.interval_s), tick)
 
         cluster.at(0.0, tick)
         requests = [SimRequest(i, arrivals[i], prompts[i], outputs[i]) for i in range(n)]
-        need = -(-max((p + o for p, o in zip(prompts, outputs)), default=0) // bs)
+        need = -(-max((p + o for p, o in zip(prompts, outputs)), default=0) // self.worker.block_size)
         if slots[0].decode.num_blocks < need:
             raise ValueError(f"a worker's KV cache ({slots[0].decode.num_blocks} blocks) cannot hold the longest "
                              f"request ({need} blocks)")
