@@ -28,6 +28,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from router.metrics import FINISH_REASONS
 from scaling.policy import HOLD, Bounds, ControllerConfig, Decision, Signals, State, decide
 
 if TYPE_CHECKING:
@@ -101,8 +102,7 @@ class LiveController:
                 "tpot": _histogram(r, "pdcluster_time_per_output_token_seconds"),
                 "prompt": value("pdcluster_routed_prompt_tokens_total", role="prefill"),
                 "requests": value("pdcluster_routed_requests_total", role="decode"),
-                "finished": sum(value("pdcluster_requests_finished_total", finish_reason=f)
-                                for f in ("stop", "length", "abort")),
+                "finished": sum(value("pdcluster_requests_finished_total", finish_reason=f) for f in FINISH_REASONS),
                 "generated": value("pdcluster_generation_tokens_total")}
 
     def signals(self) -> Signals:
@@ -121,12 +121,11 @@ class LiveController:
             b = _batch_at(w.step_totals.snapshots()[1], limit, w.engine.cfg.max_num_seqs)
             if b is not None:
                 seen.append(b)
+            load = w.engine.load()
+            kv = max(kv, load.blocks_used / max(1, load.blocks_used + load.blocks_free))
         n = len(c.decode_workers)
         slots = sum(b for b, _ in seen) / len(seen) * n if seen else 0.0
         decode_tps = sum(b / s for b, s in seen) / len(seen) * n if seen else 0.0
-        for w in c.decode_workers:
-            load = w.engine.load()
-            kv = max(kv, load.blocks_used / max(1, load.blocks_used + load.blocks_free))
         ttft, tpot = _p90(now["ttft"], last["ttft"]), _p90(now["tpot"], last["tpot"])
         return Signals(
             now_s=now["t"], prefill=len(c.prefill_workers), decode=len(c.decode_workers),

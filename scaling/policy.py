@@ -131,7 +131,7 @@ class Decision:
 
 
 def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
-    """(prefill, decode) pressure: each role's signal over its SLO (see the module's doc)."""
+    """(prefill, decode) pressure: how close each role runs to its limit, 1.0 at it (the module's doc)."""
     p = 0.0
     if s.prefill_tokens_per_s > 0:
         p = (s.prefill_demand_tokens_s + s.queued_prompt_tokens / cfg.backlog_drain_s) / s.prefill_tokens_per_s

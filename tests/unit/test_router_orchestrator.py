@@ -52,7 +52,8 @@ class FakeCall:
     """A prefill sent with its ticket to follow (`Prefill.future`): answered at AttachTicket,
     cancelled by Abort."""
 
-    def __init__(self) -> None:
+    def __init__(self, request: wk.PrefillRequest) -> None:
+        self.request = request
         self.done: list = []
         self.outcome: wk.PrefillResponse | grpc.RpcError | None = None
 
@@ -84,8 +85,7 @@ class FakePrefill:
 
     def future(self, request: wk.PrefillRequest, timeout: float) -> FakeCall:
         self.worker._call("Prefill", request, request.request_id)
-        call = self.worker.calls[request.request_id] = FakeCall()
-        call.request = request
+        call = self.worker.calls[request.request_id] = FakeCall(request)
         return call
 
 

@@ -65,7 +65,6 @@ def test_the_controller_follows_the_shift_with_few_decisions_and_fewer_worker_ho
     assert grown and 300 <= grown[0].t <= 340  # the prefill-heavy phase begins at 300 s
     assert ctl.worker_seconds < 0.95 * static.worker_seconds  # fewer worker-hours than the static cluster
     assert rule.decisions > ctl.decisions  # the load rule moves one worker a tick
-    assert {i.prefill + i.decode for i in ctl.intervals} != {4}  # it did change the cluster
 
 
 def test_a_flip_moves_a_worker_in_place(spec):
