@@ -131,6 +131,8 @@ def _status(args: argparse.Namespace) -> int:
           f"router {(info.get('router') or {}).get('address')}")
     if meta.get("http_address"):
         print(f"OpenAI API at http://{meta['http_address']}/v1")
+    if meta.get("controller") is not None:
+        print(controller_line(meta["controller"]))
     header = (f"{'pool':<10} {'worker':<16} {'role':<9} {'state':<12} {'running':>7} {'queued':>6} "
               f"{'kv used/free':>14} {'prefix hits':>18}  ranks (pids)")
     print(header)
@@ -146,6 +148,17 @@ def _status(args: argparse.Namespace) -> int:
     for line in tier_lines(info["workers"]):
         print(line)
     return 0
+
+
+def controller_line(c: dict) -> str:
+    """The SLO controller's target and its last decision (pdcluster/ray_fleet.py records them)."""
+    if not c.get("last"):
+        return "SLO controller: on, no decision yet (holding the workers as they are)"
+    t, last = c["target"], c["last"]
+    ago = time.time() - last["at"]
+    return (f"SLO controller: target {t['prefill']} prefill + {t['decode']} decode; last decision {ago:.0f} s ago: "
+            f"{last['action']} ({last['reason']}; pressure prefill {last['pressure']['prefill']:.2f}, "
+            f"decode {last['pressure']['decode']:.2f})")
 
 
 def tier_lines(workers: list[dict]) -> list[str]:

@@ -52,25 +52,8 @@ class WorkerActor:
             pin_process(cpus)
         from engine.config import EngineConfig
 
-        cfg = EngineConfig(**engine_kwargs)
         self.role, self.worker_id, self.pool = role, worker_id, pool
-        if options.get("host") == "auto":  # serve on this node's address (loopback when Ray is local)
-            ip = ray.util.get_node_ip_address()
-            options = {**options, "host": "127.0.0.1" if ip in ("127.0.0.1", "localhost") else ip}
-        if role == "prefill":
-            from prefill_worker.server import PrefillWorkerServer
-
-            self.server = PrefillWorkerServer(cfg, worker_id, **options)
-        elif role == "decode":
-            from decode_worker.server import DecodeWorkerServer
-
-            self.server = DecodeWorkerServer(cfg, worker_id, **options)
-        else:
-            from decode_worker.colocated import ColocatedWorkerServer
-
-            # no KV arrives at a colocated worker: the KV backend and the reservation lease do not apply
-            options = {k: v for k, v in options.items() if k not in ("kv_backend", "reservation_ttl_s")}
-            self.server = ColocatedWorkerServer(cfg, worker_id, **options)
+        self.server = _server(role, EngineConfig(**engine_kwargs), worker_id, options)
         self.server.on_fatal = self._exit
         self.gc_frozen = freeze_startup_heap()
         self._rejoin()
@@ -126,8 +109,50 @@ class WorkerActor:
         s = self.server.stats()
         return {"running": s.running, "queued": s.queued, "kv_blocks_used": s.kv_blocks_used}
 
+    def in_flight(self) -> int:
+        return self.server.in_flight()
+
+    def signals(self, limit_s: float) -> dict[str, Any]:
+        """What the SLO controller reads of this worker (pdcluster/worker_signals.py)."""
+        from pdcluster.worker_signals import read_worker
+
+        return read_worker(self.server, self.role, limit_s).to_dict()
+
+    def flip(self, role: str, options: dict) -> dict[str, Any]:
+        """Serve `role` from now on, on the weights this process holds (pdcluster/role_flip.py; the
+        caller drained it first). Ray restarting this actor later starts its first role again."""
+        if self.server.engine.tensor_parallel_size > 1:
+            raise ValueError(f"{self.worker_id} is tensor-parallel: its ranks hold shards, not whole weights")
+        model, cfg = self.server.engine.runner.model, self.server.engine.cfg
+        self.server.stop(grace=0.0)
+        self.server = _server(role, cfg, self.worker_id, options, model=model)
+        self.server.on_fatal = self._exit
+        self.role = role
+        return self.info()
+
     def stop(self) -> None:
         self.server.stop()
+
+
+def _server(role: str, cfg: Any, worker_id: str, options: dict, model: Any = None) -> Any:
+    """A `role` worker's server on `cfg` (`model`: weights already loaded in this process)."""
+    if options.get("host") == "auto":  # serve on this node's address (loopback when Ray is local)
+        ip = ray.util.get_node_ip_address()
+        options = {**options, "host": "127.0.0.1" if ip in ("127.0.0.1", "localhost") else ip}
+    shared = {} if model is None else {"model": model}
+    if role == "prefill":
+        from prefill_worker.server import PrefillWorkerServer
+
+        return PrefillWorkerServer(cfg, worker_id, **options, **shared)
+    if role == "decode":
+        from decode_worker.server import DecodeWorkerServer
+
+        return DecodeWorkerServer(cfg, worker_id, **options, **shared)
+    from decode_worker.colocated import ColocatedWorkerServer
+
+    # no KV arrives at a colocated worker: the KV backend and the reservation lease do not apply
+    options = {k: v for k, v in options.items() if k not in ("kv_backend", "reservation_ttl_s")}
+    return ColocatedWorkerServer(cfg, worker_id, **options)
 
 
 @ray.remote(num_cpus=0)
@@ -141,6 +166,7 @@ class RouterActor:
         from router.server import RouterServer
 
         self.server = RouterServer(**router_kwargs)
+        self.slo_controller = None  # pdcluster/live_controller.py, with `controller.enabled`
         self._rejoin()
         self.http = None
         if http is not None:
@@ -175,6 +201,23 @@ class RouterActor:
         self.server.set_workers([(w["worker_id"], w["role"], w["address"]) for w in info["workers"]])
         ray.get(controller.register_router.remote({"address": self.server.address}), timeout=60)
         logging.getLogger("pdcluster.router").warning("restarted by Ray with %d workers", len(info["workers"]))
+        self.start_controller()
+
+    def start_controller(self) -> bool:
+        """Start the SLO controller in this process when the cluster's config enables it
+        (pdcluster/ray_fleet.py); whether it runs."""
+        from pdcluster.cluster_config import ClusterConfig
+
+        meta = ray.get(ray.get_actor(CONTROLLER_NAME).membership.remote(), timeout=60)["meta"]
+        cfg = ClusterConfig.from_dict(meta["config"])
+        if not cfg.controller.enabled or self.slo_controller is not None:
+            return self.slo_controller is not None
+        from pdcluster.live_controller import LiveController
+        from pdcluster.ray_fleet import RayFleet
+
+        self.slo_controller = LiveController(RayFleet(self.server, cfg, meta), cfg.controller_config()).start()
+        ray.get_actor(CONTROLLER_NAME).set_meta.remote(controller={"target": None, "last": None})
+        return True
 
     def address(self) -> str:
         return self.server.address
@@ -193,6 +236,8 @@ class RouterActor:
         self.server.pool.update_worker(worker_id, role, address)
 
     def stop(self) -> None:
+        if self.slo_controller is not None:
+            self.slo_controller.stop()
         if self.http:
             self.http.stop()
         self.server.stop()

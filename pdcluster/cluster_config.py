@@ -30,6 +30,7 @@ from pydantic import (
     AfterValidator,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationInfo,
@@ -56,9 +57,10 @@ from pdcluster.cluster_fields import (
     Text,
 )
 from pdcluster.config_file import FORBID_EXTRA, ConfigError, Wording, invalid, read_yaml, validate
+from scaling.policy import ControllerConfig
 
 __all__ = ["API_KEYS_ENV", "DEFAULT_CLUSTER_FILE", "DTYPES", "KV_COMPRESSIONS", "KV_TRANSFER_BACKENDS",
-           "MODES", "POOL_NAME_PATTERN", "ROLES", "STANDARD_RESOURCES", "ClusterConfig", "ConfigError",
+           "MODES", "POOL_NAME_PATTERN", "ROLES", "STANDARD_RESOURCES", "ClusterConfig", "ConfigError", "ControllerSection",
            "EngineSection", "KVCacheConfig", "KVTransferConfig", "ModelSection", "PoolConfig", "RayConfig",
            "RouterConfig", "SLOConfig", "TimeoutsConfig", "load_cluster_config", "merge_env_api_keys"]
 
@@ -157,6 +159,9 @@ class PoolConfig:
     # a mixture-of-experts model's routed experts whole, E/N per rank of those N, instead of each
     # expert split N ways; attention and dense/shared MLPs stay tensor-parallel (docs/models.md)
     expert_parallel: StrictBool = False
+    # the SLO controller (`controller:`) keeps this pool's workers within these (None: `replicas`)
+    min_replicas: Annotated[StrictInt | None, Field(ge=0)] = None
+    max_replicas: Annotated[StrictInt | None, Field(ge=0)] = None
 
     @property
     def device(self) -> str:
@@ -179,6 +184,20 @@ class PoolConfig:
             raise invalid(f"{gpus:g} GPUs per replica cannot hold {self.tensor_parallel_size} tensor-parallel ranks "
                           f"(one device each); allowed: num_gpus >= {self.tensor_parallel_size}", "num_gpus")
         return self
+
+    @model_validator(mode="after")
+    def _replicas_within_bounds(self) -> PoolConfig:
+        low, high = self.replica_bounds
+        if not low <= self.replicas <= high:
+            raise invalid(f"replicas {self.replicas} is not within min_replicas {low} and max_replicas {high}; "
+                          "allowed: min_replicas <= replicas <= max_replicas", "replicas")
+        return self
+
+    @property
+    def replica_bounds(self) -> tuple[int, int]:
+        """(min_replicas, max_replicas), `replicas` where unset."""
+        low = self.replicas if self.min_replicas is None else self.min_replicas
+        return low, self.replicas if self.max_replicas is None else self.max_replicas
 
 
 def _unique_names(pools: tuple[PoolConfig, ...]) -> tuple[PoolConfig, ...]:
@@ -258,6 +277,32 @@ class SLOConfig:
     tpot_ms: Positive = 50.0
 
 
+@with_config(FORBID_EXTRA)
+@dataclass(frozen=True)
+class ControllerSection:
+    """The SLO controller (docs/controller.md): moves workers between prefill and decode in place
+    and starts or stops workers within the pools' min_replicas / max_replicas, against `slo:`."""
+
+    enabled: StrictBool = False
+    interval_s: Positive = 5.0  # how often it decides
+    scale_up_at: Positive = 0.8  # a role this pressed (1.0: at its limit) grows
+    scale_down_at: Positive = 0.3  # a role under this gives workers back
+    shrink_to: Positive = 0.4  # a role giving workers keeps enough to stay at this
+    urgent_at: Positive = 1.5  # this pressed: no waiting for the cooldown or warm-up
+    settle_intervals: Annotated[StrictInt, Field(ge=1)] = 2  # a proposal must hold this many intervals
+    cooldown_s: Annotated[StrictFloat, Field(ge=0)] = 30.0  # no decision within this long of the last
+    warmup_s: Annotated[StrictFloat, Field(ge=0)] = 15.0  # a worker this young: its samples are ignored
+    flips: StrictBool = True  # workers change role in place (no reload); else only start and stop
+    drain_timeout_s: Positive = 120.0  # a worker leaving its role finishes its requests within this
+
+    @model_validator(mode="after")
+    def _band_in_order(self) -> ControllerSection:
+        if not 0 < self.scale_down_at < self.shrink_to < self.scale_up_at <= self.urgent_at:
+            raise invalid(f"need scale_down_at < shrink_to < scale_up_at <= urgent_at, got {self.scale_down_at}, "
+                          f"{self.shrink_to}, {self.scale_up_at}, {self.urgent_at}", "scale_up_at")
+        return self
+
+
 def _default_pools() -> tuple[PoolConfig, ...]:
     return (PoolConfig(name="prefill", role="prefill"), PoolConfig(name="decode", role="decode"))
 
@@ -277,6 +322,7 @@ class ClusterConfig:
     kv_transfer: Section[KVTransferConfig] = field(default_factory=KVTransferConfig)
     timeouts: Section[TimeoutsConfig] = field(default_factory=TimeoutsConfig)
     slo: Section[SLOConfig] = field(default_factory=SLOConfig)
+    controller: Section[ControllerSection] = field(default_factory=ControllerSection)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> ClusterConfig:
@@ -298,6 +344,14 @@ class ClusterConfig:
 
     def replicas_by_role(self, role: str) -> int:
         return sum(p.replicas for p in self.pools_by_role(role))
+
+    def controller_config(self) -> ControllerConfig:
+        """The SLO controller's decision settings (scaling/policy.py) from `controller:` and `slo:`."""
+        c = self.controller
+        return ControllerConfig(interval_s=c.interval_s, slo_ttft_ms=self.slo.ttft_ms, slo_tpot_ms=self.slo.tpot_ms,
+                                scale_up_at=c.scale_up_at, scale_down_at=c.scale_down_at, shrink_to=c.shrink_to,
+                                urgent_at=c.urgent_at, settle_intervals=c.settle_intervals, cooldown_s=c.cooldown_s,
+                                warmup_s=c.warmup_s, flips=c.flips)
 
     def engine_kwargs(self, pool: PoolConfig | None = None) -> dict[str, Any]:
         """Keyword arguments of engine.config.EngineConfig; with a pool, also its device."""
@@ -338,6 +392,9 @@ class ClusterConfig:
                 raise invalid(f"mode {self.mode} needs at least one {role} replica, but the pools with role "
                               f"{role} ({names}) have 0 replicas in total; allowed: pools with roles "
                               f"{', '.join(roles)}, each role with replicas >= 1 in total", "pools")
+        if self.controller.enabled and self.mode != "disaggregated":
+            raise invalid("the controller moves workers between prefill and decode; allowed: false in mode "
+                          f"{self.mode}", "controller.enabled")
         kv, max_len = self.kv_cache, self.model.max_model_len
         if kv.dtype != "auto" and self.kv_transfer.compression != "none":
             raise invalid(f"{self.kv_transfer.compression!r} compresses KV of the model's dtype, but kv_cache.dtype "

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from engine.builtin_model import cache_root
 from pdcluster.cluster_config import ClusterConfig
+from pdcluster.ray_members import add_workers, next_ids, retire_worker
 from pdcluster.ray_runtime import LaunchError, connect, ray_auth_env, ray_cli, stop_ray
 from pdcluster.worker_launch import (
     KV_FAULTS_ENV,
@@ -41,7 +41,6 @@ __all__ = ["KV_FAULTS_ENV", "STATE_FILE", "ClusterHandle", "LaunchError", "down"
            "ray_auth_env", "ray_cli", "scale", "status", "up", "worker_options"]
 
 STATE_FILE = "cluster-state.json"
-_OWNED_ACTORS: list = []  # handles of non-detached workers started by `scale` in this process
 
 
 def _state_path() -> Path:
@@ -59,7 +58,7 @@ class ClusterHandle:
     secret: str | None = field(default=None, repr=False)  # the cluster secret (proto/cluster_auth.py)
 
     def stop(self) -> None:
-        stop_actors(self.actors)
+        stop_actors(self.actors[::-1])  # the router first (its SLO controller reads the others), the Controller last
         stop_ray(self.started_ray)
         _state_path().unlink(missing_ok=True)
 
@@ -78,7 +77,9 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
     ("text", or "json": one object per line), with the request id on every line about a request."""
     cluster_kv_backend(cfg)
     check_tensor_parallel(cfg)
-    num_cpus = sum(p.resources.get("num_cpus", 1) * p.replicas for p in cfg.pools)
+    # room for every worker the controller may start (a Ray started here has these CPUs)
+    most = (lambda p: p.replica_bounds[1]) if cfg.controller.enabled else (lambda p: p.replicas)
+    num_cpus = sum(p.resources.get("num_cpus", 1) * most(p) for p in cfg.pools)
     ray_address, started = connect(cfg, detach, num_cpus)
     import ray
 
@@ -134,6 +135,8 @@ def up(cfg: ClusterConfig, detach: bool = False, log_level: str = "info",
                                            config=cfg.to_dict(), log_level=log_level, log_format=log_format,
                                            worker_host=worker_host,
                                            detached=detach, http_address=http_address))
+        if ray.get(router.start_controller.remote(), timeout=60):
+            say(f"SLO controller on: deciding every {cfg.controller.interval_s:g} s (docs/controller.md)")
     except BaseException:
         stop_actors(actors)
         stop_ray(started)
@@ -190,7 +193,7 @@ def down(address: str | None = None) -> None:
     from pdcluster.actors import CONTROLLER_NAME
 
     info = ray.get(controller.membership.remote(), timeout=30)
-    names = [w["worker_id"] for w in info["workers"]] + ["router"]
+    names = ["router"] + [w["worker_id"] for w in info["workers"]]
     actors = []
     for name in names:
         try:
@@ -225,40 +228,13 @@ def scale(pool_name: str, replicas: int, address: str | None = None, drain_timeo
     others = [w for w in info["workers"] if w.get("pool") != pool_name]
     router = ray.get_actor("router")
     if replicas > len(current):
-        used = {int(w["worker_id"].rsplit("-", 1)[1]) for w in current}
-        ids = [f"{pool_name}-{i}" for i in range(replicas + len(used)) if i not in used][: replicas - len(current)]
+        ids = next_ids(pool_name, current, replicas - len(current))
         say(f"starting {len(ids)} worker(s) in pool {pool_name}: {', '.join(ids)}")
-        # workers of a foreground cluster belong to the process that scales it
-        lifetime = "detached" if meta.get("detached") else None
-        actors, pending = start_workers(cfg, pool, ids, lifetime, meta.get("log_level", "info"),
-                                         meta.get("worker_host", "auto"), meta.get("log_format", "text"),
-                                         ray.get(controller.cluster_secret.remote(), timeout=30))
-        if lifetime is None:  # a non-detached actor dies with its last handle: keep them
-            _OWNED_ACTORS.extend(actors)
-        try:
-            started = wait_workers(pending, cfg.timeouts.startup_s)
-            check_backend_placement(cluster_kv_backend(cfg), started + info["workers"])
-            check_kv_pairs(started + info["workers"], cfg.kv_transfer.timeout_s)
-        except BaseException:
-            stop_actors(actors)
-            raise
-        ray.get([controller.register_worker.remote(w) for w in started])
-        current += started
+        current += add_workers(cfg, pool, ids, meta, controller, info["workers"])
     elif replicas < len(current):
         leaving, current = current[replicas:], current[:replicas]
         ray.get(router.set_workers.remote([(w["worker_id"], w["role"], w["address"]) for w in others + current]))
         for w in leaving:
-            actor = ray.get_actor(w["worker_id"])
-            say(f"draining {w['worker_id']} ...")
-            deadline = time.monotonic() + drain_timeout_s
-            while time.monotonic() < deadline:
-                load = ray.get(actor.load.remote(), timeout=30)
-                if not any(load.values()):
-                    break
-                time.sleep(0.2)
-            else:
-                say(f"warning: {w['worker_id']} still busy after {drain_timeout_s:.0f}s; stopping it anyway")
-            stop_actors([actor])
-            ray.get(controller.deregister_worker.remote(w["worker_id"]))
+            retire_worker(w, controller, drain_timeout_s, say)
     ray.get(router.set_workers.remote([(w["worker_id"], w["role"], w["address"]) for w in others + current]))
     return current

@@ -1,6 +1,9 @@
-"""The SLO controller over a running in-process cluster (`LocalCluster`): every interval, what the
-router and the workers show -> `scaling.policy.decide` (the simulator's decision, planner/
-sim_controller.py) -> role flips (`LocalCluster.flip`). Here the signals are measured:
+"""The SLO controller over a running cluster: every interval, what the router and the workers
+show -> `scaling.policy.decide` (the simulator's decision, planner/sim_controller.py) -> role flips
+in place, and new workers or workers given back. The cluster is a `Fleet`: `LocalCluster` (in
+process; it only flips, `Bounds.max_total` is its size) or `pdcluster.ray_fleet.RayFleet` (the
+controller of `pdcluster up`, in the router's actor; flips, and workers started or stopped within
+the pools' min_replicas / max_replicas). Here the signals are measured:
 
     TTFT / TPOT p90        the router's histograms, this interval's observations (at requests' ends)
     prompt tokens and requests arriving   the router's routed counters (decode role: one a request)
@@ -10,13 +13,13 @@ sim_controller.py) -> role flips (`LocalCluster.flip`). Here the signals are mea
                            time): the batch whose step reaches scale_up_at of the TPOT SLO (within
                            max_num_seqs), its sequences per step time, averaged over the workers with
                            two buckets seen or more (none: decode is judged by KV use and TPOT alone)
+                           (pdcluster/worker_signals.py)
     mean output            tokens generated / requests finished over the last intervals
     KV used                the fullest decode worker's share of blocks in use
 
-An in-process cluster starts no workers, so only flips are applied (`Bounds.max_total` is its
-size). Every decision is logged ("pdcluster.controller"), kept in `decisions` and counted in the
-router's /metrics (`pdcluster_controller_decisions_total{change, cause}`, and the target per role in
-`pdcluster_controller_target_workers`).
+Every decision is logged ("pdcluster.controller"), kept in `decisions`, counted in the router's
+/metrics (`pdcluster_controller_decisions_total{change, cause}`, and the target per role in
+`pdcluster_controller_target_workers`) and handed to the fleet's `record` (`pdcluster status`).
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import math
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from pdcluster.worker_signals import WorkerSignals
 from router.metrics import FINISH_REASONS
 from scaling.policy import HOLD, Bounds, ControllerConfig, Decision, Signals, State, decide
 
 if TYPE_CHECKING:
-    from pdcluster.local_cluster import LocalCluster
+    from pdcluster.role_flip import Flip
+    from router.server import RouterServer
 
 log = logging.getLogger("pdcluster.controller")
 
@@ -58,38 +63,33 @@ def _p90(now: list[tuple[float, float]], before: list[tuple[float, float]]) -> f
     return None
 
 
-def _batch_at(by_batch: dict, limit_s: float, max_seqs: int) -> tuple[float, float] | None:
-    """(sequences, step seconds) of the batch whose decode step takes `limit_s`, from the steps seen
-    per batch bucket; None before any decode step."""
-    points = [(t.seqs / t.steps, t.seconds / t.steps) for (phase, _), t in by_batch.items()
-              if phase == "decode" and t.steps]
-    if not points:
-        return None
-    if len(points) >= 2:
-        n = len(points)
-        mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-        var = sum((x - mx) ** 2 for x, _ in points)
-        slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
-        if slope > 0:
-            base = my - slope * mx
-            b = max(1.0, min(float(max_seqs), (limit_s - base) / slope))
-            return b, base + slope * b
-    return None  # one bucket seen (or no growth with the batch): no line, no estimate
+class Fleet(Protocol):
+    """What the controller changes: a cluster's workers, and its router (in this process)."""
+
+    router: RouterServer
+
+    def read_workers(self, limit_s: float) -> list[WorkerSignals]: ...
+
+    def bounds(self) -> Bounds: ...
+
+    def flip(self, worker_id: str, role: str) -> Flip: ...
+
+    def resize(self, role: str, workers: int) -> None: ...
+
+    def record(self, decision: Decision, signals: Signals) -> None: ...
 
 
 class LiveController:
-    """`LiveController(cluster, cfg).start()`; `tick()` decides once (the thread calls it every
+    """`LiveController(fleet, cfg).start()`; `tick()` decides once (the thread calls it every
     `cfg.interval_s`); `stop()`."""
 
-    def __init__(self, cluster: LocalCluster, cfg: ControllerConfig) -> None:
-        if cluster.decode_role == "colocated":
-            raise ValueError("the controller moves workers between prefill and decode: a disaggregated cluster")
-        assert cluster.router is not None
-        self.cluster, self.cfg = cluster, cfg
-        self.metrics = cluster.router.metrics
+    def __init__(self, fleet: Fleet, cfg: ControllerConfig) -> None:
+        fleet.bounds()  # a ValueError for a fleet that cannot be controlled (colocated)
+        self.fleet, self.cfg = fleet, cfg
+        self.metrics = fleet.router.metrics
         self.state = State()
         self.decisions: list[Decision] = []
-        self.last_flip = -math.inf
+        self.last_change = -math.inf
         self._last = self._reading()
         self._finished: deque[tuple[float, float]] = deque(maxlen=6)  # (requests, tokens) per interval
         self._stop = threading.Event()
@@ -105,45 +105,39 @@ class LiveController:
                 "finished": sum(value("pdcluster_requests_finished_total", finish_reason=f) for f in FINISH_REASONS),
                 "generated": value("pdcluster_generation_tokens_total")}
 
-    def signals(self) -> Signals:
-        c, now = self.cluster, self._reading()
+    def signals(self, workers: list[WorkerSignals] | None = None) -> Signals:
+        """This interval's signals (`workers`: the fleet's reading, else read now)."""
+        if workers is None:
+            workers = self.fleet.read_workers(self.cfg.slo_tpot_ms / 1e3 * self.cfg.scale_up_at)
+        now = self._reading()
         last, self._last = self._last, now
         dt = max(now["t"] - last["t"], 1e-9)
         self._finished.append((now["finished"] - last["finished"], now["generated"] - last["generated"]))
         done = sum(n for n, _ in self._finished)
-        prefill_tps = 0.0
-        for w in c.prefill_workers:
-            totals = w.step_totals.snapshots()[0]["prefill"]
-            prefill_tps += totals.tokens / totals.seconds if totals.seconds else 0.0
-        kv, seen = 0.0, []
-        limit = self.cfg.slo_tpot_ms / 1e3 * self.cfg.scale_up_at
-        for w in c.decode_workers:
-            b = _batch_at(w.step_totals.snapshots()[1], limit, w.engine.cfg.max_num_seqs)
-            if b is not None:
-                seen.append(b)
-            load = w.engine.load()
-            kv = max(kv, load.blocks_used / max(1, load.blocks_used + load.blocks_free))
-        n = len(c.decode_workers)
-        slots = sum(b for b, _ in seen) / len(seen) * n if seen else 0.0
-        decode_tps = sum(b / s for b, s in seen) / len(seen) * n if seen else 0.0
+        prefill = [w for w in workers if w.role == "prefill"]
+        decode = [w for w in workers if w.role == "decode"]
+        seen = [w.batch for w in decode if w.batch is not None]
+        slots = sum(b for b, _ in seen) / len(seen) * len(decode) if seen else 0.0
+        decode_tps = sum(b / s for b, s in seen) / len(seen) * len(decode) if seen else 0.0
         ttft, tpot = _p90(now["ttft"], last["ttft"]), _p90(now["tpot"], last["tpot"])
         return Signals(
-            now_s=now["t"], prefill=len(c.prefill_workers), decode=len(c.decode_workers),
+            now_s=now["t"], prefill=len(prefill), decode=len(decode),
             ttft_p90_ms=ttft * 1e3 if ttft is not None else None, tpot_p90_ms=tpot * 1e3 if tpot is not None else None,
-            queued_prompt_tokens=int(c.router.pool.prefill_queued() or 0), prefill_tokens_per_s=prefill_tps,
+            queued_prompt_tokens=int(self.fleet.router.pool.prefill_queued() or 0),
+            prefill_tokens_per_s=sum(w.prefill_tokens_per_s for w in prefill),
             prefill_demand_tokens_s=(now["prompt"] - last["prompt"]) / dt, decode_tokens_per_s=decode_tps,
             arrival_rate=(now["requests"] - last["requests"]) / dt,
             mean_output_tokens=sum(g for _, g in self._finished) / done if done else 0.0,
-            decode_sequences=sum(w.engine.load().running for w in c.decode_workers), decode_slots=slots,
-            kv_used=kv, youngest_worker_s=now["t"] - self.last_flip)
+            decode_sequences=sum(w.running for w in decode), decode_slots=slots,
+            kv_used=max((w.kv_used for w in decode), default=0.0), youngest_worker_s=now["t"] - self.last_change)
 
     def tick(self) -> Decision:
-        c = self.cluster
-        total = len(c.prefill_workers) + len(c.decode_workers)
-        bounds = Bounds(1, total - 1, 1, total - 1, total, min_total=total)  # flips only
-        signals = self.signals()
-        decision, self.state = decide(self.cfg, bounds, signals, self.state)
+        workers = self.fleet.read_workers(self.cfg.slo_tpot_ms / 1e3 * self.cfg.scale_up_at)
+        signals = self.signals(workers)
+        decision, self.state = decide(self.cfg, self.fleet.bounds(), signals, self.state)
         if decision.action == HOLD:
+            log.debug("hold (%s); pressures prefill %.2f decode %.2f; %s", decision.reason, decision.prefill_pressure,
+                      decision.decode_pressure, signals)
             return decision
         self.decisions.append(decision)
         change = " ".join(f"{role}{n - have:+d}" for role, n, have in (
@@ -153,15 +147,19 @@ class LiveController:
         self.metrics.controller_target.labels("decode").set(decision.decode)
         log.info("decision: %s (%s); pressures prefill %.2f decode %.2f", decision.action, decision.reason,
                  decision.prefill_pressure, decision.decode_pressure)
-        for _ in range(abs(decision.flips)):
-            src = c.decode_workers if decision.flips > 0 else c.prefill_workers
-            if len(src) < 2:
-                break
-            worker = min(src, key=lambda w: w.in_flight())
-            flip = c.flip(worker.worker_id, "prefill" if decision.flips > 0 else "decode")
+        self.fleet.record(decision, signals)
+        src = [w for w in workers if w.role == ("decode" if decision.flips > 0 else "prefill")]
+        movable = sorted((w for w in src if w.can_flip), key=lambda w: w.in_flight)
+        for w in movable[:min(abs(decision.flips), len(src) - 1)]:
+            flip = self.fleet.flip(w.worker_id, "prefill" if decision.flips > 0 else "decode")
             log.info("flipped %s to %s: drained in %.0f ms, out of service %.0f ms", flip.worker_id, flip.role,
                      flip.drain_s * 1e3, flip.out_of_service_s * 1e3)
-            self.last_flip = time.monotonic()
+            self.last_change = time.monotonic()
+        for role, add in (("prefill", decision.add_prefill), ("decode", decision.add_decode)):
+            if add:
+                self.fleet.resize(role, signals.prefill + decision.flips + add if role == "prefill"
+                                  else signals.decode - decision.flips + add)
+                self.last_change = time.monotonic()
         return decision
 
     def start(self) -> LiveController:

@@ -23,9 +23,11 @@ from decode_worker.server import DecodeWorkerServer
 from engine.config import EngineConfig
 from pdcluster.client import Client
 from pdcluster.role_flip import Flip, flip_role
+from pdcluster.worker_signals import WorkerSignals, read_worker
 from prefill_worker.server import PrefillWorkerServer
 from router.http_api import HttpApi, router_metrics, router_readiness
 from router.server import RouterServer
+from scaling.policy import Bounds, Decision, Signals
 
 MODES = ("disaggregated", "colocated")
 log = logging.getLogger("pdcluster.local_cluster")
@@ -102,6 +104,23 @@ class LocalCluster:
     def flip(self, worker_id: str, role: str, timeout_s: float = 60.0) -> Flip:
         """Move a worker to `role` in place, on the weights it holds (pdcluster/role_flip.py)."""
         return flip_role(self, worker_id, role, timeout_s)
+
+    # the SLO controller's view (pdcluster/live_controller.py `Fleet`): it only flips here
+    def read_workers(self, limit_s: float) -> list[WorkerSignals]:
+        return [read_worker(w, role, limit_s) for role, ws in (("prefill", self.prefill_workers),
+                                                               ("decode", self.decode_workers)) for w in ws]
+
+    def bounds(self) -> Bounds:
+        if self.decode_role == "colocated":
+            raise ValueError("the controller moves workers between prefill and decode: a disaggregated cluster")
+        total = len(self.workers)
+        return Bounds(1, total - 1, 1, total - 1, total, min_total=total)
+
+    def resize(self, role: str, workers: int) -> None:
+        raise ValueError("an in-process cluster starts and stops no workers (its bounds allow flips only)")
+
+    def record(self, decision: Decision, signals: Signals) -> None:
+        pass  # the controller keeps its decisions; nothing else shows them here
 
     def client(self, **options: Any) -> Client:
         return Client(self.address, **options)

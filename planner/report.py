@@ -133,6 +133,8 @@ def cluster_dict(plan: Plan, ctx: PlanContext, slo: SLOTarget, model_path: str, 
             d["expert_parallel"] = True
         if pin:
             d["cpus"] = [usable[i]]
+        if plan.mode == "disaggregated":  # the SLO controller gives workers back below the planned traffic
+            d.update(min_replicas=1, max_replicas=pool.count)
         pools.append(d)
     max_len = min(max(2048, 1 << max(0, (longest - 1).bit_length())), max(2048, ctx.model.max_context))
     return {
@@ -151,6 +153,8 @@ def cluster_dict(plan: Plan, ctx: PlanContext, slo: SLOTarget, model_path: str, 
         "engine": {"max_num_batched_tokens": plan.max_num_batched_tokens, "max_num_seqs": plan.max_num_seqs,
                    "enable_prefix_caching": True, "num_threads": 1 if all(cpu) else None},
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+        # on: workers move between prefill and decode as the mix shifts (docs/controller.md)
+        "controller": {"enabled": plan.mode == "disaggregated"},
     }
 
 

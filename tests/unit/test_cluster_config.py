@@ -182,7 +182,7 @@ ERRORS = [
     (_pools({"role": "prefill"}), "pools[0].name", ["required", "[a-z0-9][a-z0-9-]*"]),
     (_pools({"name": "p"}), "pools[0].role", ["required", "prefill, decode, colocated"]),
     (_pools({"name": "p", "role": "prefill", "gpus": 1}), "pools[0].gpus",
-     ["unknown key", "cpus, expert_parallel, hardware, name, replicas, resources, role"]),
+     ["unknown key", "cpus, expert_parallel, hardware, max_replicas, min_replicas, name, replicas, resources, role"]),
     (_with("pools.0.cpus", []), "pools[0].cpus", ["non-empty list of CPU ids"]),
     (_with("pools.0.cpus", [0, 0]), "pools[0].cpus", ["distinct CPU ids"]),
     (_with("pools.0.cpus", ["0"]), "pools[0].cpus", ["list of CPU ids"]),
@@ -425,3 +425,26 @@ def test_up_refuses_a_tensor_parallel_size_that_cannot_split_the_model_naming_th
     with pytest.raises(LaunchError, match=r"pools\[1\].tensor_parallel_size \(pool 'd'\): .*divide the model's 8 "
                                           "attention heads"):
         check_tensor_parallel(bad)
+
+
+def test_the_controller_section_is_off_by_default_and_maps_to_the_policy():
+    cfg = ClusterConfig.from_dict({"controller": {"enabled": True, "interval_s": 2, "cooldown_s": 10},
+                                   "slo": {"ttft_ms": 500, "tpot_ms": 40}})
+    assert not ClusterConfig().controller.enabled
+    c = cfg.controller_config()
+    assert (c.interval_s, c.cooldown_s, c.slo_ttft_ms, c.slo_tpot_ms, c.flips) == (2.0, 10.0, 500.0, 40.0, True)
+
+
+@pytest.mark.parametrize("raw, key, fragment", [
+    ({"controller": {"scale_down_at": 0.5, "shrink_to": 0.4}}, "controller.scale_up_at", "scale_down_at < shrink_to"),
+    ({"controller": {"enabled": True}, "mode": "colocated", "pools": [{"name": "w", "role": "colocated"}]},
+     "controller.enabled", "mode colocated"),
+    ({"pools": [{"name": "p", "role": "prefill", "replicas": 3, "max_replicas": 2}, {"name": "d", "role": "decode"}]},
+     "pools[0].replicas", "max_replicas 2"),
+    ({"pools": [{"name": "p", "role": "prefill", "min_replicas": 2}, {"name": "d", "role": "decode"}]},
+     "pools[0].replicas", "min_replicas 2"),
+])
+def test_controller_settings_that_cannot_work_are_refused(raw, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_dict(raw)
+    assert str(info.value).startswith(f"{key}: ") and fragment in str(info.value), str(info.value)

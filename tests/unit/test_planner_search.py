@@ -100,6 +100,10 @@ def test_a_plan_becomes_a_cluster_yaml_that_the_schema_accepts(plan):
     assert [p.resources["num_gpus"] for p in cfg.pools] == [p.tp for p in plan.pools]
     assert [p.tensor_parallel_size for p in cfg.pools] == [p.tp for p in plan.pools]  # runs as planned
     assert cfg.model.max_model_len == 4096 and cfg.slo.tpot_ms == 60
+    # the SLO controller on where there are roles to move between, giving workers back down to one
+    assert cfg.controller.enabled == (plan.mode == "disaggregated")
+    assert [p.replica_bounds for p in cfg.pools] == [((1 if cfg.controller.enabled else p.count), p.count)
+                                                     for p in plan.pools]
 
 
 def test_a_cpu_plan_pins_one_core_per_worker():
