@@ -159,8 +159,9 @@ class DecodeEngine(LockedEngine):
             return
         with self._lock:
             storage = place(len(caches), tuple(caches[0].shape), caches[0].dtype)
-            for dst, src in zip(storage, caches):
-                dst.copy_(src)
+            if self.engine.load().blocks_used:  # a fresh cache holds nothing: the new memory (zeros) will do
+                for dst, src in zip(storage, caches):
+                    dst.copy_(src)
             self.engine.replace_kv_caches(list(storage.unbind(0)))
 
     def commit(self, ticket: TransferTicket, first_token: int, logprob: TokenLogprobs | None) -> None:

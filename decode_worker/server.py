@@ -38,8 +38,10 @@ class DecodeWorkerServer(DecodeWorkerService):
     def __init__(self, engine_cfg: EngineConfig, worker_id: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, kv_backend: str = "grpc", request_timeout_s: float = 600.0,
                  reservation_ttl_s: float = 120.0, cluster_secret: str | None = None,
-                 kv_options: dict | None = None, direct_kv: bool = True, model: object | None = None) -> None:
-        """`model`: weights already loaded in this process (a worker that changes role keeps its own).
+                 kv_options: dict | None = None, direct_kv: bool = True, model: object | None = None,
+                 kv_caches: list | None = None) -> None:
+        """`model`, `kv_caches`: weights and KV cache tensors already in this process (a worker that
+        changes role keeps its own; the caches are reused when they fit, or give way to shared memory).
         `cluster_secret`: required of every RPC to this worker, KV transfers included
         (proto/cluster_auth.py; None: none). `reservation_ttl_s`: the lease of a reservation whose KV
         has not committed. `kv_options`: more keyword arguments of the backend's receiver (shm/auto:
@@ -51,7 +53,7 @@ class DecodeWorkerServer(DecodeWorkerService):
         # with tensor parallelism each rank receives its own KV heads (the direct path) unless direct_kv=False
         rank_kv = (DecodeRankKV(kv_backend, host, cluster_secret, dict(kv_options or {}))
                    if direct_kv and kv_backend != "inproc" else None)
-        self.decode = DecodeEngine(Engine(engine_cfg, "decode", model=model, rank_kv=rank_kv), backend=kv_backend,
+        self.decode = DecodeEngine(Engine(engine_cfg, "decode", model=model, rank_kv=rank_kv, kv_caches=kv_caches), backend=kv_backend,
                                    server=self.server, endpoint=self.address, **(kv_options or {}))
         self._start(self.decode, [KV_SERVICE_NAME])
 

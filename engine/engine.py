@@ -55,10 +55,13 @@ class Engine:
         seed: int = 0,
         tp: TPContext | None = None,
         rank_kv: RankKV | None = None,
+        kv_caches: list[torch.Tensor] | None = None,
     ) -> None:
         """`tp`: this engine is rank 0 of a tensor-parallel group whose other ranks run elsewhere;
         without it, `cfg.tensor_parallel_size` > 1 starts them here as child processes (engine/tp_ranks.py),
-        each with `rank_kv` (its own KV sender or receiver: the direct KV path; None: through rank 0)."""
+        each with `rank_kv` (its own KV sender or receiver: the direct KV path; None: through rank 0).
+        `model`, `kv_caches`: the weights and KV cache tensors of an engine this one replaces in the process
+        (a worker changing role): the weights are shared, the caches reused when they fit."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.cfg = cfg
@@ -73,7 +76,7 @@ class Engine:
             tp = self._ranks.context
         self.rank_kv = rank_kv if self._ranks is not None else None
         try:
-            self.runner = ModelRunner(self.model_cfg, cfg, model, tp)
+            self.runner = ModelRunner(self.model_cfg, cfg, model, tp, kv_caches)
         except BaseException:
             self.close()
             raise

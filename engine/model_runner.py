@@ -58,7 +58,7 @@ class LayerSend:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model: LlamaModel | None = None,
-                 tp: TPContext | None = None) -> None:
+                 tp: TPContext | None = None, kv_caches: list[torch.Tensor] | None = None) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.tp = tp if tp is not None and tp.layout.size > 1 else None
@@ -98,8 +98,12 @@ class ModelRunner:
             )
         shape = self.spec.layer_shape(self.num_blocks, self.block_size, self.num_kv_heads)
         # Zeroed, not empty: masked-out slots still enter the attention matmul with weight 0, and 0*NaN = NaN.
-        self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
-                          for _ in range(model_cfg.num_layers)]
+        # The caches of an engine this one replaces in the process (a role flip) are taken as they are when
+        # they fit: their slots hold zeros or K/V written before (finite), as a freed block's do.
+        fits = kv_caches is not None and len(kv_caches) == model_cfg.num_layers and all(
+            c.shape == shape and c.dtype == self.cache_dtype and c.device == self.device for c in kv_caches)
+        self.kv_caches = list(kv_caches) if fits else [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+                                                       for _ in range(model_cfg.num_layers)]
         self._native = self._native_lib()
         if self.tp is not None and self.tp.is_leader:
             from engine.tp_ranks import handshake

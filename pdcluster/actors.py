@@ -123,9 +123,9 @@ class WorkerActor:
         caller drained it first). Ray restarting this actor later starts its first role again."""
         if self.server.engine.tensor_parallel_size > 1:
             raise ValueError(f"{self.worker_id} is tensor-parallel: its ranks hold shards, not whole weights")
-        model, cfg = self.server.engine.runner.model, self.server.engine.cfg
+        runner, cfg = self.server.engine.runner, self.server.engine.cfg
         self.server.stop(grace=0.0)
-        self.server = _server(role, cfg, self.worker_id, options, model=model)
+        self.server = _server(role, cfg, self.worker_id, options, model=runner.model, kv_caches=runner.kv_caches)
         self.server.on_fatal = self._exit
         self.role = role
         return self.info()
@@ -134,12 +134,13 @@ class WorkerActor:
         self.server.stop()
 
 
-def _server(role: str, cfg: Any, worker_id: str, options: dict, model: Any = None) -> Any:
-    """A `role` worker's server on `cfg` (`model`: weights already loaded in this process)."""
+def _server(role: str, cfg: Any, worker_id: str, options: dict, model: Any = None, kv_caches: Any = None) -> Any:
+    """A `role` worker's server on `cfg` (`model`, `kv_caches`: weights and KV cache memory already in
+    this process)."""
     if options.get("host") == "auto":  # serve on this node's address (loopback when Ray is local)
         ip = ray.util.get_node_ip_address()
         options = {**options, "host": "127.0.0.1" if ip in ("127.0.0.1", "localhost") else ip}
-    shared = {} if model is None else {"model": model}
+    shared = {} if model is None else {"model": model, "kv_caches": kv_caches}
     if role == "prefill":
         from prefill_worker.server import PrefillWorkerServer
 

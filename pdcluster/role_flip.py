@@ -2,9 +2,10 @@
 
 The worker leaves the router's list at once (new requests go to the other workers of its role),
 finishes what it holds (a prefill worker its queued prompts, a decode worker its running
-sequences: no request is lost or cut), then its server stops, freeing its KV cache, and a server of
-the other role starts in the same process on the same weights (no reload), and it joins the
-router's list in its new role. `Flip.out_of_service_s` is the time from drained to serving again:
+sequences: no request is lost or cut), then its server stops and a server of the other role starts
+in the same process on the same weights (no reload) and the same KV cache memory (no allocation;
+a decode worker's shared-memory cache, for shm senders, takes a new segment without a copy), and
+it joins the router's list in its new role. `Flip.out_of_service_s` is the time from drained to serving again:
 the service the flip itself costs.
 """
 
@@ -59,10 +60,10 @@ def flip_role(cluster: LocalCluster, worker_id: str, role: str, timeout_s: float
             raise TimeoutError(f"{worker_id} still held {worker.in_flight()} requests after {timeout_s:g} s")
         time.sleep(0.005)
     drained = time.monotonic()
-    model = worker.engine.runner.model
+    held = {"model": worker.engine.runner.model, "kv_caches": worker.engine.runner.kv_caches}
     cfg = worker.engine.cfg
     worker.stop(grace=0.0)
     server = PrefillWorkerServer if role == "prefill" else DecodeWorkerServer
-    target.append(server(cfg, worker_id, model=model, **cluster.options[role]))
+    target.append(server(cfg, worker_id, **held, **cluster.options[role]))
     cluster.router.set_workers(cluster.members())
     return Flip(worker_id, role, drained - t0, time.monotonic() - drained)

@@ -71,8 +71,9 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
                  port: int = 0, kv_backend: str = "grpc", kv_timeout_s: float = 30.0,
                  request_timeout_s: float = 600.0, kv_compression: str = "none", kv_faults: str | None = None,
                  cluster_secret: str | None = None, kv_options: dict | None = None, direct_kv: bool = True,
-                 model: object | None = None) -> None:
-        """`model`: weights already loaded in this process (a worker that changes role keeps its own).
+                 model: object | None = None, kv_caches: list | None = None) -> None:
+        """`model`, `kv_caches`: weights and KV cache tensors already in this process (a worker that
+        changes role keeps its own; the caches are reused when they fit).
         `kv_faults`: a fault-injection spec for this worker's KV sender (kv_transfer/faults.py;
         None: off, unless $PDCLUSTER_KV_FAULTS is set). `kv_options`: more keyword arguments of the
         backend's sender (shm/auto: in_place, verify_in_place). `cluster_secret`: required of every RPC to
@@ -83,7 +84,7 @@ class PrefillWorkerServer(wk_grpc.PrefillWorkerServicer):
         settings = SenderSettings(kv_backend, kv_timeout_s, kv_compression, kv_faults, cluster_secret,
                                   dict(kv_options or {}))
         # with tensor parallelism each rank has a KV sender of its own (the direct path) unless direct_kv=False
-        self.engine = Engine(engine_cfg, "prefill", model=model,
+        self.engine = Engine(engine_cfg, "prefill", model=model, kv_caches=kv_caches,
                              rank_kv=PrefillRankKV(settings) if direct_kv else None)
         self.prefill = PrefillEngine(self.engine, settings.make(self.engine.compat_hash))
         # blocks of another node's offload tier, read into this node's before a prompt is queued

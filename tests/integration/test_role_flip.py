@@ -1,5 +1,6 @@
 """A worker changes role in place under load (pdcluster/role_flip.py): requests in flight on it
-finish, new ones go to the others meanwhile, its new server runs on the weights it held; every
+finish, new ones go to the others meanwhile, its new server runs on the weights and the KV cache
+memory it held; every
 output equals transformers' greedy one, every KV block comes back, and the flip itself takes well
 under a second of service on the tiny model."""
 
@@ -32,6 +33,7 @@ def test_flips_under_load_lose_nothing_and_take_under_a_second(path):
     with LocalCluster(cfg, 1, 2, prefill={"kv_backend": "shm"}, decode={"kv_backend": "shm"},
                       router={"request_timeout_s": 60}) as c, c.client() as client:
         model = c.decode_workers[1].engine.runner.model
+        kv = [t.data_ptr() for t in c.decode_workers[1].engine.runner.kv_caches]  # its shared-memory cache
         with cf.ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(lambda p: client.complete(p, params).token_ids, p) for p in PROMPTS]
             deadline = time.monotonic() + 30
@@ -45,6 +47,7 @@ def test_flips_under_load_lose_nothing_and_take_under_a_second(path):
         assert to_prefill.drain_s > 0 and [w.worker_id for w in c.prefill_workers] == ["decode-1"]
         assert sorted(w.worker_id for w in c.decode_workers) == ["decode-0", "prefill-0"]
         assert c.prefill_workers[0].engine.runner.model is model  # the same weights, not reloaded
+        assert [t.data_ptr() for t in c.prefill_workers[0].engine.runner.kv_caches] == kv  # the same KV memory
         for flip in (to_prefill, to_decode):
             assert flip.out_of_service_s < 1.0, flip
         # the cluster in its new shape serves, and gives every block back
