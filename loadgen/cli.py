@@ -10,6 +10,10 @@ Multi-turn chat: `multiturn` (conversations from --conversations, --turns, --fir
 --message-len, --output-len, --think-time) or `multiturn:TRACE` (a Mooncake trace's conversations,
 grouped by hash_ids): each turn's prompt is the history plus a new message, sent --think-time after
 the previous answer; conversations start at the arrival rate.
+Traffic whose mix shifts: `--phases WORKLOAD:RATE:SECONDS,...` (WORKLOAD a name above or
+PROMPT/OUTPUT tokens; RATE R or A-B, a ramp) plays the phases back to back, one run per system, and
+reports each phase's SLO attainment and, against pdcluster, its worker-seconds per role
+(loadgen/phases.py, loadgen/phased_cli.py).
 Lengths can be scaled to fit a small model (--max-context C or --scale-lengths F; loadgen/scaling.py,
 which scripts/bench_engine.py uses too), and the scaling is always printed.
 
@@ -62,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--workload", default="azure-conv",
                    help=f"{', '.join(NAMED)}, synthetic, or a path to an Azure .csv / Mooncake .jsonl trace")
     w.add_argument("--num-requests", type=int, default=100, help="requests per run (the request count limit)")
+    w.add_argument("--phases", default=None, metavar="WORKLOAD:RATE:SECONDS,...",
+                   help="traffic whose mix shifts, phase by phase (WORKLOAD: a workload name or PROMPT/OUTPUT "
+                        "tokens; RATE: R or A-B ramping); reported per phase (loadgen/phases.py)")
     w.add_argument("--sample-seed", type=int, default=None,
                    help="a seeded random sample of trace rows (in trace order) instead of the first rows")
     w.add_argument("--sample-unit", choices=SAMPLE_UNITS, default="rows",
@@ -215,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, argv: list[str]) -> int:
     from tqdm import tqdm
 
+    if args.phases:
+        from loadgen.phased_cli import run_phased
+
+        eps = endpoints(args)
+        for e in eps:
+            e.model = e.model or asyncio.run(fetch_model(e))
+        return run_phased(args, redact(argv), eps, SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+                          load_tokenizer(args.tokenizer))
     rates, eps = parse_rates(args), endpoints(args)
     if args.time_scale is not None and args.arrival != "trace":
         raise ValueError("--time-scale applies to --arrival trace")

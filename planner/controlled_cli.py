@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 from dataclasses import dataclass
 
+from loadgen.phases import parse_phases, thinned
 from planner.sim_controller import ControlledResult, ControlledSimulator, load_rule
 from scaling.policy import HOLD, Bounds, ControllerConfig, Decision
 
@@ -56,29 +56,17 @@ def phased(args: argparse.Namespace, load) -> Phased:
     """The phases' requests, back to back; `load(workload, n)` reads a workload's first n requests."""
     out = Phased([], [], [], [], [])
     t0 = 0.0
-    for k, item in enumerate(args.phases.split(",")):
-        try:
-            name, rate, seconds = item.rsplit(":", 2)
-            first, _, last = rate.partition("-")
-            a, b, seconds_f = float(first), float(last or first), float(seconds)
-        except ValueError:
-            raise ValueError(f"--phases: {item!r} is not WORKLOAD:RATE:SECONDS (RATE: R or A-B)") from None
-        if min(a, b) <= 0 or seconds_f <= 0:
-            raise ValueError(f"--phases: {item!r} needs rates and seconds above 0")
-        top = max(a, b)
-        w = load(name, max(1, math.ceil(top * seconds_f * 1.3) + 20))
-        keep = random.Random(f"{args.seed}:{k}")  # thinning: Poisson at the top rate, kept at rate(t) / top
-        for t, p, o in zip(w.arrivals(top), w.prompts, w.outputs):
-            if t >= seconds_f:
-                break
-            if keep.random() * top > a + (b - a) * t / seconds_f:
-                continue
-            out.arrivals.append(t0 + t)
-            out.prompts.append(p)
-            out.outputs.append(o)
+    for k, phase in enumerate(parse_phases(args.phases)):
+        top = max(phase.rate_from, phase.rate_to)
+        w = load(phase.workload, max(1, math.ceil(top * phase.seconds * 1.3) + 20))
+        arrivals = list(w.arrivals(top))  # Poisson at the top rate, kept at rate(t) / top
+        for i in thinned(phase, arrivals, f"{args.seed}:{k}"):
+            out.arrivals.append(t0 + arrivals[i])
+            out.prompts.append(w.prompts[i])
+            out.outputs.append(w.outputs[i])
             out.phase.append(k)
-        out.spans.append((f"{name} {rate}/s", t0, t0 + seconds_f))
-        t0 += seconds_f
+        out.spans.append((phase.label, t0, t0 + phase.seconds))
+        t0 += phase.seconds
     return out
 
 

@@ -251,6 +251,26 @@ def test_the_real_cluster_serves_a_loadgen_run(builtin_path, tmp_path):
             assert rec.ttft is not None and rec.ttft > 0
 
 
+def test_phases_against_the_real_cluster_report_each_phase_with_its_worker_seconds(builtin_path, tmp_path, capsys):
+    from engine.config import EngineConfig
+    from loadgen.cli import main
+    from pdcluster.local_cluster import LocalCluster
+
+    cfg = EngineConfig(model=str(builtin_path), num_blocks=128, max_model_len=256, num_threads=1)
+    with LocalCluster(cfg, router={"request_timeout_s": 60}, http={}) as c:
+        rc = main(["--endpoint", c.url, "--endpoint-label", "pdcluster", "--phases", "96/2:3:3,8/16:3:3",
+                   "--slo-ttft-ms", "5000", "--ignore-eos", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "phases.json").read_text())["rows"]
+    assert [r["phase"] for r in rows] == ["96/2 3/s", "8/16 3/s", "all"]
+    assert rows[2]["requests"] == rows[0]["requests"] + rows[1]["requests"] == rows[2]["completed"] > 6
+    for r in rows[:2]:  # one prefill and one decode worker up all along: 3 worker-seconds each per phase
+        assert set(r["worker_seconds"]) == {"prefill", "decode"}
+        assert all(2.0 <= v <= 3.01 for v in r["worker_seconds"].values()), r
+        assert r["slo_attainment"] == 1.0
+    assert "per phase" in capsys.readouterr().out and (tmp_path / "phases.md").is_file()
+
+
 if __name__ == "__main__":  # a fixture server for trying `pdcluster bench serve` by hand
     srv = FixtureServer().start()
     print(f"fixture server: {srv.url('ok')} (also /multi, /fail, /hang, /slow); Ctrl-C stops it", flush=True)
