@@ -225,6 +225,11 @@ class DecodeEngine(LockedEngine):
     def num_reserved(self) -> int:
         return len(self._reserved)
 
+    def reserved_blocks(self) -> int:
+        """Blocks held by reservations whose KV has not committed (prompts still being prefilled)."""
+        with self._lock:
+            return sum(len(seq.block_table) for seq in self._reserved.values())
+
     def has_work(self) -> bool:
         return bool(self._committed) or super().has_work()
 

@@ -14,8 +14,11 @@ the pools' min_replicas / max_replicas). Here the signals are measured:
                            max_num_seqs), its sequences per step time, averaged over the workers with
                            two buckets seen or more (none: decode is judged by KV use and TPOT alone)
                            (pdcluster/worker_signals.py)
-    mean output            tokens generated / requests finished over the last intervals
-    KV used                the fullest decode worker's share of blocks in use
+    mean output            tokens generated / requests finished over the last intervals, at most the
+                           mean max_tokens of the requests routed in this one
+    KV used                the fullest decode worker's share of blocks its sequences use
+    waiting for decode     requests the router holds until a decode worker has blocks (they count as
+                           decode sequences; late first tokens with some waiting press decode)
 
 Every decision is logged ("pdcluster.controller"), kept in `decisions`, counted in the router's
 /metrics (`pdcluster_controller_decisions_total{change, cause}`, and the target per role in
@@ -102,6 +105,7 @@ class LiveController:
                 "tpot": _histogram(r, "pdcluster_time_per_output_token_seconds"),
                 "prompt": value("pdcluster_routed_prompt_tokens_total", role="prefill"),
                 "requests": value("pdcluster_routed_requests_total", role="decode"),
+                "max_tokens": value("pdcluster_routed_max_tokens_total", role="decode"),
                 "finished": sum(value("pdcluster_requests_finished_total", finish_reason=f) for f in FINISH_REASONS),
                 "generated": value("pdcluster_generation_tokens_total")}
 
@@ -120,6 +124,7 @@ class LiveController:
         slots = sum(b for b, _ in seen) / len(seen) * len(decode) if seen else 0.0
         decode_tps = sum(b / s for b, s in seen) / len(seen) * len(decode) if seen else 0.0
         ttft, tpot = _p90(now["ttft"], last["ttft"]), _p90(now["tpot"], last["tpot"])
+        waiting = int(self.metrics.queued._value.get())  # requests waiting for a decode reservation
         return Signals(
             now_s=now["t"], prefill=len(prefill), decode=len(decode),
             ttft_p90_ms=ttft * 1e3 if ttft is not None else None, tpot_p90_ms=tpot * 1e3 if tpot is not None else None,
@@ -127,8 +132,9 @@ class LiveController:
             prefill_tokens_per_s=sum(w.prefill_tokens_per_s for w in prefill),
             prefill_demand_tokens_s=(now["prompt"] - last["prompt"]) / dt, decode_tokens_per_s=decode_tps,
             arrival_rate=(now["requests"] - last["requests"]) / dt,
+            mean_max_tokens=(now["max_tokens"] - last["max_tokens"]) / max(1.0, now["requests"] - last["requests"]),
             mean_output_tokens=sum(g for _, g in self._finished) / done if done else 0.0,
-            decode_sequences=sum(w.running for w in decode), decode_slots=slots,
+            decode_sequences=sum(w.running for w in decode) + waiting, waiting_for_decode=waiting, decode_slots=slots,
             kv_used=max((w.kv_used for w in decode), default=0.0), youngest_worker_s=now["t"] - self.last_change)
 
     def tick(self) -> Decision:

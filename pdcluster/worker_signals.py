@@ -5,7 +5,10 @@ process from its server, as plain values (a Ray actor returns them to the router
     batch                 a decode worker's (sequences, step seconds) of the batch whose step takes
                           the limit, from a line through its steps per batch bucket (None before two
                           buckets were seen, or when the step time does not grow with the batch)
-    kv_used               a decode worker's share of KV blocks in use
+    kv_used               a decode worker's share of KV blocks in use by its sequences: blocks reserved
+                          for prompts still at a prefill worker are left out (they are the prefill
+                          side's backlog: counted here, a slow prefill side would look like a full
+                          decode side, and neither could give the other a worker)
     running, in_flight    sequences in its decode batch; requests it holds (flip the idlest)
     can_flip              not tensor-parallel
 """
@@ -63,6 +66,8 @@ def read_worker(server: Any, role: str, limit_s: float) -> WorkerSignals:
         return WorkerSignals(server.worker_id, role, server.in_flight(), can_flip=can_flip,
                              prefill_tokens_per_s=t.tokens / t.seconds if t.seconds else 0.0)
     load = server.engine.load()
+    reserved = server.decode.reserved_blocks() if hasattr(server, "decode") else 0
     return WorkerSignals(server.worker_id, role, server.in_flight(), can_flip=can_flip,
                          batch=batch_at(by_batch, limit_s, server.engine.cfg.max_num_seqs),
-                         kv_used=load.blocks_used / max(1, load.blocks_used + load.blocks_free), running=load.running)
+                         kv_used=max(0, load.blocks_used - reserved) / max(1, load.blocks_used + load.blocks_free),
+                         running=load.running)

@@ -93,11 +93,13 @@ class _Slot:
 class _Meter:
     """The signals of the interval since the last reading, as a router shows them (the module's doc)."""
 
-    def __init__(self, sim: ControlledSimulator, arrivals: Sequence[float], prompts: Sequence[int]) -> None:
+    def __init__(self, sim: ControlledSimulator, arrivals: Sequence[float], prompts: Sequence[int],
+                 outputs: Sequence[int]) -> None:
         self.sim = sim
         order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
         self.times = [arrivals[i] for i in order]
         self.prompt_sums = list(itertools.accumulate((prompts[i] for i in order), initial=0))
+        self.output_sums = list(itertools.accumulate((outputs[i] for i in order), initial=0))  # their max_tokens
         w = sim.worker
         budget = w.max_num_batched_tokens
         self.prefill_rate = budget / max(w.cost.prefill_time(budget, budget * budget // 2), 1e-9)  # one worker
@@ -125,7 +127,9 @@ class _Meter:
             prefill_demand_tokens_s=(self.prompt_sums[arrived] - self.prompt_sums[self.arrived]) / dt,
             decode_tokens_per_s=per_worker / step * len(cluster.decode), decode_slots=per_worker * len(cluster.decode),
             decode_sequences=sum(len(w.running) for w in cluster.decode) + len(cluster.router.waiting),
+            waiting_for_decode=len(cluster.router.waiting),
             arrival_rate=(arrived - self.arrived) / dt,
+            mean_max_tokens=(self.output_sums[arrived] - self.output_sums[self.arrived]) / max(1, arrived - self.arrived),
             mean_output_tokens=sum(o for _, o in done) / len(done) if done else 0.0,
             kv_used=max((w.used_blocks() / max(w.num_blocks, 1) for w in cluster.decode), default=0.0),
             youngest_worker_s=min((t - s.since for s in slots if s.role is not None), default=math.inf),
@@ -159,7 +163,7 @@ class ControlledSimulator:
             self._serve(cluster, slots[i], role, -math.inf)
             slots[i].started = 0.0
         res = ControlledResult(out.ttft, out.tpot)
-        meter = _Meter(self, arrivals, prompts)
+        meter = _Meter(self, arrivals, prompts, outputs)
         state = State()
 
         def tick(t: float) -> None:

@@ -211,6 +211,9 @@ class RouterMetrics:
             "pdcluster_routed_requests", "Requests the router sent to a worker of each role (retries included; "
             "a disaggregated request counts once as decode, where it reserves, and once as prefill).", ["role"],
             registry=r)
+        self.routed_max_tokens = Counter(
+            "pdcluster_routed_max_tokens", "The max_tokens of the requests the router sent to a worker of each role "
+            "(retries included): what they may generate at most.", ["role"], registry=r)
         self.routed_cached_tokens = Counter(
             "pdcluster_routed_cached_tokens", "Of those, the tokens the router's prefix index expected the chosen "
             "worker to hold in its prefix cache (router/prefix_index.py).", ["role"], registry=r)
@@ -229,9 +232,10 @@ class RouterMetrics:
         if workers is not None:
             r.register(WorkerStatsCollector(workers))
 
-    def routed(self, role: str, prompt_tokens: int, cached_tokens: int) -> None:
+    def routed(self, role: str, prompt_tokens: int, cached_tokens: int, max_tokens: int = 0) -> None:
         """A routing decision: a prompt sent to a worker of `role` expected to hold `cached_tokens`."""
         self.routed_prompt_tokens.labels(role).inc(prompt_tokens)
+        self.routed_max_tokens.labels(role).inc(max_tokens)
         self.routed_requests.labels(role).inc()
         self.routed_cached_tokens.labels(role).inc(cached_tokens)
 

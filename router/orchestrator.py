@@ -269,7 +269,7 @@ class Orchestrator:
                         raise
                 try:
                     resp = w.stub.Reserve(req, timeout=max(0.1, min(deadline - time.monotonic(), 30.0)))
-                    self.metrics.routed(role, len(ids), cached)
+                    self.metrics.routed(role, len(ids), cached, params.max_tokens)
                     if req.run_prefill:
                         return w, None, max(1, self.pool.policy.uncached(len(ids), cached))  # the last token always
                     return w, resp.ticket, 0

@@ -7,8 +7,11 @@ Each role's pressure is how close it runs to its limit, 1.0 at the limit:
 
     prefill  (prompt tokens arriving per second + queued prompt tokens / `backlog_drain_s`) / what
              the prefill workers compute per second, and at least `scale_up_at` while the TTFT p90
-             is at `scale_up_at` of its SLO or more (first tokens late: grow)
-    decode   max(requests arriving per second x the mean output of those finished lately / what
+             is at `scale_up_at` of its SLO or more (first tokens late: grow), unless requests
+             wait at the router for decode workers' blocks while decode is the fuller side by its
+             own measures (then the late first tokens press decode)
+    decode   max(requests arriving per second x the mean output of those finished lately (at most
+             the arrivals' mean max_tokens) / what
              the decode workers generate per second with steps at `scale_up_at` of the TPOT SLO
              (nearer it a step's time presses by itself), sequences on the decode workers or
              waiting for their blocks / the sequences they run at that step time, KV blocks used /
@@ -100,7 +103,9 @@ class Signals:
     decode_tokens_per_s: float = 0.0
     arrival_rate: float = 0.0  # requests that arrived per second in the interval
     mean_output_tokens: float = 0.0  # of the requests that finished lately
+    mean_max_tokens: float = 0.0  # of the requests that arrived in the interval (0: none or unknown)
     decode_sequences: int = 0  # running on the decode workers or waiting for their KV blocks
+    waiting_for_decode: int = 0  # of those, requests the router holds until a decode worker has blocks
     decode_slots: float = 0.0  # sequences the serving decode workers run with steps at scale_up_at of the SLO
     kv_used: float = 0.0  # share of the decode workers' KV blocks in use (the fullest worker)
     youngest_worker_s: float = float("inf")  # age of the newest worker in its role
@@ -130,18 +135,30 @@ class Decision:
     add_decode: int = 0
 
 
+def expected_output(s: Signals) -> float:
+    """Tokens a request arriving now will generate: the mean output of those finished lately, but no
+    more than the arrivals' mean max_tokens (outputs that got shorter show at once; longer ones show in
+    the sequences running and their KV before they finish)."""
+    if s.mean_max_tokens <= 0:
+        return s.mean_output_tokens
+    return min(s.mean_output_tokens, s.mean_max_tokens) if s.mean_output_tokens > 0 else s.mean_max_tokens
+
+
 def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
     """(prefill, decode) pressure: how close each role runs to its limit, 1.0 at it (the module's doc)."""
     p = 0.0
     if s.prefill_tokens_per_s > 0:
         p = (s.prefill_demand_tokens_s + s.queued_prompt_tokens / cfg.backlog_drain_s) / s.prefill_tokens_per_s
-    if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:
-        p = max(p, cfg.scale_up_at)
     d = s.kv_used / cfg.kv_high
     if s.decode_tokens_per_s > 0:
-        d = max(d, s.arrival_rate * s.mean_output_tokens / s.decode_tokens_per_s)
+        d = max(d, s.arrival_rate * expected_output(s) / s.decode_tokens_per_s)
     if s.decode_slots > 0:
         d = max(d, s.decode_sequences / s.decode_slots)
+    if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:  # first tokens late: whose doing?
+        if s.waiting_for_decode and d > p:  # requests wait for the blocks of a decode side fuller than prefill
+            d = max(d, cfg.scale_up_at)
+        else:
+            p = max(p, cfg.scale_up_at)
     if (s.tpot_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_tpot_ms:
         d = max(d, cfg.scale_up_at)
     return p, d

@@ -92,6 +92,7 @@ def test_names_units_types_and_buckets_follow_prometheus_conventions():
         "pdcluster_generation_tokens": "counter",
         "pdcluster_routed_prompt_tokens": "counter",
         "pdcluster_routed_requests": "counter",
+        "pdcluster_routed_max_tokens": "counter",
         "pdcluster_controller_decisions": "counter",
         "pdcluster_controller_target_workers": "gauge",
         "pdcluster_routed_cached_tokens": "counter",

@@ -38,6 +38,30 @@ def test_pressures_are_demand_over_capacity_and_late_tokens_trigger():
     assert pressures(CFG, sig(0, d=0.1, kv_used=0.81))[1] == pytest.approx(0.9)
 
 
+def test_outputs_that_got_shorter_show_at_once_through_the_arrivals_max_tokens():
+    def at(**kw) -> float:
+        return pressures(CFG, Signals(now_s=0, prefill=1, decode=2, arrival_rate=6.0, decode_tokens_per_s=2000.0,
+                                      **kw))[1]
+
+    assert at(mean_output_tokens=256.0) == pytest.approx(6 * 256 / 2000)
+    assert at(mean_output_tokens=256.0, mean_max_tokens=4.0) == pytest.approx(6 * 4 / 2000)
+    # longer: the finishes still say short (the sequences running show the rest)
+    assert at(mean_output_tokens=4.0, mean_max_tokens=256.0) == pytest.approx(6 * 4 / 2000)
+    assert at(mean_max_tokens=100.0) == pytest.approx(6 * 100 / 2000)  # nothing finished yet
+
+
+def test_late_first_tokens_press_the_side_that_keeps_them():
+    # requests wait at the router for the blocks of a full decode side: decode's doing, not prefill's
+    full = sig(0, p=0.02, d=0.1, ttft_p90_ms=3000, kv_used=0.88, waiting_for_decode=4)
+    assert pressures(CFG, full) == pytest.approx((0.02, 0.88 / CFG.kv_high))
+    starved = sig(0, p=0.02, d=0.1, ttft_p90_ms=3000, waiting_for_decode=4, decode_sequences=70, decode_slots=100.0)
+    assert pressures(CFG, starved) == pytest.approx((0.02, CFG.scale_up_at))
+    # waiting behind blocks that prompts queued at the prefill workers hold: prefill's doing
+    backlog = sig(0, p=1.2, d=0.1, ttft_p90_ms=3000, kv_used=0.3, waiting_for_decode=4)
+    assert pressures(CFG, backlog) == pytest.approx((1.2, 0.3 / CFG.kv_high))
+    assert pressures(CFG, sig(0, p=0.1, d=0.3, ttft_p90_ms=3000))[0] == pytest.approx(CFG.scale_up_at)
+
+
 def test_a_pressed_prefill_takes_an_idle_decode_worker_after_settling():
     d = run([sig(0, p=0.9, d=0.2), sig(5, p=0.9, d=0.2)])
     assert [x.action for x in d] == [HOLD, "flip 1 to prefill"]
