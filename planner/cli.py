@@ -283,7 +283,7 @@ def _pool_arg(s: str):
 
 def _simulate(argv: list[str]) -> int:
     from loadgen.metrics import Dist
-    from planner.workload import load_plan_workload
+    from planner.workload import PlanWorkload, load_plan_workload
     from planner.plan import Plan, build_cluster
     from planner.reuse import reuse_lines
     from planner.simulator import Simulator
@@ -321,9 +321,17 @@ def _simulate(argv: list[str]) -> int:
             raise ValueError("--controller moves workers between prefill and decode: give --prefill and --decode")
         spec = build_cluster(plan, ctx)
         print("\n".join(model_lines(ctx.model, ctx.kv_context)))
-        return run_controlled(args, spec, spec.decode[0], lambda name, n: load_plan_workload(
-            name, n, args.max_context, args.scale_lengths, args.max_output, args.sample_seed, args.arrival,
-            args.burstiness, args.seed, args.synthetic_input, args.synthetic_output))
+        from loadgen.phases import synthetic_lengths
+
+        def load(name: str, n: int) -> PlanWorkload:  # a workload, or PROMPT/OUTPUT (synthetic, fixed)
+            fixed = synthetic_lengths(name)
+            lengths = (f"fixed:{fixed[0]}", f"fixed:{fixed[1]}") if fixed else (args.synthetic_input,
+                                                                               args.synthetic_output)
+            return load_plan_workload("synthetic" if fixed else name, n, args.max_context, args.scale_lengths,
+                                      args.max_output, args.sample_seed, args.arrival, args.burstiness, args.seed,
+                                      *lengths)
+
+        return run_controlled(args, spec, spec.decode[0], load)
     workload = _workload(args)
     ctx.kv_context = typical_context(workload)
     print("\n".join(workload.describe()))

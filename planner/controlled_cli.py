@@ -38,6 +38,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--phases", default=None, help="WORKLOAD:RATE:SECONDS,... the traffic, phase by phase "
                    "(RATE: a number, or A-B ramping linearly)")
     c.add_argument("--max-workers", type=int, default=16, help="workers in all, at most")
+    c.add_argument("--min-workers", type=int, default=0,
+                   help="workers in all, at least (= --max-workers: flips only, as a cluster of fixed size)")
     c.add_argument("--interval-s", type=float, default=10.0)
     c.add_argument("--start-s", type=float, default=60.0, help="a new worker serves this long after it is asked for")
     c.add_argument("--flip-s", type=float, default=1.0, help="a drained worker serves its new role this long after")
@@ -99,6 +101,8 @@ def run(args: argparse.Namespace, spec, worker, load) -> int:
     n = args.max_workers
     if sum(start) > n:
         raise ValueError(f"--max-workers {n} is fewer than the {sum(start)} workers the cluster starts with")
+    if not 0 <= args.min_workers <= n:
+        raise ValueError(f"--min-workers must be within 0 and --max-workers {n}, got {args.min_workers}")
     work = phased(args, load)
     print(f"phases     {', '.join(f'{label} ({end - begin:g} s)' for label, begin, end in work.spans)}: "
           f"{len(work.arrivals)} requests")
@@ -116,7 +120,7 @@ def run(args: argparse.Namespace, spec, worker, load) -> int:
     timeline = []
     for name, rule, first in policies:
         kw = {} if rule is None else {"rule": rule}
-        sim = ControlledSimulator(spec, worker, Bounds(1, n - 1, 1, n - 1, max(n, sum(first))), first, cfg,
+        sim = ControlledSimulator(spec, worker, Bounds(1, n - 1, 1, n - 1, max(n, sum(first)), args.min_workers), first, cfg,
                                   flip_s=args.flip_s, start_s=args.start_s, **kw)
         with tqdm(total=len(work.arrivals), desc=name, unit="req", unit_scale=True, leave=False,
                   disable=args.no_progress, mininterval=0.5) as bar:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import json
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -22,21 +24,26 @@ from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[2]
+
 PROMPTS = [[(17 * i + 3 * j) % 400 + 3 for j in range(160 + 8 * (i % 4))] for i in range(160)]
 MAX_TOKENS = 2
 
 
-def _config(flips: bool, prefill: dict, decode: dict):
+def _config(flips: bool, prefill: dict, decode: dict, slo: tuple[float, float] = (50.0, 1000.0),
+            num_blocks: int | str = "auto", **controller):
+    """Pools "prefill" and "decode" with these changes; by default first tokens late for sure (TTFT SLO
+    50 ms: prefill pressed) and decode steps of 3 processes on 2 cores not the question (TPOT 1 s)."""
     cfg = load_cluster_config("cluster.yaml")
     return dataclasses.replace(
         cfg, router=dataclasses.replace(cfg.router, grpc_port=0, http_port=0),
-        kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=32),
+        kv_cache=dataclasses.replace(cfg.kv_cache, memory_mb=32, num_blocks=num_blocks),
         model=dataclasses.replace(cfg.model, path="builtin:tiny-llama", max_model_len=512),
         pools=(dataclasses.replace(cfg.pools[0], **prefill), dataclasses.replace(cfg.pools[1], **decode)),
-        # first tokens late: prefill pressed for sure; decode steps of 3 processes on 2 cores are not the question
-        slo=dataclasses.replace(cfg.slo, ttft_ms=50.0, tpot_ms=1000.0),
-        controller=dataclasses.replace(cfg.controller, enabled=True, interval_s=0.3, cooldown_s=1.0, warmup_s=0.0,
-                                       flips=flips, drain_timeout_s=60.0)).validate()
+        slo=dataclasses.replace(cfg.slo, ttft_ms=slo[0], tpot_ms=slo[1]),
+        controller=dataclasses.replace(cfg.controller, **{
+            "enabled": True, "interval_s": 0.3, "cooldown_s": 1.0, "warmup_s": 0.0, "flips": flips,
+            "drain_timeout_s": 60.0, **controller})).validate()
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +127,36 @@ def test_without_flips_a_new_worker_starts_within_max_replicas_and_goes_when_idl
         assert _wait_blocks_free() == 0
     finally:
         handle.stop()
+
+
+def test_the_simulator_and_the_cluster_make_the_same_decision_at_a_phase_change(tmp_path, capsys):
+    """Prompt-heavy traffic, then output-heavy traffic that fills one decode worker's 128 blocks: on
+    2 prefill + 1 decode workers, the cluster's controller and the simulator's (the planner's cost
+    model fitted on this kind of machine, planner/cpu_coefficients.json, with the same cache) both
+    move a prefill worker to decode."""
+    from loadgen.cli import main as bench_serve
+    from planner.cli import main as plan
+
+    phases = "512/4:6:12,32/256:4:25"
+    handle = up(_config(True, {"replicas": 2}, {"replicas": 1}, slo=(1000.0, 50.0), num_blocks=128,
+                        interval_s=1.0, cooldown_s=5.0, warmup_s=2.0), say=lambda _: None)
+    try:
+        assert bench_serve(["--endpoint", f"http://{handle.http_address}", "--phases", phases, "--ignore-eos",
+                            "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50", "--out", str(tmp_path / "bench"),
+                            "--no-progress"]) == 0
+        info = _membership()
+    finally:
+        handle.stop()
+    assert _roles(info) == {"prefill": 1, "decode": 2}, info["workers"]
+    assert info["meta"]["controller"]["last"]["action"] == "flip 1 to decode", info["meta"]["controller"]
+
+    coefficients = json.loads((ROOT / "planner" / "cpu_coefficients.json").read_text())
+    coefficients["kv_capacity_tokens"] = 128 * 16
+    (tmp_path / "coefficients.json").write_text(json.dumps(coefficients))
+    capsys.readouterr()
+    assert plan(["simulate", "--controller", "--model", "builtin:tiny-llama", "--coefficients",
+                 str(tmp_path / "coefficients.json"), "--prefill", "cpu:2", "--decode", "cpu:1", "--phases", phases,
+                 "--max-workers", "3", "--min-workers", "3", "--interval-s", "1", "--flip-s", "0.3",
+                 "--no-progress"]) == 0
+    decisions = capsys.readouterr().out.split("controller's decisions:")[1].strip().splitlines()
+    assert decisions and "flip 1 to decode" in decisions[0], decisions
