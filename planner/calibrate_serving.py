@@ -34,6 +34,7 @@ the probe's closed loop asks less of them per step than a trace's arrivals do.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -105,21 +106,21 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
     its decode (and, where it has prefill steps, prefill) step costs; see the module docstring."""
     from loadgen.cli import load_tokenizer
     from loadgen.client import EndpointConfig, fetch_model
-    from loadgen.workload import WorkloadConfig, load_workload
 
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = asyncio.run(fetch_model(EndpointConfig(url, api_key=api_key)))
     samples: list[dict[str, Any]] = []
     idle_ttft: dict[int, float] = {}  # prompt length -> client TTFT p50 with one stream (nothing queued)
     for p in prompt_lens:
-        n = 40 * sum(levels)  # distinct prompts, more than the levels send (no prefix-cache hits)
-        w = load_workload(WorkloadConfig("synthetic", n, seed=p, synthetic_input=f"fixed:{p}",
-                                         synthetic_output=f"fixed:{output_tokens}"), tok, model)
-        prompts = iter([r.prompt for r in w.requests])
+        prompts = _PromptPool(p, output_tokens, tok, model)
+        per_stream_s = 16 / (warmup_s + seconds)  # requests a stream finishes per second, until measured
         for b in levels:
+            sent = prompts.taken
+            prompts.top_up(int(1.5 * per_stream_s * b * (warmup_s + seconds)) + 16)  # made before the clock runs
             freeze_startup_heap()  # a full collection over the client's heap would stall its streams
             delta, client, elapsed = asyncio.run(
                 _closed_loop(url, name, prompts, b, output_tokens, warmup_s, seconds, api_key))
+            per_stream_s = max(per_stream_s, (prompts.taken - sent) / b / (warmup_s + seconds))
             tpot, ttft = _median(client["tpot_s"]), _median(client["ttft_s"])
             if b == 1 and ttft is not None:
                 idle_ttft[p] = ttft
@@ -219,6 +220,37 @@ def add_live(coeffs: dict[str, Any], url: str, role: str = "decode", **kwargs: A
                       **kwargs)
     coeffs.setdefault("live", {})[role] = live
     return live
+
+
+class _PromptPool:
+    """Distinct prompts of `prompt_len` tokens (no prefix-cache hits), as many as the streams ask
+    for: topped up before each level from the last level's pace, and refilled on the spot if the
+    streams outrun that (a fixed pool ran dry on a fast machine before a level's measured window)."""
+
+    def __init__(self, prompt_len: int, output_tokens: int, tokenizer: Any, model: str) -> None:
+        self.prompt_len, self.output_tokens, self.tokenizer, self.model = prompt_len, output_tokens, tokenizer, model
+        self.pool: list[str] = []
+        self.taken = 0
+        self._chunks = itertools.count()
+
+    def top_up(self, n: int) -> None:
+        from loadgen.workload import WorkloadConfig, load_workload
+
+        while len(self.pool) < n:
+            seed = self.prompt_len * 100_003 + next(self._chunks)
+            w = load_workload(WorkloadConfig("synthetic", max(64, n - len(self.pool)), seed=seed,
+                                             synthetic_input=f"fixed:{self.prompt_len}",
+                                             synthetic_output=f"fixed:{self.output_tokens}"), self.tokenizer, self.model)
+            self.pool.extend(r.prompt for r in w.requests)
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        if not self.pool:
+            self.top_up(64)
+        self.taken += 1
+        return self.pool.pop()
 
 
 def _median(xs: list[float]) -> float | None:

@@ -46,3 +46,16 @@ def test_without_prefill_samples_or_an_engine_fit_only_decode_is_fitted():
     assert "prefill" not in fit_live([s for s in samples if s["phase"] == "decode"], "decode", ENGINE)
     with pytest.raises(RuntimeError, match="too few decode samples"):
         fit_live([s for s in samples if s["phase"] == "prefill"], "decode", ENGINE)
+
+
+def test_prompt_pool_never_runs_dry_and_never_repeats():
+    """The probe's prompts: topped up ahead of a level, refilled on the spot when the streams outrun
+    that (a fixed pool once ran dry before a fast machine's second level), all distinct."""
+    from loadgen.cli import load_tokenizer
+    from planner.calibrate_serving import _PromptPool
+
+    pool = _PromptPool(16, 4, load_tokenizer("builtin:tiny-llama"), "builtin:tiny-llama")
+    pool.top_up(10)
+    assert len(pool.pool) >= 10
+    got = [next(pool) for _ in range(300)]  # past every top-up
+    assert pool.taken == 300 and len(set(got)) == 300
