@@ -292,6 +292,7 @@ class ControllerSection:
     settle_intervals: Annotated[StrictInt, Field(ge=1)] = 2  # a proposal must hold this many intervals
     cooldown_s: Annotated[StrictFloat, Field(ge=0)] = 30.0  # no decision within this long of the last
     warmup_s: Annotated[StrictFloat, Field(ge=0)] = 15.0  # a worker this young: its samples are ignored
+    shrink_after_s: Annotated[StrictFloat, Field(ge=0)] = 120.0  # a role that grew gives back no sooner
     flips: StrictBool = True  # workers change role in place (no reload); else only start and stop
     drain_timeout_s: Positive = 120.0  # a worker leaving its role finishes its requests within this
 
@@ -351,7 +352,7 @@ class ClusterConfig:
         return ControllerConfig(interval_s=c.interval_s, slo_ttft_ms=self.slo.ttft_ms, slo_tpot_ms=self.slo.tpot_ms,
                                 scale_up_at=c.scale_up_at, scale_down_at=c.scale_down_at, shrink_to=c.shrink_to,
                                 urgent_at=c.urgent_at, settle_intervals=c.settle_intervals, cooldown_s=c.cooldown_s,
-                                warmup_s=c.warmup_s, flips=c.flips)
+                                warmup_s=c.warmup_s, shrink_after_s=c.shrink_after_s, flips=c.flips)
 
     def engine_kwargs(self, pool: PoolConfig | None = None) -> dict[str, Any]:
         """Keyword arguments of engine.config.EngineConfig; with a pool, also its device."""

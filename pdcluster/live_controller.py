@@ -170,11 +170,23 @@ class LiveController:
 
     def start(self) -> LiveController:
         def loop() -> None:
-            while not self._stop.wait(self.cfg.interval_s):
+            # ticks at a fixed rate: reading the workers takes time of its own (Ray calls under
+            # load), which waiting a whole interval after each tick added to every decision's lag
+            due = time.monotonic()
+            while True:
+                due += self.cfg.interval_s
+                if self._stop.wait(max(0.0, due - time.monotonic())):
+                    return
+                t0 = time.monotonic()
                 try:
                     self.tick()
                 except Exception:  # noqa: BLE001 (a failed tick must not stop the controller)
                     log.exception("controller tick failed")
+                took = time.monotonic() - t0
+                if took > self.cfg.interval_s:
+                    log.debug("controller tick took %.0f ms, over the %.0f ms interval", took * 1e3,
+                              self.cfg.interval_s * 1e3)
+                due = max(due, time.monotonic() - self.cfg.interval_s)  # late: no burst of catch-up ticks
 
         self._thread = threading.Thread(target=loop, name="slo-controller", daemon=True)
         self._thread.start()

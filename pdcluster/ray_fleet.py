@@ -40,6 +40,7 @@ class RayFleet:
         self.router, self.cfg, self.meta = router, cfg, meta
         self.controller = ray.get_actor(CONTROLLER_NAME)
         self.pools = {p.name: p for p in cfg.pools}
+        self._handles: dict[str, Any] = {}  # worker id -> actor handle (a name lookup is a GCS call)
 
     def _members(self) -> list[dict[str, Any]]:
         import ray
@@ -52,12 +53,17 @@ class RayFleet:
     def read_workers(self, limit_s: float) -> list[WorkerSignals]:
         import ray
 
-        refs = {w["worker_id"]: ray.get_actor(w["worker_id"]).signals.remote(limit_s) for w in self._members()}
+        refs = {}
+        for w in self._members():
+            handle = self._handles.get(w["worker_id"]) or ray.get_actor(w["worker_id"])
+            refs[w["worker_id"]] = handle.signals.remote(limit_s)
+            self._handles[w["worker_id"]] = handle
         out = []
         for worker_id, ref in refs.items():
             try:
                 out.append(WorkerSignals.from_dict(ray.get(ref, timeout=30)))
-            except Exception as e:  # restarting: not counted this interval
+            except Exception as e:  # restarting (or gone): not counted this interval, looked up again next
+                self._handles.pop(worker_id, None)
                 log.warning("no signals from %s: %s", worker_id, str(e).strip().splitlines()[-1:])
         return out
 

@@ -50,6 +50,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a role this close to its limit grows (the controller's band; docs/controller.md)")
     c.add_argument("--scale-down-at", type=float, default=ControllerConfig.scale_down_at)
     c.add_argument("--shrink-to", type=float, default=ControllerConfig.shrink_to)
+    c.add_argument("--shrink-after-s", type=float, default=ControllerConfig.shrink_after_s,
+                   help="a role that grew gives workers back no sooner than this after")
     c.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     c.add_argument("--slo-tpot-ms", type=float, default=50.0)
 
@@ -96,7 +98,8 @@ def run(args: argparse.Namespace, spec, worker, load) -> int:
         raise ValueError("--controller needs --phases WORKLOAD:RATE:SECONDS,...")
     slo = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
     cfg = ControllerConfig(interval_s=args.interval_s, scale_up_at=args.scale_up_at, scale_down_at=args.scale_down_at,
-                           shrink_to=args.shrink_to, urgent_at=max(ControllerConfig.urgent_at, args.scale_up_at), **slo)
+                           shrink_to=args.shrink_to, shrink_after_s=args.shrink_after_s,
+                           urgent_at=max(ControllerConfig.urgent_at, args.scale_up_at), **slo)
     start = (len(spec.prefill), len(spec.decode))
     n = args.max_workers
     if sum(start) > n:

@@ -28,8 +28,10 @@ are one prompt's compute, one step's time), which is why they only trigger.
 A role at `scale_up_at` or more is pressed and grows to the count that brings it to the middle of
 the band [scale_down_at, scale_up_at]; the other role gives it workers in place (flips) as long as
 it stays at `shrink_to` or under, and new workers make up the rest within the bounds. With neither
-pressed, a role under `scale_down_at` shrinks to `shrink_to`. So one decision answers one change
-of the traffic, sized to it.
+pressed, a role under `scale_down_at` shrinks to `shrink_to`, but not while workers are starting
+into it, nor within `shrink_after_s` of its last growth (a burst that pressed it comes back; giving
+the workers back and asking again churns). So one decision answers one change of the traffic,
+sized to it.
 
 A proposal becomes a decision only after `settle_intervals` intervals in a row proposed the same
 direction (hysteresis; the latest sizing is taken), never within `cooldown_s` of the last decision,
@@ -65,14 +67,18 @@ class ControllerConfig:
     settle_intervals: int = 2  # intervals in a row a proposal must hold (hysteresis)
     cooldown_s: float = 30.0  # no decision within this long of the last one
     warmup_s: float = 15.0  # no decision while a worker younger than this serves (cold start)
+    # a role that grew gives workers back no sooner than this after (bursts come back; Kubernetes'
+    # autoscaler waits 300 s by default); workers still starting are never given back
+    shrink_after_s: float = 120.0
     flips: bool = True  # workers may change role in place (their pools serve both roles)
 
     def __post_init__(self) -> None:
         if not 0 < self.scale_down_at < self.shrink_to < self.scale_up_at <= self.urgent_at:
             raise ValueError("need 0 < scale_down_at < shrink_to < scale_up_at <= urgent_at, got "
                              f"{self.scale_down_at}, {self.shrink_to}, {self.scale_up_at}, {self.urgent_at}")
-        if self.interval_s <= 0 or self.settle_intervals < 1 or self.cooldown_s < 0 or self.warmup_s < 0:
-            raise ValueError("interval_s > 0, settle_intervals >= 1, cooldown_s >= 0 and warmup_s >= 0")
+        if self.interval_s <= 0 or self.settle_intervals < 1 or min(self.cooldown_s, self.warmup_s,
+                                                                     self.shrink_after_s) < 0:
+            raise ValueError("interval_s > 0, settle_intervals >= 1, cooldown_s, warmup_s and shrink_after_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,7 @@ class State:
     proposal: str = HOLD  # the direction proposed last, e.g. "prefill+1 decode-1"
     streak: int = 0
     last_decision_s: float = float("-inf")
+    grew_s: tuple[float, float] = (float("-inf"), float("-inf"))  # when prefill, decode last grew
 
 
 @dataclass(frozen=True)
@@ -173,6 +180,7 @@ def plan(cfg: ControllerConfig, b: Bounds, s: Signals) -> tuple[Decision, str]:
     """This interval's proposal alone, and its direction (HOLD, or e.g. "prefill+ decode-")."""
     p, d = pressures(cfg, s)
     have = {"prefill": s.prefill + s.pending_prefill, "decode": s.decode + s.pending_decode}
+    starting = {"prefill": s.pending_prefill, "decode": s.pending_decode}
     # the pressure with the pending workers serving
     level = {"prefill": p * s.prefill / have["prefill"] if have["prefill"] else p,
              "decode": d * s.decode / have["decode"] if have["decode"] else d}
@@ -184,7 +192,7 @@ def plan(cfg: ControllerConfig, b: Bounds, s: Signals) -> tuple[Decision, str]:
     for r in want:
         if r in pressed:
             want[r] = min(hi[r], max(lo[r], _sized(level[r], have[r], mid)))
-        elif not pressed and level[r] < cfg.scale_down_at:
+        elif not pressed and level[r] < cfg.scale_down_at and not starting[r]:
             want[r] = min(have[r], max(lo[r], _sized(level[r], have[r], cfg.shrink_to)))
     grow = [r for r in want if want[r] > have[r]]
     flips = 0  # workers moving in place into the growing role
@@ -236,6 +244,13 @@ def decide(cfg: ControllerConfig, b: Bounds, s: Signals, state: State) -> tuple[
     streak = state.streak + 1 if direction == state.proposal else 1
     state = dataclasses.replace(state, proposal=direction, streak=streak)
 
+    have = (s.prefill + s.pending_prefill, s.decode + s.pending_decode)
+    target = (proposal.prefill, proposal.decode)
+
+    def taken() -> tuple[Decision, State]:
+        grew = tuple(s.now_s if t > h else g for t, h, g in zip(target, have, state.grew_s))
+        return proposal, State(proposal=HOLD, streak=0, last_decision_s=s.now_s, grew_s=grew)
+
     def hold(why: str) -> tuple[Decision, State]:
         return dataclasses.replace(proposal, action=HOLD, prefill=s.prefill + s.pending_prefill,
                                    decode=s.decode + s.pending_decode, reason=why, flips=0, add_prefill=0,
@@ -244,11 +259,15 @@ def decide(cfg: ControllerConfig, b: Bounds, s: Signals, state: State) -> tuple[
     if direction == HOLD:
         return hold(proposal.reason)
     if direction == "urgent":
-        return proposal, State(proposal=HOLD, streak=0, last_decision_s=s.now_s)
+        return taken()
     if s.now_s - state.last_decision_s < cfg.cooldown_s:
         return hold(f"cooldown: {proposal.action} ({proposal.reason})")
     if s.youngest_worker_s < cfg.warmup_s:
         return hold(f"a worker is warming up: {proposal.action} ({proposal.reason})")
     if streak < cfg.settle_intervals:
         return hold(f"settling {streak}/{cfg.settle_intervals}: {proposal.action} ({proposal.reason})")
-    return proposal, State(proposal=HOLD, streak=0, last_decision_s=s.now_s)
+    if all(t <= h for t, h in zip(target, have)):  # only giving back: not a role that grew lately
+        for role, t, h, g in zip(("prefill", "decode"), target, have, state.grew_s):
+            if t < h and s.now_s - g < cfg.shrink_after_s:
+                return hold(f"{role} grew {s.now_s - g:.0f} s ago: {proposal.action} ({proposal.reason})")
+    return taken()

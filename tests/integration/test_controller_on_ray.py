@@ -42,7 +42,7 @@ def _config(flips: bool, prefill: dict, decode: dict, slo: tuple[float, float] =
         pools=(dataclasses.replace(cfg.pools[0], **prefill), dataclasses.replace(cfg.pools[1], **decode)),
         slo=dataclasses.replace(cfg.slo, ttft_ms=slo[0], tpot_ms=slo[1]),
         controller=dataclasses.replace(cfg.controller, **{
-            "enabled": True, "interval_s": 0.3, "cooldown_s": 1.0, "warmup_s": 0.0, "flips": flips,
+            "enabled": True, "interval_s": 0.3, "cooldown_s": 1.0, "warmup_s": 0.0, "shrink_after_s": 1.0, "flips": flips,
             "drain_timeout_s": 60.0, **controller})).validate()
 
 
