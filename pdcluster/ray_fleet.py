@@ -21,7 +21,7 @@ from typing import Any
 from pdcluster.cluster_config import ClusterConfig
 from pdcluster.ray_members import add_workers, drain, next_ids, retire_worker
 from pdcluster.role_flip import Flip
-from pdcluster.worker_launch import check_kv_pairs, worker_options
+from pdcluster.worker_launch import check_kv_pairs, worker_bundle, worker_options
 from pdcluster.worker_signals import WorkerSignals
 from router.server import RouterServer
 from scaling.policy import Bounds, Decision, Signals
@@ -113,6 +113,7 @@ class RayFleet:
                 if room > 0:
                     ids = next_ids(pool.name, members, room)
                     log.info("starting %s in pool %s as %s", ", ".join(ids), pool.name, role)
+                    self.request_nodes([w["pool"] for w in members] + [pool.name] * room)
                     started = add_workers(self.cfg, dataclasses.replace(pool, role=role), ids, self.meta,
                                           self.controller, members)
                     members, have = members + started, have + started
@@ -126,6 +127,23 @@ class RayFleet:
                 have = [m for m in have if m is not w]
                 self._publish(members)
                 retire_worker(w, self.controller, self.cfg.controller.drain_timeout_s, log.info)
+        self.request_nodes([w["pool"] for w in members])
+
+    def request_nodes(self, pools: list[str]) -> list[dict[str, float]]:
+        """Tell Ray's autoscaler the workers the fleet needs now, one resource bundle per worker of
+        these pools (`ray.autoscaler.sdk.request_resources`: a standing request, replaced by the
+        next): nodes for new workers are asked for before their actors wait, and let go once
+        workers are given back. Without an autoscaler nothing reads it. Returns the bundles."""
+        import ray
+        from ray.autoscaler.sdk import request_resources
+
+        have = ray.cluster_resources()
+        bundles = [worker_bundle(self.pools[name], have) for name in pools]
+        try:
+            request_resources(bundles=bundles)
+        except Exception as e:  # noqa: BLE001 (a hint: the actors' own demand still asks for nodes)
+            log.warning("could not ask the autoscaler for %d worker bundles: %s", len(bundles), e)
+        return bundles
 
     def record(self, decision: Decision, signals: Signals) -> None:
         """The target and the last decision, for `pdcluster status`."""

@@ -41,6 +41,15 @@ def _actor_options(pool: Any, lifetime: str | None, cluster_resources: dict[str,
     return opts
 
 
+def worker_bundle(pool: Any, cluster_resources: dict[str, float]) -> dict[str, float]:
+    """One worker of `pool` as a Ray resource bundle (what the autoscaler is asked to fit)."""
+    opts = _actor_options(pool, None, cluster_resources)
+    bundle = {"CPU": float(opts["num_cpus"]), "GPU": float(opts["num_gpus"]), **opts.get("resources", {})}
+    if "memory" in opts:
+        bundle["memory"] = float(opts["memory"])
+    return {k: v for k, v in bundle.items() if v}
+
+
 def cluster_kv_backend(cfg: ClusterConfig) -> str:
     """The KV transfer backend of the workers of `cfg`; a LaunchError for one that cannot serve a cluster."""
     if cfg.kv_transfer.backend == "inproc":

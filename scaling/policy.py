@@ -14,7 +14,8 @@ Each role's pressure is how close it runs to its limit, 1.0 at the limit:
              the arrivals' mean max_tokens) / what
              the decode workers generate per second with steps at `scale_up_at` of the TPOT SLO
              (nearer it a step's time presses by itself), sequences on the decode workers or
-             waiting for their blocks / the sequences they run at that step time, KV blocks used /
+             waiting for their blocks (while their own sequences fill the KV) / the sequences they
+             run at that step time, KV blocks used /
              kv_high), and
              at least `scale_up_at` while the TPOT p90 is at `scale_up_at` of its SLO or more
              (demand from arrivals, not tokens generated: a decode side starved by a slow prefill
@@ -160,7 +161,10 @@ def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
     if s.decode_tokens_per_s > 0:
         d = max(d, s.arrival_rate * expected_output(s) / s.decode_tokens_per_s)
     if s.decode_slots > 0:
-        d = max(d, s.decode_sequences / s.decode_slots)
+        # requests waiting at the router for decode blocks are decode's load only when its own
+        # sequences fill its KV; else the blocks are held for prompts queued at the prefill workers
+        waiting = s.waiting_for_decode if s.kv_used >= cfg.scale_up_at * cfg.kv_high else 0
+        d = max(d, (s.decode_sequences - s.waiting_for_decode + waiting) / s.decode_slots)
     if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:  # first tokens late: whose doing?
         if s.waiting_for_decode and d > p:  # requests wait for the blocks of a decode side fuller than prefill
             d = max(d, cfg.scale_up_at)

@@ -109,6 +109,15 @@ def test_prefill_pressed_moves_a_decode_worker_to_prefill_in_place(reference):
         handle.stop()
 
 
+def _autoscaler_request() -> list[dict]:
+    """The worker bundles the controller last asked Ray's autoscaler (v1's standing request) to fit."""
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    assert not is_autoscaler_v2(), "autoscaler v2 keeps the request elsewhere"
+    return json.loads(_internal_kv_get("autoscaler_resource_request") or b"[]")
+
+
 def test_without_flips_a_new_worker_starts_within_max_replicas_and_goes_when_idle(reference):
     handle = up(_config(False, {"min_replicas": 1, "max_replicas": 2}, {}), say=lambda _: None)
     try:
@@ -117,11 +126,13 @@ def test_without_flips_a_new_worker_starts_within_max_replicas_and_goes_when_idl
             grown = _membership()
             assert _roles(grown) == {"prefill": 2, "decode": 1}, grown["workers"]
             assert sorted(w["worker_id"] for w in grown["workers"]) == ["decode-0", "prefill-0", "prefill-1"]
+            assert _autoscaler_request() == [{"CPU": 1.0}] * 3  # asked for before the new actor waited
             assert got == [reference(p) for p in PROMPTS]
             deadline = time.monotonic() + 30  # idle now: prefill shrinks back to min_replicas
             while _roles(_membership())["prefill"] > 1 and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert _roles(_membership()) == {"prefill": 1, "decode": 1}
+            assert _autoscaler_request() == [{"CPU": 1.0}] * 2  # and let go
             assert client.complete(PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0,
                                    ignore_eos=True).token_ids == got[1]
         assert _wait_blocks_free() == 0

@@ -448,3 +448,17 @@ def test_controller_settings_that_cannot_work_are_refused(raw, key, fragment):
     with pytest.raises(ConfigError) as info:
         ClusterConfig.from_dict(raw)
     assert str(info.value).startswith(f"{key}: ") and fragment in str(info.value), str(info.value)
+
+
+def test_a_worker_as_an_autoscaler_bundle():
+    """What the controller asks Ray's autoscaler to fit per worker (RayFleet.request_nodes): the
+    pool's resources as Ray names them, and the pool's node marker where the cluster has it."""
+    from pdcluster.worker_launch import worker_bundle
+
+    cfg = ClusterConfig.from_dict({"pools": [
+        {"name": "pf", "role": "prefill", "hardware": "H100",
+         "resources": {"num_cpus": 4, "num_gpus": 1, "memory": 8 << 30, "h100": 1}},
+        {"name": "dec", "role": "decode"}]})
+    assert worker_bundle(cfg.pools[0], {"pool:pf": 2.0}) == {"CPU": 4.0, "GPU": 1.0, "h100": 1, "pool:pf": 1,
+                                                             "memory": float(8 << 30)}
+    assert worker_bundle(cfg.pools[1], {"pool:pf": 2.0}) == {"CPU": 1.0}

@@ -4,6 +4,8 @@ cooldown, warm-up, urgency, bounds, and giving workers back."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scaling import HOLD, Bounds, ControllerConfig, Signals, State, decide, pressures
@@ -60,6 +62,18 @@ def test_late_first_tokens_press_the_side_that_keeps_them():
     backlog = sig(0, p=1.2, d=0.1, ttft_p90_ms=3000, kv_used=0.3, waiting_for_decode=4)
     assert pressures(CFG, backlog) == pytest.approx((1.2, 0.3 / CFG.kv_high))
     assert pressures(CFG, sig(0, p=0.1, d=0.3, ttft_p90_ms=3000))[0] == pytest.approx(CFG.scale_up_at)
+
+
+def test_requests_waiting_for_blocks_held_for_queued_prompts_are_not_decode_load():
+    """Prompts queued at a prefill worker hold their decode blocks: the requests behind them wait
+    at the router with the decode side's own KV empty (a run on this machine held both roles
+    pressed for 90 s that way). They are decode's load only while its own sequences fill its KV."""
+    queued = sig(0, p=1.5, d=0.05, decode_sequences=150, waiting_for_decode=140, decode_slots=60.0, kv_used=0.0)
+    assert pressures(CFG, queued)[1] == pytest.approx(10 / 60)
+    d = run([dataclasses.replace(queued, now_s=t) for t in (0, 5)])[-1]
+    assert d.action.startswith("flip 1 to prefill")
+    full = dataclasses.replace(queued, kv_used=0.85)
+    assert pressures(CFG, full)[1] == pytest.approx(150 / 60)
 
 
 def test_a_pressed_prefill_takes_an_idle_decode_worker_after_settling():
