@@ -24,7 +24,10 @@ Each role's pressure is how close it runs to its limit, 1.0 at the limit:
 
 taken as inversely proportional to a role's workers (workers starting or flipping into it count as
 there), as demand over capacity and KV use are. TTFT and TPOT themselves are not (at low load they
-are one prompt's compute, one step's time), which is why they only trigger.
+are one prompt's compute, one step's time), which is why they only trigger. When both roles read
+pressed and one of them only by its trigger (its demand and KV measures under `shrink_to`), the
+other's demand wins: on a shared host a prompt burst slows the decode steps too, and holding with
+both pressed let the burst's backlog grow.
 
 A role at `scale_up_at` or more is pressed and grows to the count that brings it to the middle of
 the band [scale_down_at, scale_up_at]; the other role gives it workers in place (flips) as long as
@@ -154,6 +157,20 @@ def expected_output(s: Signals) -> float:
 
 def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
     """(prefill, decode) pressure: how close each role runs to its limit, 1.0 at it (the module's doc)."""
+    p, d = demand(cfg, s)
+    if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:  # first tokens late: whose doing?
+        if s.waiting_for_decode and d > p:  # requests wait for the blocks of a decode side fuller than prefill
+            d = max(d, cfg.scale_up_at)
+        else:
+            p = max(p, cfg.scale_up_at)
+    if (s.tpot_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_tpot_ms:
+        d = max(d, cfg.scale_up_at)
+    return p, d
+
+
+def demand(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
+    """(prefill, decode) pressure from demand over capacity and occupancy alone, before the
+    late-token triggers of `pressures`."""
     p = 0.0
     if s.prefill_tokens_per_s > 0:
         p = (s.prefill_demand_tokens_s + s.queued_prompt_tokens / cfg.backlog_drain_s) / s.prefill_tokens_per_s
@@ -165,13 +182,6 @@ def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
         # sequences fill its KV; else the blocks are held for prompts queued at the prefill workers
         waiting = s.waiting_for_decode if s.kv_used >= cfg.scale_up_at * cfg.kv_high else 0
         d = max(d, (s.decode_sequences - s.waiting_for_decode + waiting) / s.decode_slots)
-    if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:  # first tokens late: whose doing?
-        if s.waiting_for_decode and d > p:  # requests wait for the blocks of a decode side fuller than prefill
-            d = max(d, cfg.scale_up_at)
-        else:
-            p = max(p, cfg.scale_up_at)
-    if (s.tpot_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_tpot_ms:
-        d = max(d, cfg.scale_up_at)
     return p, d
 
 
@@ -193,6 +203,14 @@ def plan(cfg: ControllerConfig, b: Bounds, s: Signals) -> tuple[Decision, str]:
     mid = (cfg.scale_down_at + cfg.scale_up_at) / 2
     want = dict(have)
     pressed = [r for r in want if level[r] >= cfg.scale_up_at]
+    if len(pressed) == 2:  # one pressed by its latency trigger alone yields to the other's demand
+        base = dict(zip(("prefill", "decode"), demand(cfg, s)))
+        base = {r: base[r] * serving / have[r] if have[r] else base[r]
+                for r, serving in (("prefill", s.prefill), ("decode", s.decode))}
+        quiet = [r for r in pressed if base[r] < cfg.shrink_to]
+        if len(quiet) == 1:
+            level[quiet[0]] = base[quiet[0]]
+            pressed.remove(quiet[0])
     for r in want:
         if r in pressed:
             want[r] = min(hi[r], max(lo[r], _sized(level[r], have[r], mid)))

@@ -76,6 +76,20 @@ def test_requests_waiting_for_blocks_held_for_queued_prompts_are_not_decode_load
     assert pressures(CFG, full)[1] == pytest.approx(150 / 60)
 
 
+def test_a_role_pressed_only_by_its_latency_trigger_yields_to_the_others_demand():
+    """A prompt burst on a shared host slows decode steps: TPOT p90 at the trigger while decode's
+    demand and KV sit near zero. Both read pressed; prefill's demand wins and a decode worker
+    moves (a machine run held 5 s with both pressed before this rule). A decode side that is
+    busy by its own measures keeps its worker."""
+    fixed = Bounds(1, 2, 1, 2, 3, min_total=3)
+    burst = sig(0, prefill=1, decode=2, p=1.3, d=0.02, tpot_p90_ms=42.0)
+    assert pressures(CFG, burst) == pytest.approx((1.3, CFG.scale_up_at))
+    d = run([dataclasses.replace(burst, now_s=t) for t in (0, 5)], bounds=fixed)[-1]
+    assert d.action == "flip 1 to prefill"
+    busy = dataclasses.replace(burst, arrival_rate=2 * 0.5)  # decode's demand at 0.5: not quiet
+    assert run([dataclasses.replace(busy, now_s=t) for t in (0, 5)], bounds=fixed)[-1].action == HOLD
+
+
 def test_a_pressed_prefill_takes_an_idle_decode_worker_after_settling():
     d = run([sig(0, p=0.9, d=0.2), sig(5, p=0.9, d=0.2)])
     assert [x.action for x in d] == [HOLD, "flip 1 to prefill"]
