@@ -40,12 +40,20 @@ class RayFleet:
         self.router, self.cfg, self.meta = router, cfg, meta
         self.controller = ray.get_actor(CONTROLLER_NAME)
         self.pools = {p.name: p for p in cfg.pools}
-        self._handles: dict[str, Any] = {}  # worker id -> actor handle (a name lookup is a GCS call)
+        self._handles: dict[str, Any] = {}  # worker id -> actor handle (`_actor`)
 
     def _members(self) -> list[dict[str, Any]]:
         import ray
 
         return ray.get(self.controller.membership.remote(), timeout=30)["workers"]
+
+    def _actor(self, worker_id: str) -> Any:
+        """The worker's actor handle, looked up once (a name lookup is a GCS call each interval)."""
+        import ray
+
+        if worker_id not in self._handles:
+            self._handles[worker_id] = ray.get_actor(worker_id)
+        return self._handles[worker_id]
 
     def _publish(self, members: list[dict[str, Any]]) -> None:
         self.router.set_workers([(w["worker_id"], w["role"], w["address"]) for w in members])
@@ -53,11 +61,7 @@ class RayFleet:
     def read_workers(self, limit_s: float) -> list[WorkerSignals]:
         import ray
 
-        refs = {}
-        for w in self._members():
-            handle = self._handles.get(w["worker_id"]) or ray.get_actor(w["worker_id"])
-            refs[w["worker_id"]] = handle.signals.remote(limit_s)
-            self._handles[w["worker_id"]] = handle
+        refs = {w["worker_id"]: self._actor(w["worker_id"]).signals.remote(limit_s) for w in self._members()}
         out = []
         for worker_id, ref in refs.items():
             try:
@@ -84,7 +88,7 @@ class RayFleet:
         others = [w for w in members if w is not worker]
         t0 = time.monotonic()
         self._publish(others)
-        actor = ray.get_actor(worker_id)
+        actor = self._actor(worker_id)
         if not drain(actor, self.cfg.controller.drain_timeout_s):
             self._publish(members)
             raise TimeoutError(f"{worker_id} did not drain within {self.cfg.controller.drain_timeout_s:g} s")
@@ -127,13 +131,14 @@ class RayFleet:
                 have = [m for m in have if m is not w]
                 self._publish(members)
                 retire_worker(w, self.controller, self.cfg.controller.drain_timeout_s, log.info)
+                self._handles.pop(w["worker_id"], None)
         self.request_nodes([w["pool"] for w in members])
 
-    def request_nodes(self, pools: list[str]) -> list[dict[str, float]]:
+    def request_nodes(self, pools: list[str]) -> None:
         """Tell Ray's autoscaler the workers the fleet needs now, one resource bundle per worker of
         these pools (`ray.autoscaler.sdk.request_resources`: a standing request, replaced by the
         next): nodes for new workers are asked for before their actors wait, and let go once
-        workers are given back. Without an autoscaler nothing reads it. Returns the bundles."""
+        workers are given back. Without an autoscaler nothing reads it."""
         import ray
         from ray.autoscaler.sdk import request_resources
 
@@ -143,7 +148,6 @@ class RayFleet:
             request_resources(bundles=bundles)
         except Exception as e:  # noqa: BLE001 (a hint: the actors' own demand still asks for nodes)
             log.warning("could not ask the autoscaler for %d worker bundles: %s", len(bundles), e)
-        return bundles
 
     def record(self, decision: Decision, signals: Signals) -> None:
         """The target and the last decision, for `pdcluster status`."""

@@ -113,14 +113,14 @@ def probe_live(url: str, model: str, tokenizer: Any, levels: tuple[int, ...] = L
     idle_ttft: dict[int, float] = {}  # prompt length -> client TTFT p50 with one stream (nothing queued)
     for p in prompt_lens:
         prompts = _PromptPool(p, output_tokens, tok, model)
-        per_stream_s = 16 / (warmup_s + seconds)  # requests a stream finishes per second, until measured
+        per_stream = 16  # requests one stream sends in a level (warm-up and window), until measured
         for b in levels:
             sent = prompts.taken
-            prompts.top_up(int(1.5 * per_stream_s * b * (warmup_s + seconds)) + 16)  # made before the clock runs
+            prompts.top_up(int(1.5 * per_stream * b) + 16)  # made before the clock runs
             freeze_startup_heap()  # a full collection over the client's heap would stall its streams
             delta, client, elapsed = asyncio.run(
                 _closed_loop(url, name, prompts, b, output_tokens, warmup_s, seconds, api_key))
-            per_stream_s = max(per_stream_s, (prompts.taken - sent) / b / (warmup_s + seconds))
+            per_stream = max(per_stream, (prompts.taken - sent) / b)
             tpot, ttft = _median(client["tpot_s"]), _median(client["ttft_s"])
             if b == 1 and ttft is not None:
                 idle_ttft[p] = ttft

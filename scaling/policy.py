@@ -157,7 +157,11 @@ def expected_output(s: Signals) -> float:
 
 def pressures(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
     """(prefill, decode) pressure: how close each role runs to its limit, 1.0 at it (the module's doc)."""
-    p, d = demand(cfg, s)
+    return _triggered(cfg, s, *demand(cfg, s))
+
+
+def _triggered(cfg: ControllerConfig, s: Signals, p: float, d: float) -> tuple[float, float]:
+    """`demand`'s pressures with the late-token triggers applied."""
     if (s.ttft_p90_ms or 0.0) >= cfg.scale_up_at * cfg.slo_ttft_ms:  # first tokens late: whose doing?
         if s.waiting_for_decode and d > p:  # requests wait for the blocks of a decode side fuller than prefill
             d = max(d, cfg.scale_up_at)
@@ -180,8 +184,10 @@ def demand(cfg: ControllerConfig, s: Signals) -> tuple[float, float]:
     if s.decode_slots > 0:
         # requests waiting at the router for decode blocks are decode's load only when its own
         # sequences fill its KV; else the blocks are held for prompts queued at the prefill workers
-        waiting = s.waiting_for_decode if s.kv_used >= cfg.scale_up_at * cfg.kv_high else 0
-        d = max(d, (s.decode_sequences - s.waiting_for_decode + waiting) / s.decode_slots)
+        sequences = s.decode_sequences
+        if s.kv_used < cfg.scale_up_at * cfg.kv_high:
+            sequences -= s.waiting_for_decode
+        d = max(d, sequences / s.decode_slots)
     return p, d
 
 
@@ -192,29 +198,29 @@ def _sized(level: float, n: int, mid: float) -> int:
 
 def plan(cfg: ControllerConfig, b: Bounds, s: Signals) -> tuple[Decision, str]:
     """This interval's proposal alone, and its direction (HOLD, or e.g. "prefill+ decode-")."""
-    p, d = pressures(cfg, s)
+    base = demand(cfg, s)
+    p, d = _triggered(cfg, s, *base)
+    serving = {"prefill": s.prefill, "decode": s.decode}
     have = {"prefill": s.prefill + s.pending_prefill, "decode": s.decode + s.pending_decode}
-    starting = {"prefill": s.pending_prefill, "decode": s.pending_decode}
-    # the pressure with the pending workers serving
-    level = {"prefill": p * s.prefill / have["prefill"] if have["prefill"] else p,
-             "decode": d * s.decode / have["decode"] if have["decode"] else d}
+
+    def with_pending(pressures: tuple[float, float]) -> dict[str, float]:  # the pending workers serving too
+        return {r: x * serving[r] / have[r] if have[r] else x for r, x in zip(("prefill", "decode"), pressures)}
+
+    level = with_pending((p, d))
     lo = {"prefill": b.min_prefill, "decode": b.min_decode}
     hi = {"prefill": b.max_prefill, "decode": b.max_decode}
     mid = (cfg.scale_down_at + cfg.scale_up_at) / 2
     want = dict(have)
     pressed = [r for r in want if level[r] >= cfg.scale_up_at]
     if len(pressed) == 2:  # one pressed by its latency trigger alone yields to the other's demand
-        base = dict(zip(("prefill", "decode"), demand(cfg, s)))
-        base = {r: base[r] * serving / have[r] if have[r] else base[r]
-                for r, serving in (("prefill", s.prefill), ("decode", s.decode))}
-        quiet = [r for r in pressed if base[r] < cfg.shrink_to]
+        quiet = [r for r, x in with_pending(base).items() if x < cfg.shrink_to]
         if len(quiet) == 1:
-            level[quiet[0]] = base[quiet[0]]
+            level[quiet[0]] = with_pending(base)[quiet[0]]
             pressed.remove(quiet[0])
     for r in want:
         if r in pressed:
             want[r] = min(hi[r], max(lo[r], _sized(level[r], have[r], mid)))
-        elif not pressed and level[r] < cfg.scale_down_at and not starting[r]:
+        elif not pressed and level[r] < cfg.scale_down_at and have[r] == serving[r]:  # none starting
             want[r] = min(have[r], max(lo[r], _sized(level[r], have[r], cfg.shrink_to)))
     grow = [r for r in want if want[r] > have[r]]
     flips = 0  # workers moving in place into the growing role
@@ -274,8 +280,8 @@ def decide(cfg: ControllerConfig, b: Bounds, s: Signals, state: State) -> tuple[
         return proposal, State(proposal=HOLD, streak=0, last_decision_s=s.now_s, grew_s=grew)
 
     def hold(why: str) -> tuple[Decision, State]:
-        return dataclasses.replace(proposal, action=HOLD, prefill=s.prefill + s.pending_prefill,
-                                   decode=s.decode + s.pending_decode, reason=why, flips=0, add_prefill=0,
+        return dataclasses.replace(proposal, action=HOLD, prefill=have[0], decode=have[1], reason=why, flips=0,
+                                   add_prefill=0,
                                    add_decode=0), state
 
     if direction == HOLD:

@@ -167,17 +167,20 @@ def test_a_role_that_grew_keeps_its_workers_through_the_lull_after_a_burst():
     """A burst presses decode, new workers are asked for; the burst passes before they serve. They
     are not given back while starting, nor within shrink_after_s of the growth (a 70B simulation
     added and removed 3 decode workers three times in four minutes before this rule)."""
-    cfg = CFG
     burst = [sig(t, prefill=1, decode=2, d=1.2) for t in (0, 5)]
-    d = run(burst, cfg)
+    d = run(burst)
     assert d[-1].action == "add 2 decode"  # max_decode 4
     lull = [sig(t, prefill=1, decode=2, d=0.1, pending_decode=2) for t in (40, 45, 50)]  # starting
     lull += [sig(t, prefill=1, decode=4, d=0.08) for t in range(60, 125, 5)]  # serving, idle
-    after = run(burst + lull, cfg)
+    after = run(burst + lull)
     assert all(x.action == HOLD for x in after[2:])
     assert "decode grew" in after[-1].reason
-    later = run(burst + lull + [sig(125, prefill=1, decode=4, d=0.08)], cfg)
+    later = run(burst + lull + [sig(125, prefill=1, decode=4, d=0.08)])
     assert later[-1].action == "remove 3 decode"  # shrink_after_s (120 s) after the growth
+    # workers still starting are not given back whenever the role grew (a fresh state: no recent growth)
+    starting = run([sig(t, prefill=1, decode=2, d=0.05, pending_decode=2) for t in (0, 5)])
+    assert starting[-1].action == HOLD
+    assert run([sig(t, prefill=1, decode=4, d=0.025) for t in (0, 5)])[-1].action == "remove 3 decode"
     with pytest.raises(ValueError, match="shrink_after_s"):
         ControllerConfig(shrink_after_s=-1)
 
